@@ -1,0 +1,22 @@
+"""llmctl: compress large language models and push millions of prompts through them offline.
+
+The Python API mirrors the CLI: `llmctl.LLM(model).generate(prompts, SamplingParams(...))`.
+Heavy modules are imported lazily so `import llmctl` (and `llmctl --help`) stays fast.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from llmctl.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from llmctl.engine.params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

@@ -1,0 +1,77 @@
+"""The `llmctl` Typer application: registers one thin command module per subcommand.
+
+Owns: the top-level app and `main()`, which turns known errors into one line on stderr and an
+exit code. Heavy imports (torch, transformers) happen inside commands so `--help` stays instant.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from llmctl import __version__
+from llmctl.commands import distill, eval as eval_cmd, profile, quantize, run_batch, sparsify
+
+app = typer.Typer(
+    name="llmctl",
+    help="Compress large language models and push millions of prompts through them offline.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"llmctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """llmctl: quantize, sparsify, distill, batch-serve, profile and evaluate Llama-family models."""
+
+
+for module in (quantize, sparsify, distill, run_batch, profile, eval_cmd):
+    module.register(app)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script; returns the process exit code."""
+    from llmctl.errors import LlmctlError
+
+    try:
+        app(args=argv, prog_name="llmctl", standalone_mode=False)
+    except LlmctlError as e:
+        print(f"llmctl: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("llmctl: interrupted", file=sys.stderr)
+        return 130
+    except typer.Exit as e:
+        return e.exit_code
+    except SystemExit as e:  # click raises this for --help in some paths
+        return int(e.code or 0)
+    except Exception as e:  # click usage errors and the like
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            return e.exit_code
+        if isinstance(e, click.exceptions.Abort):
+            print("llmctl: aborted", file=sys.stderr)
+            return 130
+        if os.environ.get("LLMCTL_DEBUG"):
+            raise
+        print(f"llmctl: internal error: {type(e).__name__}: {e} (set LLMCTL_DEBUG=1 for a traceback)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

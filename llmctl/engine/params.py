@@ -1,0 +1,90 @@
+"""Typed values passed between the engine and its callers: sampling settings and finished results.
+
+Owns: `SamplingParams` (per-request decoding settings, validated) and `RequestOutput`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmctl.errors import RequestError
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding settings; `temperature == 0` means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None  # None: no top-k cut
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def bad(msg: str) -> RequestError:
+            return RequestError("invalid_parameter", msg)
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise bad(f"{name} must be a number, got {v!r}")
+        if self.temperature < 0:
+            raise bad(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
+            raise bad(f"top_k must be a positive integer or absent, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop must be a non-empty string or a list of non-empty strings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise bad("stop_token_ids must be a list of integers")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise bad(f"seed must be an integer, got {self.seed!r}")
+
+
+@dataclass
+class RequestOutput:
+    """A finished request. Times are `time.perf_counter()` seconds."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length"
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first: (end-to-end - TTFT) / (output tokens - 1)."""
+        n = len(self.output_token_ids)
+        if self.first_token_time is None or n < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (n - 1)

@@ -1,0 +1,133 @@
+"""The model architecture facts llmctl needs, read from a Hugging Face `config.json`.
+
+Owns: parsing and validating config dicts of the Llama family (llama, mistral, qwen2, qwen3),
+including both spellings of RoPE settings (`rope_theta`/`rope_scaling` and `rope_parameters`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmctl.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (qwen2)
+    qk_norm: bool = False  # RMSNorm on q and k per head before RoPE (qwen3)
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            hidden = int(d["hidden_size"])
+            heads = int(d["num_attention_heads"])
+            rope_theta, rope_scaling = _rope_settings(d)
+            eos = d.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            qk_norm = model_type == "qwen3"
+            bias_default = model_type == "qwen2"
+            return cls(
+                model_type=model_type,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_layers=int(d["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=bool(d.get("attention_bias", bias_default)),
+                qk_norm=qk_norm,
+                rope_scaling=rope_scaling,
+                sliding_window=d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None,
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+                raw=dict(d),
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_parameters(self) -> int:
+        """Exact parameter count of the checkpoint (embeddings counted once when tied)."""
+        h, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        mlp = 3 * h * f
+        per_layer = attn + mlp + 2 * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_layers * per_layer + h + head
+
+
+def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Return (theta, scaling dict or None) from either config spelling."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
+        params = params["full_attention"]
+    scaling = d.get("rope_scaling")
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+        scaling = params
+    else:
+        theta = float(d.get("rope_theta", 10000.0))
+    if scaling:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelLoadError(
+                f"unsupported RoPE scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if rope_type == "default":
+            return theta, None
+        return theta, {**scaling, "rope_type": rope_type}
+    return theta, None
