@@ -1,0 +1,50 @@
+"""Engine settings chosen once per run (`EngineConfig`), and memory-size parsing.
+
+Owns: the scheduler and KV-cache knobs shared by run-batch, profile and the Python API.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from llmctl.errors import UsageError
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "tb": 1000**4}
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB' -> 4294967296; '512MB' -> 512000000; plain integers are bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise UsageError(f"cannot read memory size {text!r}; use a number with a unit such as 4GiB or 512MB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    kv_cache_memory: int = 2 * 1024**3  # bytes for K and V of all layers
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decodes)
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise UsageError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.max_num_batched_tokens < 1:
+            raise UsageError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise UsageError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.kv_cache_memory < 1:
+            raise UsageError("--kv-cache-memory must be positive")
