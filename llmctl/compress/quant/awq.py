@@ -1,0 +1,126 @@
+"""AWQ: activation-aware weight quantization (Lin et al., 2023), as pure functions on tensors.
+
+Owns: the per-input-channel scale search (`search_scales`: s = mean|x|^alpha, alpha on a grid in
+[0, 1], chosen per scaling group to minimise the output error of the group's linears after
+quantization), the clipping search (`search_clip`: per output row and group, the shrink of the
+weight range that minimises that group's output error), `quantize_awq` (clip then RTN) and the
+folding helpers that move 1/s into the preceding operation.
+
+Objective (documented simplification): the error is measured on the outputs of the scaled linears
+themselves (X W^T against X/s Q(W s)^T), not on the whole attention or MLP block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmctl.compress.quant.rtn import quantize_rtn
+from llmctl.compress.quant.spec import QuantResult, QuantSpec
+
+
+@dataclass
+class ScaleSearch:
+    scales: torch.Tensor  # [in] multiply the linears' input columns, divide the previous op's output
+    alpha: float
+    loss: float
+    loss_unscaled: float  # alpha = 0, plain RTN
+
+
+def fake_quant(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Quantize-dequantize `w` [out, in] with RTN."""
+    return quantize_rtn(w, spec).weight
+
+
+def search_scales(
+    x: torch.Tensor, weights: list[torch.Tensor], spec: QuantSpec, n_grid: int = 20, max_tokens: int = 4096
+) -> ScaleSearch:
+    """Best per-input-channel scale for linears sharing the input x [tokens, in]; weights: [out_i, in]."""
+    x = _sample_tokens(x.float(), max_tokens)
+    x_mean = x.abs().mean(dim=0).clamp(min=1e-8)  # [in]
+    refs = [x @ w.float().t() for w in weights]
+    best: ScaleSearch | None = None
+    loss0 = 0.0
+    for k in range(n_grid + 1):
+        alpha = k / n_grid
+        s = x_mean.pow(alpha)
+        s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1 (range-neutral)
+        loss = 0.0
+        for w, ref in zip(weights, refs):
+            wq = fake_quant(w.float() * s[None, :], spec) / s[None, :]
+            loss += float(((x @ wq.t()) - ref).pow(2).mean())
+        if k == 0:
+            loss0 = loss
+        if best is None or loss < best.loss:
+            best = ScaleSearch(s, alpha, loss, loss0)
+    best.loss_unscaled = loss0
+    return best
+
+
+def search_clip(
+    x: torch.Tensor, w: torch.Tensor, spec: QuantSpec, n_grid: int = 20, max_shrink: float = 0.5, max_tokens: int = 512
+) -> torch.Tensor:
+    """Per (output row, group) clipping ratio in [1 - max_shrink, 1]: returns ratios [out, groups]."""
+    out_f, in_f = w.shape
+    gs = spec.group_size
+    G = in_f // gs
+    x = _sample_tokens(x, max_tokens)
+    xg = x.float().reshape(-1, G, gs)  # [n, G, gs]
+    wg = w.float().reshape(out_f, G, gs)
+    best_err = torch.full((out_f, G), float("inf"))
+    best_ratio = torch.ones(out_f, G)
+    steps = max(1, int(max_shrink * n_grid))
+    for k in range(steps + 1):
+        ratio = 1.0 - k / n_grid
+        wc = clip_groups(wg, torch.full((out_f, G), ratio), spec)
+        wq = fake_quant(wc.reshape(out_f, in_f), spec).reshape(out_f, G, gs)
+        err = torch.einsum("ngk,ogk->nog", xg, wg - wq).pow(2).mean(dim=0)  # [out, G]
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_ratio = torch.where(better, torch.full_like(best_ratio, ratio), best_ratio)
+    return best_ratio
+
+
+def _sample_tokens(x: torch.Tensor, max_tokens: int) -> torch.Tensor:
+    """At most max_tokens evenly spaced rows of x [tokens, in]: keeps the grid searches cheap."""
+    if x.shape[0] <= max_tokens:
+        return x
+    return x[torch.linspace(0, x.shape[0] - 1, max_tokens).long()]
+
+
+def clip_groups(wg: torch.Tensor, ratio: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Clamp each group of wg [out, G, gs] to its range shrunk by ratio [out, G]."""
+    r = ratio[..., None]
+    if spec.symmetric:
+        m = wg.abs().amax(dim=-1, keepdim=True) * r
+        return torch.maximum(torch.minimum(wg, m), -m)
+    lo = wg.amin(dim=-1, keepdim=True).clamp(max=0) * r
+    hi = wg.amax(dim=-1, keepdim=True).clamp(min=0) * r
+    return torch.maximum(torch.minimum(wg, hi), lo)
+
+
+def quantize_awq(w: torch.Tensor, x: torch.Tensor | None, spec: QuantSpec, clip: bool = True) -> QuantResult:
+    """Clip (searched on inputs x [tokens, in]) then quantize an already-scaled weight [out, in]."""
+    if clip and x is not None:
+        out_f, in_f = w.shape
+        ratio = search_clip(x, w, spec)
+        w = clip_groups(w.float().reshape(out_f, -1, spec.group_size), ratio, spec).reshape(out_f, in_f)
+    return quantize_rtn(w, spec)
+
+
+def fold_into_norm(norm_weight: torch.Tensor, s: torch.Tensor) -> None:
+    """RMSNorm weight [in] /= s (in place): the norm's output is what the linears read."""
+    norm_weight.data.div_(s.to(norm_weight.dtype))
+
+
+def fold_into_linear_output(weight: torch.Tensor, bias: torch.Tensor | None, s: torch.Tensor) -> None:
+    """Rows of a previous linear's weight [out, in] (and its bias [out]) /= s [out], in place."""
+    weight.data.div_(s.to(weight.dtype)[:, None])
+    if bias is not None:
+        bias.data.div_(s.to(bias.dtype))
+
+
+def scale_linear_input(weight: torch.Tensor, s: torch.Tensor) -> None:
+    """Columns of weight [out, in] *= s [in], in place."""
+    weight.data.mul_(s.to(weight.dtype)[None, :])
