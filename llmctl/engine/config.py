@@ -38,6 +38,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decodes)
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int | None = None  # for unseeded sampled requests; None: fresh randomness each run
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -1,0 +1,143 @@
+"""The engine loop: admit requests, schedule a step, run the model, sample, finish requests.
+
+Owns: `LLMEngine` (request validation, stop conditions, engine statistics). Knows nothing of files:
+callers (run-batch, profile, the Python API) feed it token ids and read `RequestOutput`s back.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from llmctl.engine.block_manager import BlockManager
+from llmctl.engine.config import EngineConfig
+from llmctl.engine.model_runner import ModelRunner
+from llmctl.engine.params import RequestOutput, SamplingParams
+from llmctl.engine.sampler import Sampler
+from llmctl.engine.scheduler import Scheduler
+from llmctl.engine.sequence import Sequence
+from llmctl.errors import RequestError
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests
+    computed_tokens: int = 0  # tokens run through the model (prefill chunks, decodes, recomputes)
+    output_tokens: int = 0
+    finished: int = 0
+    peak_used_blocks: int = 0
+    model_seconds: float = 0.0  # time inside the model forward and sampling
+
+
+class LLMEngine:
+    def __init__(self, runtime, engine_config: EngineConfig | None = None):
+        cfg = engine_config or EngineConfig()
+        self.runtime = runtime
+        self.engine_config = cfg
+        self.runner = ModelRunner(runtime.model, runtime.config, cfg, runtime.device, runtime.dtype)
+        if self.runner.num_blocks < 1:
+            from llmctl.errors import UsageError
+
+            raise UsageError(
+                f"--kv-cache-memory is smaller than one KV block ({self.runner.bytes_per_block} bytes at block size {cfg.block_size})"
+            )
+        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self.sampler = Sampler(cfg.seed)
+        self.max_model_len = min(cfg.max_model_len or runtime.config.max_position_embeddings, runtime.config.max_position_embeddings)
+        self.capacity = min(self.max_model_len, self.runner.num_blocks * cfg.block_size)
+        self.eos_token_ids = frozenset(runtime.eos_token_ids)
+        self.stats = EngineStats()
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.runner.kv_cache_bytes
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; raises RequestError when it can never be served."""
+        vocab = self.runtime.config.vocab_size
+        if not prompt_token_ids:
+            raise RequestError("empty_prompt", "the prompt has no tokens")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt_token_ids):
+            raise RequestError("invalid_token_ids", f"prompt token ids must be integers in [0, {vocab})")
+        n = len(prompt_token_ids)
+        if n >= self.capacity:
+            where = "context length" if self.capacity == self.max_model_len else "KV cache capacity"
+            raise RequestError(
+                "prompt_too_long",
+                f"the prompt has {n} tokens; at most {self.capacity - 1} fit ({where} {self.capacity} tokens)",
+            )
+        seq = Sequence(request_id, prompt_token_ids, params, max_len=min(self.capacity, n + params.max_tokens))
+        self.stats.prompt_tokens += n
+        self.scheduler.add(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress with requests pending")  # a bug, not user error
+            return []
+        t0 = time.perf_counter()
+        logits, sampling = self.runner.execute(batch)
+        tokens = self.sampler(logits, sampling) if sampling else []
+        self.stats.model_seconds += time.perf_counter() - t0
+        self.stats.steps += 1
+        self.stats.computed_tokens += batch.total_tokens
+        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, self.block_manager.num_used_blocks)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+        now = time.perf_counter()
+        finished = []
+        for seq, token in zip(sampling, tokens):
+            seq.token_ids.append(token)
+            self.stats.output_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self.scheduler.finish(seq, reason)
+                finished.append(self._output(seq, now))
+        self.stats.finished += len(finished)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if p.stop:
+            text = self.runtime.decode(seq.output_token_ids)
+            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+            if hits:
+                seq.stop_text_end = min(hits)
+                return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= seq.max_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence, now: float) -> RequestOutput:
+        text = self.runtime.decode(seq.output_token_ids)
+        if seq.stop_text_end is not None:
+            text = text[: seq.stop_text_end]
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            output_token_ids=seq.output_token_ids,
+            text=text,
+            finish_reason=seq.finish_reason or "length",
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+            finish_time=now,
+        )

@@ -1,0 +1,91 @@
+"""Turns a scheduled batch into tensors, runs the model over the paged KV cache, returns logits.
+
+Owns: the KV cache tensors (sized once from the memory budget) and the per-step input building:
+packed token ids [T], positions [T], slot mapping [T], decode block tables, prefill chunks, and
+the indices of the tokens whose logits are needed (the last token of each sequence that samples).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmctl.engine.config import EngineConfig
+from llmctl.engine.scheduler import ScheduledBatch
+from llmctl.engine.sequence import Sequence
+from llmctl.kernels.attention import PagedAttentionMetadata, PrefillChunk
+from llmctl.runtime.config import ModelConfig
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """K and V of every layer for one token."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, model, config: ModelConfig, engine_config: EngineConfig, device: str, dtype: torch.dtype):
+        self.model, self.config, self.device, self.dtype = model, config, device, dtype
+        self.block_size = engine_config.block_size
+        self.bytes_per_block = kv_bytes_per_token(config, dtype) * self.block_size
+        self.num_blocks = engine_config.kv_cache_memory // self.bytes_per_block
+        shape = (self.num_blocks, self.block_size, config.num_kv_heads, config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.num_layers)
+        ]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def prepare(self, batch: ScheduledBatch):
+        """Returns (input_ids, positions, meta, logits_indices, sampling sequences)."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        logits_idx: list[int] = []
+        sampling: list[Sequence] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            table = seq.block_table
+            offset = len(ids)
+            ids.extend(seq.token_ids[start:start + n])
+            pos.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:
+                dec_tables.append(table)
+                dec_lens.append(start + 1)
+            else:
+                prefills.append(PrefillChunk(offset, n, start, torch.tensor(table, dtype=torch.long, device=self.device)))
+            if start + n == seq.num_tokens:
+                logits_idx.append(offset + n - 1)
+                sampling.append(seq)
+        dev = self.device
+        nd = len(dec_tables)
+        if nd:
+            width = max(len(t) for t in dec_tables)
+            padded = [t + [0] * (width - len(t)) for t in dec_tables]  # padding is masked out
+            dec_tables_t = torch.tensor(padded, dtype=torch.long, device=dev)
+            dec_lens_t = torch.tensor(dec_lens, dtype=torch.long, device=dev)
+        else:
+            dec_tables_t = dec_lens_t = None
+        meta = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), nd, dec_tables_t, dec_lens_t, prefills)
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            meta,
+            torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            sampling,
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run one step; returns float32 logits [n_sampling, vocab] on the CPU and their sequences."""
+        input_ids, positions, meta, logits_idx, sampling = self.prepare(batch)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        if not sampling:
+            return torch.empty(0, self.config.vocab_size), sampling
+        return self.model.compute_logits(hidden[logits_idx]).cpu(), sampling

@@ -1,0 +1,88 @@
+"""Choosing the next token for every sequence of a step, on tensors for the whole batch.
+
+Owns: penalties (repetition, presence, frequency), temperature, top-k, top-p, min-p and the draw.
+Seeded requests draw from their own generator, so their output does not depend on batch-mates.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmctl.engine.sequence import Sequence
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None):
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """logits [B, V] float32 (one row per sequence) -> B token ids."""
+        params = [s.params for s in seqs]
+        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
+            logits = apply_penalties(logits.clone(), seqs)
+        if all(p.greedy for p in params):
+            return logits.argmax(dim=-1).tolist()
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32)
+        logits = logits / temps[:, None].to(logits.device)
+        logits = apply_top_k_top_p(logits, params)
+        probs = torch.softmax(logits, dim=-1)
+        min_ps = [p.min_p for p in params]
+        if any(min_ps):
+            mp = torch.tensor(min_ps, dtype=probs.dtype, device=probs.device)[:, None]
+            probs = torch.where(probs < mp * probs.amax(dim=-1, keepdim=True), 0.0, probs)
+        tokens = (probs / self._exponential_noise(probs, seqs)).argmax(dim=-1)
+        if greedy_rows:
+            rows = torch.tensor(greedy_rows, device=logits.device)
+            tokens[rows] = logits[rows].argmax(dim=-1)
+        return tokens.tolist()
+
+    def _exponential_noise(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Exp(1) noise [B, V]: argmax(p / q) is a draw from p (the exponential-race trick)."""
+        q = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=self.generator)
+        for i, s in enumerate(seqs):
+            if s.params.seed is not None and not s.params.greedy:
+                if s.generator is None:
+                    s.generator = torch.Generator().manual_seed(s.params.seed)
+                q[i].exponential_(generator=s.generator)
+        return q.to(probs.device)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Repetition penalty over prompt and output tokens (as in HF/vLLM); presence and frequency
+    penalties over output tokens only (as in OpenAI/vLLM). logits [B, V] modified in place."""
+    vocab = logits.shape[1]
+    for i, s in enumerate(seqs):
+        p = s.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(s.token_ids)), dtype=torch.long, device=logits.device)
+            seen = seen[seen < vocab]
+            row = logits[i, seen]
+            logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and s.num_output_tokens:
+            out = torch.tensor(s.output_token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and top-p nucleus. logits [B, V]."""
+    vocab = logits.shape[1]
+    ks = [min(p.top_k, vocab) if p.top_k else vocab for p in params]
+    ps = [p.top_p for p in params]
+    if all(k == vocab for k in ks) and all(p >= 1.0 for p in ps):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor(ks, device=logits.device)[:, None]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # probability mass strictly ahead of each token
+    top_p = torch.tensor(ps, dtype=probs.dtype, device=logits.device)[:, None]
+    sorted_logits = sorted_logits.masked_fill((before >= top_p) & (ranks > 0), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

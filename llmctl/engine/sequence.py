@@ -1,0 +1,60 @@
+"""One request inside the engine: its tokens, how many of them have K/V in the cache, its blocks.
+
+Owns: `Sequence`. vLLM v1 style: there are no prefill and decode phases, only
+`num_computed_tokens` catching up with `len(token_ids)` under the scheduler's token budget.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from llmctl.engine.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_table",
+                 "block_hashes", "params", "status", "max_len", "arrival_time", "first_token_time",
+                 "finish_reason", "stop_text_end", "generator", "num_preemptions")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_len: int):
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hashes of the full blocks cached so far, in order
+        self.params = params
+        self.status = Status.WAITING
+        self.max_len = max_len  # total tokens allowed (context and KV capacity)
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_reason: str | None = None
+        self.stop_text_end: int | None = None  # where a matched stop string starts in the text
+        self.generator = None  # torch.Generator for seeded sampling, made by the sampler
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, blocks={self.block_table})"

@@ -1,0 +1,146 @@
+"""Our model code for the Llama family: llama, mistral, qwen2 (q/k/v bias) and qwen3 (q/k RMSNorm).
+
+Owns: the decoder modules and two forward paths over the same weights:
+- `forward(input_ids [T], positions [T], meta, kv_caches)`: the engine's packed, paged-KV path;
+- `forward_dense(input_ids [B, S])`: plain causal attention with no cache (calibration, eval).
+Parameter names equal Hugging Face's, so checkpoints load (and save) one to one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmctl.kernels.attention import PagedAttentionMetadata, paged_attention
+from llmctl.models.rope import RotaryEmbedding
+from llmctl.runtime.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, as the reference implementation does, then scale in the model dtype.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.scale = d**-0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(h, config.q_size, bias=bias)
+        self.k_proj = nn.Linear(h, config.kv_size, bias=bias)
+        self.v_proj = nn.Linear(h, config.kv_size, bias=bias)
+        # qwen2 has biases on q/k/v only; llama and qwen3 put `attention_bias` on o_proj too.
+        self.o_proj = nn.Linear(config.q_size, h, bias=bias and config.model_type != "qwen2")
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self._rotary = [rotary]  # a list, so the shared table is not registered once per layer
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [..., hidden] -> q [..., heads, D], k and v [..., kv_heads, D], RoPE applied."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self._rotary[0](positions, q, k)
+        return q, k, v
+
+    def forward(self, x, positions, meta: PagedAttentionMetadata, kv_cache) -> torch.Tensor:
+        q, k, v = self.qkv(x, positions)  # [T, heads, D], [T, kv_heads, D]
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+    def forward_dense(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, S, hidden], positions [S]."""
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x, positions)  # [B, S, heads, D]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale, enable_gqa=True
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, f, bias=False)
+        self.up_proj = nn.Linear(h, f, bias=False)
+        self.down_proj = nn.Linear(f, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = Attention(config, rotary)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, positions, meta, kv_cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_dense(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn.forward_dense(self.input_layernorm(x), positions)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.rotary = RotaryEmbedding(config)
+        self.model = LlamaModel(config, self.rotary)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def forward(self, input_ids, positions, meta: PagedAttentionMetadata, kv_caches) -> torch.Tensor:
+        """Packed tokens [T] -> final hidden states [T, hidden] (normed); K/V written to the caches."""
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, meta, kv)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, S] token ids -> [B, S, vocab] float32 logits, causal, no cache."""
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer.forward_dense(x, positions)
+        return self.compute_logits(self.model.norm(x))
