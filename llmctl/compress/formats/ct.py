@@ -1,0 +1,82 @@
+"""compressed-tensors `pack-quantized` layout, written and read with the `compressed-tensors`
+package (vLLM and transformers load it).
+
+Per linear `name` [out, in]: name.weight_packed int32 [out, in * b / 32] (signed codes q - 2^(b-1)
+offset back to unsigned and packed densely), name.weight_scale [out, groups] in the model dtype,
+name.weight_shape int [2], and for asymmetric runs name.weight_zero_point packed along dim 0.
+The packing itself is the package's `PackedQuantizationCompressor.compress`, fed the dequantized
+weight and our scales/zero points so it reproduces our integer codes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmctl.compress.formats.common import UnpackedLinear
+from llmctl.compress.quant.spec import QuantResult, QuantSpec
+from llmctl.errors import ModelLoadError
+
+
+def _scheme(spec: QuantSpec):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    args = QuantizationArgs(
+        num_bits=spec.bits, type="int", symmetric=spec.symmetric, strategy="group", group_size=spec.group_size
+    )
+    return QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
+
+
+def quantization_config(spec: QuantSpec, ignore: list[str]) -> dict:
+    from compressed_tensors.quantization import QuantizationConfig
+
+    cfg = QuantizationConfig(
+        config_groups={"group_0": _scheme(spec)},
+        format="pack-quantized",
+        quantization_status="compressed",
+        ignore=sorted(set(["lm_head", *ignore])),
+    )
+    return cfg.model_dump()
+
+
+def pack_ct(name: str, r: QuantResult, spec: QuantSpec, ignore: list[str], dtype: torch.dtype):
+    from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+
+    scale = r.scales.to(dtype)
+    state = {"weight": r.weight.to(torch.float32), "weight_scale": scale}
+    if not spec.symmetric:
+        state["weight_zero_point"] = (r.zeros - spec.sym_zero).to(torch.int8)  # signed zero point
+    packed = PackedQuantizationCompressor.compress(state, _scheme(spec))
+    return {f"{name}.{k}": v for k, v in packed.items()}, quantization_config(spec, ignore)
+
+
+def unpack_ct(tensors: dict[str, torch.Tensor], qcfg: dict):
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationConfig
+
+    cfg = QuantizationConfig.model_validate(qcfg)
+    fmt = cfg.format
+    groups = list(cfg.config_groups.values())
+    if fmt not in ("pack-quantized", "mixed-precision") or len(groups) != 1 or groups[0].weights is None:
+        raise ModelLoadError(f"compressed-tensors checkpoints in format {fmt!r} are not supported (pack-quantized only)")
+    w = groups[0].weights
+    if w.type != "int" or w.strategy not in ("group", "channel") or w.num_bits not in (4, 8):
+        raise ModelLoadError(
+            f"compressed-tensors weights {w.type} {w.num_bits}-bit {w.strategy} are not supported (int 4/8-bit group or channel)"
+        )
+    b, offset = w.num_bits, 1 << (w.num_bits - 1)
+    names = [k[: -len(".weight_packed")] for k in tensors if k.endswith(".weight_packed")]
+    linears = {}
+    for n in names:
+        shape = torch.Size(tensors.pop(f"{n}.weight_shape").tolist())
+        codes = unpack_from_int32(tensors.pop(f"{n}.weight_packed"), b, shape).to(torch.int32) + offset
+        scales = tensors.pop(f"{n}.weight_scale").float()
+        out_f, in_f = shape
+        gs = w.group_size if w.strategy == "group" else in_f
+        zp = tensors.pop(f"{n}.weight_zero_point", None)
+        if w.symmetric or zp is None:
+            zeros = torch.full(scales.shape, offset, dtype=torch.int32)
+        else:
+            zeros = unpack_from_int32(zp, b, torch.Size((out_f, scales.shape[1])), packed_dim=0).to(torch.int32) + offset
+        g_idx = torch.arange(in_f, dtype=torch.int32) // gs
+        linears[n] = UnpackedLinear(codes, scales, zeros, g_idx, b, gs, tensors.pop(f"{n}.bias", None))
+    return linears, tensors

@@ -1,0 +1,65 @@
+"""GPTQ v1 layout (`quant_method: gptq`, AutoGPTQ's `checkpoint_format: gptq`).
+
+Per linear `name` [out, in], b bits, 32 / b codes per int32 word, groups of g input columns:
+  name.qweight  int32 [in * b / 32, out]  codes packed along the input dimension, low bits first
+  name.qzeros   int32 [in / g, out * b / 32]  (zero - 1) packed along the output dimension (the
+                v1 offset; readers add 1 back, so a zero of 0 is stored as all ones)
+  name.scales   float16 [in / g, out]
+  name.g_idx    int32 [in]  group of each input column
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmctl.compress.formats.common import UnpackedLinear, pack_rows, unpack_rows
+from llmctl.compress.quant.spec import QuantResult, QuantSpec
+from llmctl.errors import ModelLoadError, UsageError
+
+
+def pack_gptq(name: str, r: QuantResult, spec: QuantSpec, ignore: list[str], dtype: torch.dtype):
+    b = spec.bits
+    per = 32 // b
+    out_f, in_f = r.codes.shape
+    if out_f % per:
+        raise UsageError(f"{name}: {out_f} output features are not a multiple of {per}, which --format gptq needs")
+    tensors = {
+        f"{name}.qweight": pack_rows(r.codes, b).t().contiguous(),  # [in / per, out]
+        f"{name}.qzeros": pack_rows((r.zeros.t() - 1) & spec.maxq, b),
+        f"{name}.scales": r.scales.t().to(torch.float16),
+        f"{name}.g_idx": r.group_index().to(torch.int32),
+    }
+    qcfg = {
+        "quant_method": "gptq",
+        "bits": b,
+        "group_size": spec.group_size,
+        "desc_act": False,  # act-order uses static groups: g_idx is column // group_size
+        "sym": spec.symmetric,
+        "true_sequential": True,
+        "checkpoint_format": "gptq",
+    }
+    return tensors, qcfg
+
+
+def unpack_gptq(tensors: dict[str, torch.Tensor], qcfg: dict):
+    b = int(qcfg.get("bits", 4))
+    if b not in (2, 4, 8):
+        raise ModelLoadError(f"GPTQ checkpoints with bits={b} are not supported (2, 4 or 8)")
+    fmt = str(qcfg.get("checkpoint_format", "gptq"))
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ModelLoadError(f"GPTQ checkpoint_format {fmt!r} is not supported")
+    offset = 1 if fmt == "gptq" else 0
+    maxq = (1 << b) - 1
+    names = [k[: -len(".qweight")] for k in tensors if k.endswith(".qweight")]
+    linears = {}
+    for n in names:
+        codes = unpack_rows(tensors.pop(f"{n}.qweight").t().contiguous(), b)  # [out, in]
+        zeros = ((unpack_rows(tensors.pop(f"{n}.qzeros"), b) + offset) & maxq).t().contiguous()
+        scales = tensors.pop(f"{n}.scales").float().t().contiguous()
+        in_f = codes.shape[1]
+        g_idx = tensors.pop(f"{n}.g_idx", None)
+        gs = int(qcfg.get("group_size", 128))
+        gs = in_f if gs <= 0 else gs
+        g_idx = (torch.arange(in_f) // gs if g_idx is None else g_idx).to(torch.int32)
+        linears[n] = UnpackedLinear(codes, scales, zeros, g_idx, b, gs, tensors.pop(f"{n}.bias", None))
+    return linears, tensors
