@@ -119,12 +119,15 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register every block of `seq` that is now full of computed tokens in the prefix cache."""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the blocks of `seq` that its first `num_tokens` tokens fill in the prefix cache.
+
+        Called when a step is scheduled: the K/V of the whole batch is written before any attention
+        reads it, so a request admitted later in the same step may already share these blocks."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        full = seq.num_computed_tokens // bs
+        full = num_tokens // bs
         for i in range(len(seq.block_hashes), full):
             parent = seq.block_hashes[i - 1] if i else None
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])

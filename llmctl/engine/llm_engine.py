@@ -98,7 +98,6 @@ class LLMEngine:
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, self.block_manager.num_used_blocks)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
         now = time.perf_counter()
         finished = []
         for seq, token in zip(sampling, tokens):

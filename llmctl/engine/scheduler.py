@@ -62,6 +62,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
+                self.bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
                 chosen.append((seq, n))
                 budget -= n
                 i += 1
@@ -74,6 +75,7 @@ class Scheduler:
                 if not self.bm.allocate(seq, n, cached):
                     break
                 seq.num_computed_tokens = computed
+                self.bm.cache_full_blocks(seq, computed + n)
                 seq.status = Status.RUNNING
                 self.waiting.popleft()
                 self.running.append(seq)

@@ -1,0 +1,51 @@
+"""Shared fixtures: paths to ../shared material and tiny random models of each architecture."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+
+
+def shared_path(rel: str) -> Path:
+    """A file under ../shared, or a skip naming it when this checkout has no ../shared."""
+    p = SHARED / rel
+    if not p.exists():
+        pytest.skip(f"needs ../shared/{rel} (shared material not present)")
+    return p
+
+
+@pytest.fixture(scope="session")
+def shakespeare_model() -> Path:
+    return shared_path("models/tinyshakespeare-5m")
+
+
+@pytest.fixture(scope="session")
+def stories_model() -> Path:
+    return shared_path("models/stories260k")
+
+
+def make_random_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
+    """Save a tiny randomly initialised HF model of `arch` (llama, mistral, qwen2, qwen3) to `folder`."""
+    import torch
+    import transformers
+
+    cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[arch]
+    kw = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.2,
+              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "mistral":
+        kw["sliding_window"] = None
+    kw.update(overrides)
+    config = getattr(transformers, cls)(**kw)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
