@@ -33,8 +33,10 @@ def test_chunked_prefill_under_token_budget_keeps_decodes_going():
     # a now decodes one token a step and is listed first; b's prompt proceeds in chunks.
     assert run_step(s)[0] == [("a", 1), ("b", 7)]
     assert run_step(s)[0] == [("a", 1), ("b", 7)]
-XX
-    assert b.num_output_tokens == 2
+    assert run_step(s)[0] == [("a", 1), ("b", 1)]  # b's 20th prompt token: 5 + 7 + 7 + 1
+    assert b.num_output_tokens == 1
+    assert run_step(s)[0] == [("a", 1), ("b", 1)]  # both decode now
+    assert b.num_output_tokens == 2 and a.num_output_tokens == 5
 
 
 def test_max_num_seqs_limits_admission():
