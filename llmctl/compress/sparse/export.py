@@ -1,0 +1,124 @@
+"""Writing a pruned model as an ordinary dense Hugging Face folder (zeros stored as zeros).
+
+Owns: `save_dense_model` (safetensors shards with HF parameter names, config.json with a
+`sparsity_config` entry, tokenizer and generation files copied from the source folder) and
+`sparsity_config`, the metadata dict. transformers ignores the extra config key and loads the
+folder as a plain model; llmctl and other tools can read it to know the pattern.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmctl.compress.sparse.masks import SparsityPattern
+
+SHARD_BYTES = 4 * 1024**3  # split weights into files of at most ~4 GiB, as HF does
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+_SIDE_FILE_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "generation_config", "vocab", "merges",
+                       "chat_template", "license", "notice")
+_STORED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def sparsity_config(
+    pattern: SparsityPattern,
+    method: str,
+    layers: dict[str, float],
+    ignore: list[str],
+    global_sparsity: float,
+) -> dict[str, Any]:
+    """The `sparsity_config` entry of config.json.
+
+    `format: dense` and `sparsity_structure` follow compressed-tensors' spelling of an uncompressed
+    sparse checkpoint; `layers` maps every pruned linear to the fraction of zeros it holds.
+    """
+    return {
+        "format": "dense",
+        "sparsity_structure": pattern.label() if pattern.structured else "unstructured",
+        "pattern": pattern.label(),
+        "target_sparsity": round(pattern.sparsity, 6),
+        "global_sparsity": round(global_sparsity, 6),
+        "method": method,
+        "ignore": list(ignore),
+        "layers": {name: round(frac, 6) for name, frac in layers.items()},
+        "producer": "llmctl sparsify",
+    }
+
+
+def stored_dtype(raw_config: dict[str, Any], fallback: torch.dtype) -> torch.dtype:
+    """The dtype the source checkpoint declares (config `torch_dtype`/`dtype`), else `fallback`."""
+    name = str(raw_config.get("torch_dtype") or raw_config.get("dtype") or "").replace("torch.", "")
+    return _STORED_DTYPES.get(name, fallback)
+
+
+def _state_dict(model: torch.nn.Module, tie_word_embeddings: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Parameters by HF name (buffers like RoPE tables are not weights), tied lm_head left out."""
+    out = {}
+    for name, p in model.named_parameters():
+        if tie_word_embeddings and name == "lm_head.weight":
+            continue
+        out[name] = p.detach().to("cpu", dtype).contiguous()
+    return out
+
+
+def _shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards
+
+
+def save_dense_model(
+    model: torch.nn.Module,
+    raw_config: dict[str, Any],
+    source_dir: Path | None,
+    out_dir: Path,
+    extra_config: dict[str, Any],
+) -> Path:
+    """Write `model` to `out_dir` as HF safetensors in the source checkpoint's dtype; returns out_dir."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    first = next(model.parameters())
+    dtype = stored_dtype(raw_config, first.dtype)
+    tensors = _state_dict(model, bool(raw_config.get("tie_word_embeddings", False)), dtype)
+    shards = _shards(tensors)
+    for stale in out_dir.glob("model*.safetensors*"):
+        stale.unlink()
+    if len(shards) == 1:
+        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+            weight_map.update({name: fname for name in shard})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if source_dir is not None:
+        _copy_side_files(source_dir, out_dir)
+    config = {k: v for k, v in raw_config.items() if k != "quantization_config"}
+    config.update(extra_config)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out_dir
+
+
+def _copy_side_files(source_dir: Path, out_dir: Path) -> None:
+    """Tokenizer, generation config, chat template and licence files; not weights, not reports
+    about the unpruned model (a train_report.json would describe weights we changed)."""
+    if source_dir.resolve() == out_dir.resolve():
+        return
+    for f in source_dir.iterdir():
+        if f.is_file() and f.name.lower().startswith(_SIDE_FILE_PREFIXES) and not f.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copyfile(f, out_dir / f.name)

@@ -1,0 +1,93 @@
+"""Sparsifying a whole model: which linears, in which order, with which statistics.
+
+Owns: `SparsifySettings`, `target_linears` (decoder-layer linears minus `--ignore` matches and
+layers whose width the N:M group does not divide), and `sparsify_model`, which prunes magnitude
+directly and runs Wanda/SparseGPT inside the shared layer-by-layer calibration driver
+(llmctl.compress.driver), so each layer is calibrated on the outputs of the already-pruned layers.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from llmctl.compress.sparse.masks import SparsityPattern
+from llmctl.compress.sparse.prune import METHODS, LayerSparsity, needs_calibration, prune_linear
+
+
+@dataclass(frozen=True)
+class SparsifySettings:
+    pattern: SparsityPattern
+    method: str = "sparsegpt"
+    ignore: tuple[str, ...] = ()  # fnmatch globs or name suffixes, e.g. "*.down_proj", "layers.0.*"
+    percdamp: float = 0.01
+    blocksize: int = 128
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}")
+
+
+@dataclass
+class Targets:
+    names: list[str]  # linears to prune, in forward order
+    skipped: dict[str, str] = field(default_factory=dict)  # linear name -> why it stays dense
+
+
+def ignored(name: str, patterns: tuple[str, ...]) -> bool:
+    """`name` matches a glob whole (`*.mlp.*`) or after some dotted prefix (`down_proj`, `layers.0.*`)."""
+    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, "*." + p) for p in patterns)
+
+
+def target_linears(model: torch.nn.Module, settings: SparsifySettings) -> Targets:
+    """Every nn.Linear inside model.model.layers; lm_head and embeddings are never pruned."""
+    targets = Targets(names=[])
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or ".layers." not in f".{name}":
+            continue
+        if ignored(name, settings.ignore):
+            targets.skipped[name] = "ignored (--ignore)"
+        elif not settings.pattern.fits(module.in_features):
+            targets.skipped[name] = f"{module.in_features} inputs are not a multiple of {settings.pattern.m}"
+        else:
+            targets.names.append(name)
+    return targets
+
+
+ProgressFn = Callable[[int, int], None]  # (layers done, layers total)
+
+
+def sparsify_model(
+    model: torch.nn.Module,
+    settings: SparsifySettings,
+    calib_ids: torch.Tensor | None = None,
+    progress: ProgressFn | None = None,
+) -> tuple[list[LayerSparsity], Targets]:
+    """Prune `model` in place; calib_ids [num_samples, seq_len] is required for wanda/sparsegpt."""
+    targets = target_linears(model, settings)
+    if not needs_calibration(settings.method):
+        return _magnitude(model, settings, targets, progress), targets
+    if calib_ids is None:
+        raise ValueError(f"{settings.method} needs calibration token ids")
+    return _calibrated(model, settings, targets, calib_ids, progress), targets
+
+
+def _magnitude(model, settings: SparsifySettings, targets: Targets, progress: ProgressFn | None) -> list[LayerSparsity]:
+    modules = dict(model.named_modules())
+    lines = []
+    for i, name in enumerate(targets.names):
+        linear = modules[name]
+        new, line = prune_linear(name, linear.weight, settings.pattern, "magnitude")
+        with torch.no_grad():
+            linear.weight.copy_(new)
+        lines.append(line)
+        if progress is not None:
+            progress(i + 1, len(targets.names))
+    return lines
+
+
+def _calibrated(model, settings, targets, calib_ids, progress) -> list[LayerSparsity]:
+    raise NotImplementedError("waiting for llmctl.compress.driver")

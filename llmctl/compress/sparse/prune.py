@@ -1,0 +1,83 @@
+"""One entry point per linear layer: choose the method, prune, and say what was reached.
+
+Owns: `METHODS`, `needs_calibration`, `prune_linear` (called by the layer-by-layer calibration
+driver's per-linear callback, or directly for magnitude pruning) and `LayerSparsity`, the per-layer
+line of the sparsify report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmctl.compress.hessian import damped_cholesky_inverse, dead_inputs
+from llmctl.compress.sparse.magnitude import magnitude_mask
+from llmctl.compress.sparse.masks import SparsityPattern, apply_mask, satisfies_nm, zero_fraction
+from llmctl.compress.sparse.sparsegpt import sparsegpt_prune
+from llmctl.compress.sparse.wanda import input_norms_from_hessian, wanda_mask
+
+METHODS = ("magnitude", "wanda", "sparsegpt")
+
+
+def needs_calibration(method: str) -> bool:
+    """Magnitude pruning looks at weights only; Wanda and SparseGPT need the layer's inputs."""
+    return method != "magnitude"
+
+
+@dataclass
+class LayerSparsity:
+    name: str  # e.g. model.layers.0.mlp.down_proj
+    shape: tuple[int, int]  # (out_features, in_features)
+    sparsity: float  # fraction of exact zeros after pruning
+    pattern_ok: bool  # every group satisfies N:M (always True for unstructured)
+    loss: float | None = None  # SparseGPT's OBS error estimate, None for the others
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "sparsity": round(self.sparsity, 6),
+            "pattern_ok": self.pattern_ok,
+            **({"obs_loss": self.loss} if self.loss is not None else {}),
+        }
+
+
+def prune_linear(
+    name: str,
+    weight: torch.Tensor,
+    pattern: SparsityPattern,
+    method: str,
+    hessian: torch.Tensor | None = None,
+    *,
+    percdamp: float = 0.01,
+    blocksize: int = 128,
+) -> tuple[torch.Tensor, LayerSparsity]:
+    """Prune `weight` [out, in] -> (new weight in weight's dtype and device, report line).
+
+    hessian: H [in, in] = 2 X X^T / T of the layer's inputs; required for wanda and sparsegpt
+    (Wanda reads only its diagonal). Inputs that never fired (H_jj = 0) get their columns zeroed,
+    as GPTQ does: they cannot affect the output on the calibration data.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown pruning method {method!r}")
+    loss = None
+    w = weight.detach().float()
+    if method == "magnitude":
+        new = apply_mask(w, magnitude_mask(w, pattern, scope="layer"))
+    else:
+        if hessian is None:
+            raise ValueError(f"{name}: {method} needs the Hessian of the layer's inputs")
+        h = hessian.to(w.device)
+        dead = dead_inputs(h)
+        if bool(dead.any()):
+            w = w.clone()
+            w[:, dead] = 0.0
+        if method == "wanda":
+            new = apply_mask(w, wanda_mask(w, input_norms_from_hessian(h), pattern))
+        else:
+            res = sparsegpt_prune(w, damped_cholesky_inverse(h, percdamp), pattern, blocksize=blocksize)
+            new, loss = res.weight, res.loss
+    ok = satisfies_nm(new, pattern.n, pattern.m) if pattern.structured else True  # type: ignore[arg-type]
+    line = LayerSparsity(name, (int(w.shape[0]), int(w.shape[1])), zero_fraction(new), ok, loss)
+    return new.to(weight.dtype), line

@@ -1,0 +1,77 @@
+"""A pruned model saves as an ordinary dense HF folder that transformers and llmctl both load."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from llmctl.compress.sparse.export import save_dense_model, sparsity_config
+from llmctl.compress.sparse.masks import parse_pattern, satisfies_nm
+from llmctl.compress.sparse.pipeline import SparsifySettings, ignored, sparsify_model, target_linears
+from llmctl.compress.sparse.semi_structured import accelerate_2of4, semi_structured_support, shape_supported
+from llmctl.runtime.loader import load_model
+from tests.conftest import make_random_model
+
+
+def test_target_linears_ignore_and_width(tmp_path):
+    src = make_random_model(tmp_path / "src", "llama", intermediate_size=90)  # 90 % 4 != 0
+    model, _ = load_model(src, "float32", "cpu")
+    t = target_linears(model, SparsifySettings(parse_pattern("2:4", None), "magnitude", ignore=("q_proj", "layers.1.*")))
+    assert "model.layers.0.mlp.down_proj" in t.skipped and "90 inputs" in t.skipped["model.layers.0.mlp.down_proj"]
+    assert t.skipped["model.layers.0.self_attn.q_proj"].startswith("ignored")
+    assert all(n.startswith("model.layers.0.") for n in t.names)
+    assert "model.layers.0.mlp.up_proj" in t.names and "lm_head" not in t.names
+    assert ignored("model.layers.3.mlp.down_proj", ("*.mlp.*",)) and not ignored("model.layers.3.mlp.down_proj", ("proj",))
+
+
+def test_saved_sparse_model_loads_in_transformers_with_same_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = make_random_model(tmp_path / "src", "llama")
+    model, config = load_model(src, "float32", "cpu")
+    pattern = parse_pattern("2:4", None)
+    lines, targets = sparsify_model(model, SparsifySettings(pattern, "magnitude"))
+    assert len(lines) == 14 and all(line.pattern_ok for line in lines)
+    meta = sparsity_config(pattern, "magnitude", {l.name: l.sparsity for l in lines}, [], 0.5)
+    out = save_dense_model(model, config.raw, src, tmp_path / "out", {"sparsity_config": meta})
+
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["sparsity_config"]["pattern"] == "2:4" and saved["sparsity_config"]["method"] == "magnitude"
+    assert set(saved["sparsity_config"]["layers"]) == set(targets.names)
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    for name in targets.names:
+        assert satisfies_nm(hf.get_submodule(name).weight, 2, 4), name
+    ids = torch.randint(3, 160, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model.forward_dense(ids), rtol=1e-4, atol=1e-4)
+    again, _ = load_model(out, "float32", "cpu")  # and llmctl reads its own output
+    assert torch.equal(again.model.layers[1].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight)
+
+
+def test_export_keeps_checkpoint_dtype_and_tied_embeddings(tmp_path):
+    from safetensors import safe_open
+
+    src = make_random_model(tmp_path / "src", "llama", tie_word_embeddings=True)
+    raw = json.loads((src / "config.json").read_text())
+    raw["torch_dtype"] = "bfloat16"
+    model, _ = load_model(src, "float32", "cpu")
+    out = save_dense_model(model, raw, src, tmp_path / "out", {})
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+
+
+def test_semi_structured_path_stays_dense_on_cpu(tmp_path):
+    ok, why = semi_structured_support("cpu")
+    assert not ok and "CPU" in why
+    src = make_random_model(tmp_path / "src", "llama", hidden_size=64, intermediate_size=128)
+    model, _ = load_model(src, "float32", "cpu")
+    sparsify_model(model, SparsifySettings(parse_pattern("2:4", None), "magnitude"))
+    before = model.model.layers[0].mlp.up_proj.weight
+    decisions = accelerate_2of4(model, ["model.layers.0.mlp.up_proj"])
+    assert [d.converted for d in decisions] == [False]
+    assert model.model.layers[0].mlp.up_proj.weight is before
+    half = model.model.layers[0].mlp.up_proj.weight.detach().half()
+    assert shape_supported(half)  # [128, 64], 2:4, fp16
+    assert not shape_supported(half.float()) and not shape_supported(half[:, :60])
