@@ -1,0 +1,204 @@
+"""Layer-by-layer calibration driver, shared by `quantize` and `sparsify`.
+
+Owns: `calibrate_layers`, which walks the decoder one layer at a time (only that layer on the
+device), captures the inputs of its linears with forward hooks, hands them to a `LayerMethod`
+sub-layer group by sub-layer group (q/k/v, then o, then gate/up, then down: each group is
+calibrated on the outputs of the groups already processed), then produces the next layer's inputs
+from the processed layer. After each layer it checkpoints (layer weights, the method's records,
+the next layer's inputs) into `checkpoint_dir`, so an interrupted run resumes after the last
+finished layer.
+
+A method implements the `LayerMethod` protocol below; `HessianMethod` adapts a per-linear function
+`fn(name, linear, H) -> record` (GPTQ, RTN, SparseGPT, Wanda) to it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+from llmctl.compress.hessian import HessianAccumulator
+
+
+@dataclass(frozen=True)
+class SubLayerGroup:
+    name: str
+    linears: tuple[str, ...]  # names relative to the decoder layer
+    prev: str  # the operation whose output the linears read (AWQ folds its scales into it)
+
+
+SUBLAYER_GROUPS = (
+    SubLayerGroup("attn_in", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
+    SubLayerGroup("attn_out", ("self_attn.o_proj",), "self_attn.v_proj"),
+    SubLayerGroup("mlp_in", ("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm"),
+    SubLayerGroup("mlp_out", ("mlp.down_proj",), "mlp.up_proj"),
+)
+
+
+class LayerMethod(Protocol):
+    def observe(self, name: str, x: torch.Tensor) -> None:
+        """x [B, S, in]: inputs of linear `name` (full module name) for one calibration batch."""
+
+    def process_group(self, layer_index: int, layer: nn.Module, group: SubLayerGroup, names: list[str]) -> dict[str, Any]:
+        """Change the group's linears in place; return a record per full linear name (may be empty)."""
+
+    def finish_layer(self, layer_index: int, layer: nn.Module) -> dict[str, Any]:
+        """Called once all groups of the layer are processed; return more records (may be empty)."""
+
+
+def make_ignore(patterns: list[str]) -> Callable[[str], bool]:
+    """Predicate on full module names: glob patterns, or `re:REGEX` (compressed-tensors style)."""
+
+    def ignored(name: str) -> bool:
+        for p in patterns:
+            if p.startswith("re:"):
+                if re.fullmatch(p[3:], name) or re.search(p[3:], name):
+                    return True
+            elif name == p or fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, f"*.{p}"):
+                return True
+        return False
+
+    return ignored
+
+
+@dataclass
+class DriverResult:
+    records: dict[str, Any] = field(default_factory=dict)  # full linear name -> method record
+    resumed_layers: int = 0  # layers taken from the checkpoint instead of recomputed
+
+
+def _run_layer(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, device, batch_size: int, keep: bool):
+    """layer.forward_dense over hidden [N, S, H] in mini-batches; returns the outputs (on CPU) if keep."""
+    outs = []
+    for i in range(0, hidden.shape[0], batch_size):
+        y = layer.forward_dense(hidden[i : i + batch_size].to(device), positions)
+        if keep:
+            outs.append(y.to("cpu"))
+    return torch.cat(outs) if keep else None
+
+
+@torch.no_grad()
+def calibrate_layers(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    method: LayerMethod,
+    *,
+    device: str | torch.device = "cpu",
+    ignore: Callable[[str], bool] = lambda name: False,
+    checkpoint_dir: Path | None = None,
+    fingerprint: str = "",
+    progress: Callable[[int, int], None] | None = None,
+    batch_size: int = 8,
+) -> DriverResult:
+    """Run `method` over every decoder layer of `model` (our LlamaForCausalLM) on input_ids [N, S].
+
+    progress(done_layers, total_layers) is called after each layer. With `checkpoint_dir`, a previous
+    run with the same `fingerprint` is resumed from its last finished layer.
+    """
+    layers = model.model.layers
+    n_layers = len(layers)
+    result = DriverResult()
+    positions = torch.arange(input_ids.shape[1], device=device)
+    start = 0
+    hidden = None
+    if checkpoint_dir is not None:
+        start, hidden = _resume(checkpoint_dir, fingerprint, layers, result)
+    if hidden is None:
+        hidden = model.model.embed_tokens(input_ids.to(model.model.embed_tokens.weight.device)).to("cpu")
+    if progress and start:
+        progress(start, n_layers)
+    for i in range(start, n_layers):
+        layer = layers[i]
+        home = next(layer.parameters()).device
+        layer.to(device)
+        for group in SUBLAYER_GROUPS:
+            names = [f"model.layers.{i}.{rel}" for rel in group.linears if not ignore(f"model.layers.{i}.{rel}")]
+            if not names:
+                continue
+            hooks = [
+                layer.get_submodule(n.split(".", 3)[3]).register_forward_hook(_observer(method, n)) for n in names
+            ]
+            try:
+                _run_layer(layer, hidden, positions, device, batch_size, keep=False)
+            finally:
+                for h in hooks:
+                    h.remove()
+            result.records.update(method.process_group(i, layer, group, names))
+        result.records.update(method.finish_layer(i, layer))
+        hidden = _run_layer(layer, hidden, positions, device, batch_size, keep=True)
+        layer.to(home)
+        if checkpoint_dir is not None:
+            _save(checkpoint_dir, fingerprint, i, layer, result.records, hidden)
+        if progress:
+            progress(i + 1, n_layers)
+    return result
+
+
+def _observer(method: LayerMethod, name: str):
+    def hook(module, inputs, output):
+        method.observe(name, inputs[0].detach())
+
+    return hook
+
+
+def _save(ckpt: Path, fingerprint: str, i: int, layer: nn.Module, records: dict, hidden: torch.Tensor) -> None:
+    """Layer i's weights and records, then the next inputs, then the progress marker (written last)."""
+    ckpt.mkdir(parents=True, exist_ok=True)
+    prefix = f"model.layers.{i}."
+    mine = {k: v for k, v in records.items() if k.startswith(prefix)}
+    state = {k: v.detach().to("cpu") for k, v in layer.state_dict().items()}
+    torch.save({"state": state, "records": mine}, ckpt / f"layer_{i}.pt")
+    torch.save(hidden, ckpt / "hidden.tmp")
+    (ckpt / "hidden.tmp").replace(ckpt / "hidden.pt")
+    (ckpt / "progress.tmp").write_text(json.dumps({"done_layers": i + 1, "fingerprint": fingerprint}))
+    (ckpt / "progress.tmp").replace(ckpt / "progress.json")
+
+
+def _resume(ckpt: Path, fingerprint: str, layers: nn.ModuleList, result: DriverResult):
+    marker = ckpt / "progress.json"
+    if not marker.is_file():
+        return 0, None
+    info = json.loads(marker.read_text())
+    if info.get("fingerprint") != fingerprint or not (ckpt / "hidden.pt").is_file():
+        return 0, None  # a different run's leftovers: start over (they are overwritten)
+    done = int(info["done_layers"])
+    for i in range(done):
+        # our own files, written by _save: records hold dataclasses, hence weights_only=False
+        saved = torch.load(ckpt / f"layer_{i}.pt", map_location="cpu", weights_only=False)
+        layers[i].load_state_dict(saved["state"])
+        result.records.update(saved["records"])
+    result.resumed_layers = done
+    return done, torch.load(ckpt / "hidden.pt", map_location="cpu")
+
+
+class HessianMethod:
+    """LayerMethod for per-linear methods that need H = 2 X X^T / n of each linear's inputs.
+
+    fn(name, linear, H) changes linear.weight in place and returns the record for `name`.
+    """
+
+    def __init__(self, fn: Callable[[str, nn.Linear, torch.Tensor], Any]):
+        self.fn = fn
+        self.acc: dict[str, HessianAccumulator] = {}
+
+    def observe(self, name: str, x: torch.Tensor) -> None:
+        if name not in self.acc:
+            self.acc[name] = HessianAccumulator(x.shape[-1], device=x.device)
+        self.acc[name].add(x)
+
+    def process_group(self, layer_index: int, layer: nn.Module, group: SubLayerGroup, names: list[str]) -> dict[str, Any]:
+        out = {}
+        for name in names:
+            H = self.acc.pop(name).H
+            out[name] = self.fn(name, layer.get_submodule(name.split(".", 3)[3]), H)
+        return out
+
+    def finish_layer(self, layer_index: int, layer: nn.Module) -> dict[str, Any]:
+        return {}

@@ -1,0 +1,152 @@
+"""The quantization methods wired to the calibration driver (llmctl/compress/driver.py).
+
+Owns: `LinearRecord` (what each quantized linear reports), `relative_output_error`, the per-linear
+GPTQ and RTN functions for `HessianMethod`, and `AwqMethod`, which searches and folds scales
+group by group on the full-precision layer and clips and quantizes all its linears at the end of
+the layer (as AutoAWQ does), so folding 1/s into v_proj or up_proj happens before they are quantized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmctl.compress.driver import HessianMethod, SubLayerGroup
+from llmctl.compress.hessian import HessianAccumulator
+from llmctl.compress.quant.awq import (
+    fold_into_linear_output,
+    fold_into_norm,
+    quantize_awq,
+    scale_linear_input,
+    search_scales,
+)
+from llmctl.compress.quant.gptq import quantize_gptq
+from llmctl.compress.quant.rtn import quantize_rtn
+from llmctl.compress.quant.spec import QuantResult, QuantSpec, check_group_size
+
+
+@dataclass
+class LinearRecord:
+    name: str
+    shape: tuple[int, int]
+    result: QuantResult
+    error: float  # relative output error on the calibration inputs, see relative_output_error
+    alpha: float | None = None  # AWQ: the chosen scale exponent for this linear's group
+
+    def to_dict(self) -> dict:
+        d = {"name": self.name, "shape": list(self.shape), "rel_output_error": round(self.error, 8)}
+        if self.alpha is not None:
+            d["awq_alpha"] = self.alpha
+        return d
+
+
+def relative_output_error(w: torch.Tensor, q: torch.Tensor, H: torch.Tensor) -> float:
+    """||X (W - Q)^T||^2 / ||X W^T||^2 over the calibration tokens, from H = 2 X X^T / n; w, q [out, in]."""
+    d = (w.float() - q.float())
+    num = torch.einsum("oi,ij,oj->", d, H, d)
+    den = torch.einsum("oi,ij,oj->", w.float(), H, w.float())
+    return float(num / den) if float(den) > 0 else 0.0
+
+
+def _set_weight(linear: nn.Linear, w: torch.Tensor) -> None:
+    linear.weight.data.copy_(w.to(linear.weight.dtype))
+
+
+def gptq_method(spec: QuantSpec, *, act_order: bool = True, percdamp: float = 0.01, block_size: int = 128) -> HessianMethod:
+    def fn(name: str, linear: nn.Linear, H: torch.Tensor) -> LinearRecord:
+        w = linear.weight.detach().float().cpu().clone()
+        check_group_size(name, w.shape[1], spec.group_size)
+        H = H.cpu()
+        r = quantize_gptq(w, H, spec, percdamp=percdamp, block_size=block_size, act_order=act_order)
+        _set_weight(linear, r.weight)
+        return LinearRecord(name, tuple(w.shape), r, relative_output_error(w, r.weight, H))
+
+    return HessianMethod(fn)
+
+
+def rtn_method(spec: QuantSpec) -> HessianMethod:
+    """RTN needs no data; run through the driver only to report the same output error as the others."""
+
+    def fn(name: str, linear: nn.Linear, H: torch.Tensor) -> LinearRecord:
+        w = linear.weight.detach().float().cpu().clone()
+        check_group_size(name, w.shape[1], spec.group_size)
+        r = quantize_rtn(w, spec)
+        _set_weight(linear, r.weight)
+        return LinearRecord(name, tuple(w.shape), r, relative_output_error(w, r.weight, H.cpu()))
+
+    return HessianMethod(fn)
+
+
+class AwqMethod:
+    """LayerMethod for AWQ: per group, scale search and folding; at the layer's end, clip and quantize."""
+
+    def __init__(self, spec: QuantSpec, *, n_grid: int = 20, max_tokens: int = 4096, clip: bool = True):
+        self.spec, self.n_grid, self.max_tokens, self.clip = spec, n_grid, max_tokens, clip
+        self.xs: dict[str, list[torch.Tensor]] = {}
+        self.acc: dict[str, HessianAccumulator] = {}
+        self.pending: dict[str, tuple[torch.Tensor, torch.Tensor, float | None]] = {}  # name -> (x sample, H, alpha)
+
+    def observe(self, name: str, x: torch.Tensor) -> None:
+        x2 = x.reshape(-1, x.shape[-1]).float().cpu()
+        self.xs.setdefault(name, []).append(x2)
+        if name not in self.acc:
+            self.acc[name] = HessianAccumulator(x2.shape[-1])
+        self.acc[name].add(x2)
+
+    def _sample(self, name: str) -> torch.Tensor:
+        x = torch.cat(self.xs.pop(name))
+        if x.shape[0] > self.max_tokens:
+            x = x[torch.linspace(0, x.shape[0] - 1, self.max_tokens).long()]
+        return x
+
+    def process_group(self, layer_index: int, layer: nn.Module, group: SubLayerGroup, names: list[str]) -> dict[str, Any]:
+        for n in names:
+            check_group_size(n, self.acc[n].H.shape[0], self.spec.group_size)
+        x = self._sample(names[0])
+        H = self.acc[names[0]].H
+        for n in names[1:]:
+            self.xs.pop(n, None)
+        linears = [layer.get_submodule(rel) for rel in group.linears]  # all, ignored ones too
+        prev = layer.get_submodule(group.prev)
+        alpha = None
+        if self._can_fold(prev, linears):
+            quantized = [layer.get_submodule(n.split(".", 3)[3]).weight.detach().float() for n in names]
+            found = search_scales(x, quantized, self.spec, n_grid=self.n_grid)
+            s = found.scales
+            if found.alpha > 0:
+                if isinstance(prev, nn.Linear):
+                    fold_into_linear_output(prev.weight, prev.bias, s)
+                else:
+                    fold_into_norm(prev.weight, s)
+                for lin in linears:
+                    scale_linear_input(lin.weight, s)
+                x = x / s[None, :]
+                H = H / (s[:, None] * s[None, :])
+            alpha = found.alpha
+        for n in names:
+            self.pending[n] = (x, H, alpha)
+            self.acc.pop(n)
+        return {}
+
+    @staticmethod
+    def _can_fold(prev: nn.Module, linears: list[nn.Module]) -> bool:
+        """v_proj -> o_proj only when v's outputs map one to one onto o's inputs (no GQA sharing)."""
+        if isinstance(prev, nn.Linear):
+            return all(prev.out_features == lin.in_features for lin in linears)
+        return True
+
+    def finish_layer(self, layer_index: int, layer: nn.Module) -> dict[str, Any]:
+        records = {}
+        for name, (x, H, alpha) in self.pending.items():
+            linear = layer.get_submodule(name.split(".", 3)[3])
+            w = linear.weight.detach().float().cpu().clone()
+            # AutoAWQ leaves q/k unclipped: attention scores are too sensitive to their range
+            clip = self.clip and not name.endswith(("q_proj", "k_proj"))
+            r = quantize_awq(w, x, self.spec, clip=clip)
+            _set_weight(linear, r.weight)
+            records[name] = LinearRecord(name, tuple(w.shape), r, relative_output_error(w, r.weight, H), alpha)
+        self.pending.clear()
+        return records
