@@ -1,0 +1,308 @@
+"""The run-batch driver loop: feed the engine up to a bound, step it, reorder, write, commit.
+
+Owns: `BatchJob`, a plain-Python loop over an engine-like object (`add_request`, `step`,
+`has_unfinished_requests`) and a tokenizer-like runtime (`encode`, `apply_chat_template`), so it
+runs unchanged on a fake engine in tests. It knows nothing of files, Typer or Rich: rows come from
+an iterator, bytes go to a sink (`write`, `commit`), and commits and progress are callbacks.
+
+Memory bound: at most `window` rows are between the first row not yet written (the watermark)
+and the last row read, so the reorder buffer, the set of rows written ahead of the watermark
+(`--unordered`) and the requests in flight (<= `max_in_flight`) never grow with the input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Protocol
+
+from llmctl.batch.inputs import InputRow
+from llmctl.batch.outputs import RowResult
+from llmctl.batch.summary import BatchStats, Progress
+from llmctl.engine.params import SamplingParams
+from llmctl.errors import AbortedError, RequestError
+
+
+class EngineLike(Protocol):
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+    def step(self) -> list[Any]: ...
+    def has_unfinished_requests(self) -> bool: ...
+
+
+class RuntimeLike(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    max_in_flight: int = 512  # requests handed to the engine and not finished
+    window: int = 2048  # rows read but not yet behind the watermark (bounds the reorder buffer)
+    ordered: bool = True  # False: write rows as they finish (--unordered)
+    max_errors: int | None = None  # abort once more than this many rows failed
+    commit_rows: int = 256  # fsync + state save after this many written rows...
+    commit_interval_s: float = 2.0  # ...or this many seconds, whichever first
+    progress_interval_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 1 or self.window < 1:
+            raise ValueError("max_in_flight and window must be >= 1")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What is durable after a commit (see journal.JobState for the invariant)."""
+
+    next_index: int
+    next_position: int
+    done_after: list[int]
+    output_bytes: int
+    stats: BatchStats
+    finished: bool
+
+
+@dataclass
+class Peaks:
+    """High-water marks of the loop's buffers, for tests and diagnostics."""
+
+    in_flight: int = 0
+    window: int = 0
+    reorder_buffer: int = 0
+    written_ahead: int = 0
+    rows_read: int = 0
+
+
+@dataclass
+class _Pending:
+    """A finished row waiting for its turn in the output (ordered mode)."""
+
+    data: bytes
+    result: RowResult
+
+
+class BatchJob:
+    def __init__(self, engine: EngineLike, runtime: RuntimeLike, rows: Iterator[InputRow], sink: Any,
+                 format_record: Callable[[InputRow, RowResult], bytes], defaults: SamplingParams,
+                 settings: JobSettings = JobSettings(), *, stats: BatchStats | None = None,
+                 start_index: int = 0, start_position: int = 0, done_after: list[int] | None = None,
+                 on_commit: Callable[[Checkpoint], None] | None = None,
+                 on_progress: Callable[[Progress], None] | None = None, rows_total: int | None = None):
+        self.engine, self.runtime, self.sink = engine, runtime, sink
+        self._rows = rows
+        self._format = format_record
+        self._defaults = dataclasses.asdict(defaults)
+        self.settings = settings
+        self.stats = stats if stats is not None else BatchStats()
+        self._base_elapsed = self.stats.elapsed_s
+        self._resume_done = set(done_after or ())
+        self._on_commit, self._on_progress, self._rows_total = on_commit, on_progress, rows_total
+        self._vocab_size = getattr(getattr(runtime, "config", None), "vocab_size", None)
+
+        self._order: deque[int] = deque()  # rows read and not yet behind the watermark, in read order
+        self._positions: dict[int, int] = {}  # row index -> input position, for rows in _order
+        self._in_flight: dict[str, InputRow] = {}  # request id -> row (prompt dropped after submission)
+        self._finished: dict[int, _Pending] = {}  # ordered mode: finished rows waiting for earlier ones
+        self._written: set[int] = set()  # rows written ahead of the watermark
+        self._next_read = (start_index, start_position)  # resume point when _order is empty
+        self._exhausted = False
+        self._since_commit = 0
+        self.peaks = Peaks()
+        self._t0 = self._last_commit = self._last_progress = time.perf_counter()
+        self._session_output_tokens = 0
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> BatchStats:
+        """Serve every row; returns the totals. Commits before re-raising any interruption."""
+        self._t0 = self._last_commit = time.perf_counter()
+        try:
+            while True:
+                admitted = self._admit()
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self._finish(out)
+                    self._maybe_commit()
+                elif self._exhausted and not self._in_flight:
+                    break
+                elif not admitted:
+                    raise RuntimeError("run-batch loop made no progress (engine idle with requests in flight)")
+        except AbortedError:
+            raise  # committed by _write before raising
+        except BaseException:
+            self._safe_commit()
+            raise
+        self._commit(finished=True)
+        self._progress(force=True, finished=True)
+        return self.stats
+
+    def _admit(self) -> int:
+        """Read and submit rows while the in-flight and window bounds allow; returns rows read."""
+        s, n = self.settings, 0
+        while not self._exhausted and len(self._in_flight) < s.max_in_flight and len(self._order) < s.window:
+            row = next(self._rows, None)
+            if row is None:
+                self._exhausted = True
+                break
+            n += 1
+            self.peaks.rows_read += 1
+            self._order.append(row.index)
+            self._positions[row.index] = row.position
+            self._next_read = (row.index + 1, row.end_position)
+            self.peaks.window = max(self.peaks.window, len(self._order))
+            if row.index in self._resume_done:  # written by an earlier session (--unordered)
+                self._resume_done.discard(row.index)
+                self._written.add(row.index)
+                self._advance()
+                continue
+            self._submit(row)
+        return n
+
+    def _submit(self, row: InputRow) -> None:
+        if row.error is not None:
+            self._complete(row, RowResult.failed(row.error))
+            return
+        try:
+            ids = self._tokenize(row)
+            params = self._params(row)
+        except RequestError as e:
+            self._complete(row, RowResult.failed(e))
+            return
+        rid = str(row.index)
+        try:
+            self.engine.add_request(rid, ids, params)
+        except RequestError as e:
+            self._complete(row, RowResult.failed(e, prompt_tokens=len(ids)))
+            return
+        row.prompt = row.messages = row.prompt_token_ids = None  # keep only what the output needs
+        self._in_flight[rid] = row
+        self.peaks.in_flight = max(self.peaks.in_flight, len(self._in_flight))
+
+    def _tokenize(self, row: InputRow) -> list[int]:
+        try:
+            if row.prompt_token_ids is not None:
+                ids = row.prompt_token_ids
+                if self._vocab_size is not None and max(ids) >= self._vocab_size:
+                    raise RequestError("invalid_token_id", f"token id {max(ids)} is outside the vocabulary "
+                                                           f"(size {self._vocab_size})")
+            elif row.messages is not None:
+                ids = list(self.runtime.apply_chat_template(row.messages))
+            else:
+                ids = list(self.runtime.encode(row.prompt))
+        except RequestError:
+            raise
+        except Exception as e:  # a tokenizer failing on one row must not stop the job
+            raise RequestError("tokenization_failed", f"{type(e).__name__}: {e}") from None
+        if not ids:
+            raise RequestError("empty_prompt", "the prompt encodes to no tokens")
+        return ids
+
+    def _params(self, row: InputRow) -> SamplingParams:
+        """Job defaults overridden by the row; `--seed S` gives row i the seed S + i."""
+        values = dict(self._defaults)
+        values.update(row.overrides)
+        if "seed" not in row.overrides and self._defaults.get("seed") is not None:
+            values["seed"] = self._defaults["seed"] + row.index
+        if not isinstance(values.get("ignore_eos"), bool):
+            raise RequestError("invalid_parameter", f"ignore_eos must be true or false, got {values['ignore_eos']!r}")
+        try:
+            return SamplingParams(**values)
+        except (TypeError, ValueError) as e:
+            raise RequestError("invalid_parameter", str(e)) from None
+
+    def _finish(self, out: Any) -> None:
+        row = self._in_flight.pop(out.request_id, None)
+        if row is None:
+            raise RuntimeError(f"engine returned unknown request {out.request_id!r}")
+        text = out.text if out.text is not None else self.runtime.decode(out.output_token_ids)
+        self._complete(row, RowResult(text=text, finish_reason=out.finish_reason,
+                                      prompt_tokens=len(out.prompt_token_ids),
+                                      completion_tokens=len(out.output_token_ids),
+                                      token_ids=list(out.output_token_ids), ttft=out.ttft, tpot=out.tpot))
+
+    # -- ordering and writing -------------------------------------------------------------------
+
+    def _complete(self, row: InputRow, result: RowResult) -> None:
+        data = self._format(row, result)
+        if self.settings.ordered:
+            self._finished[row.index] = _Pending(data, result)
+            self.peaks.reorder_buffer = max(self.peaks.reorder_buffer, len(self._finished))
+        else:
+            self._written.add(row.index)
+            self.peaks.written_ahead = max(self.peaks.written_ahead, len(self._written))
+            self._write(data, result)
+        self._advance()
+
+    def _advance(self) -> None:
+        """Move the watermark past written rows, writing buffered rows whose turn has come."""
+        while self._order:
+            index = self._order[0]
+            if index in self._written:
+                self._written.discard(index)
+            elif index in self._finished:
+                pending = self._finished.pop(index)
+                self._write(pending.data, pending.result)
+            else:
+                break
+            self._order.popleft()
+            del self._positions[index]
+
+    def _write(self, data: bytes, result: RowResult) -> None:
+        self.sink.write(data)
+        r = result
+        self.stats.add_row(r.prompt_tokens, r.completion_tokens, None if r.error is None else r.error.code, r.ttft, r.tpot)
+        self._session_output_tokens += r.completion_tokens
+        self._since_commit += 1
+        limit = self.settings.max_errors
+        if limit is not None and r.error is not None and self.stats.errors > limit:
+            self._commit()
+            self._progress(force=True)
+            error = AbortedError(f"stopped after {self.stats.errors} failed rows (--max-errors {limit}); "
+                                 f"{self.stats.rows} rows are written and kept")
+            error.stats = self.stats  # for --summary-json
+            raise error
+        self._progress()
+
+    # -- commits and progress -------------------------------------------------------------------
+
+    def _maybe_commit(self) -> None:
+        now = time.perf_counter()
+        if self._since_commit and (self._since_commit >= self.settings.commit_rows
+                                   or now - self._last_commit >= self.settings.commit_interval_s):
+            self._commit()
+
+    def _commit(self, finished: bool = False) -> None:
+        output_bytes = self.sink.commit()
+        self.stats.elapsed_s = self._base_elapsed + (time.perf_counter() - self._t0)
+        if self._order:
+            nxt = (self._order[0], self._positions[self._order[0]])
+        else:
+            nxt = self._next_read
+        if self._on_commit is not None:
+            self._on_commit(Checkpoint(next_index=nxt[0], next_position=nxt[1], done_after=sorted(self._written),
+                                       output_bytes=output_bytes, stats=self.stats, finished=finished))
+        self._since_commit = 0
+        self._last_commit = time.perf_counter()
+
+    def _safe_commit(self) -> None:
+        try:
+            self._commit()
+        except Exception:
+            pass  # the previous commit stays valid; the original error is what matters
+
+    def _progress(self, force: bool = False, finished: bool = False) -> None:
+        if self._on_progress is None:
+            return
+        now = time.perf_counter()
+        if not force and now - self._last_progress < self.settings.progress_interval_s:
+            return
+        self._last_progress = now
+        st = self.stats
+        self._on_progress(Progress(rows_done=st.rows, rows_total=self._rows_total, errors=st.errors,
+                                   prompt_tokens=st.prompt_tokens, output_tokens=st.output_tokens,
+                                   session_output_tokens=self._session_output_tokens,
+                                   session_elapsed_s=now - self._t0, finished=finished))
+
+
+__all__ = ["BatchJob", "Checkpoint", "JobSettings", "Peaks", "EngineLike", "RuntimeLike"]

@@ -1,0 +1,167 @@
+"""Writing run-batch results: the row shapes and the append-only sinks.
+
+Owns: `RowResult` (what one input row produced), the two output shapes (the simple shape:
+id, text, finish_reason, usage, error, token_ids?; and the OpenAI Batch API output shape with
+deterministic ids, so a resumed job writes the same bytes as an uninterrupted one), the sinks
+(a file appended and fsynced in chunks, stdout), and the streaming JSONL -> Parquet conversion
+used for `.parquet` outputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from llmctl.batch.inputs import InputRow
+from llmctl.errors import RequestError, UsageError
+
+
+@dataclass
+class RowResult:
+    """The outcome of one input row: generated text, or an error."""
+
+    text: str | None
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    token_ids: list[int] | None = None
+    error: RequestError | None = None
+    ttft: float | None = None
+    tpot: float | None = None
+
+    @classmethod
+    def failed(cls, error: RequestError, prompt_tokens: int = 0) -> "RowResult":
+        return cls(text=None, finish_reason=None, prompt_tokens=prompt_tokens, completion_tokens=0, error=error)
+
+
+def simple_record(row: InputRow, result: RowResult, include_token_ids: bool = False) -> dict:
+    rec = {"id": row.id, "text": result.text, "finish_reason": result.finish_reason,
+           "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens},
+           "error": None if result.error is None else result.error.to_dict()}
+    if include_token_ids:
+        rec["token_ids"] = result.token_ids
+    return rec
+
+
+def _stable_id(*parts: object, n: int = 24) -> str:
+    """A deterministic id from the row's identity (same input -> same id after any resume)."""
+    return hashlib.sha256("\x1f".join(map(str, parts)).encode("utf-8")).hexdigest()[:n]
+
+
+def openai_record(row: InputRow, result: RowResult, model: str, created: int, include_token_ids: bool = False) -> dict:
+    """One line of an OpenAI Batch API output file (`response.body` a completion object)."""
+    key = _stable_id(row.custom_id, row.index)
+    rec: dict = {"id": f"batch_req_{key}", "custom_id": row.custom_id}
+    if result.error is not None:
+        rec["response"] = {"status_code": 400, "request_id": f"req_{key}",
+                           "body": {"error": {"message": result.error.message, "type": "invalid_request_error",
+                                              "param": None, "code": result.error.code}}}
+        rec["error"] = result.error.to_dict()
+        return rec
+    if row.endpoint == "chat":
+        choice: dict = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                        "logprobs": None, "finish_reason": result.finish_reason}
+        obj, prefix = "chat.completion", "chatcmpl"
+    else:
+        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+        obj, prefix = "text_completion", "cmpl"
+    if include_token_ids:
+        choice["token_ids"] = result.token_ids
+    usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+             "total_tokens": result.prompt_tokens + result.completion_tokens}
+    rec["response"] = {"status_code": 200, "request_id": f"req_{key}",
+                       "body": {"id": f"{prefix}-{key}", "object": obj, "created": created, "model": model,
+                                "choices": [choice], "usage": usage}}
+    rec["error"] = None
+    return rec
+
+
+def encode_record(rec: dict) -> bytes:
+    return (json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+
+
+class FileSink:
+    """Appends lines to a file; `commit()` flushes and fsyncs and returns the committed size.
+
+    On open the file is cut back to `committed_bytes` (what the state file says was committed),
+    which drops any rows a killed session wrote after its last commit, torn last line included.
+    """
+
+    def __init__(self, path: Path, committed_bytes: int = 0):
+        self.path = path
+        exists = path.exists()
+        if exists and path.stat().st_size < committed_bytes:
+            raise UsageError(f"{path} is shorter ({path.stat().st_size} bytes) than its state file says "
+                             f"({committed_bytes}); it was changed by hand: pass --overwrite to start over")
+        self._f: BinaryIO = open(path, "r+b" if exists else "wb")
+        self._f.truncate(committed_bytes)
+        self._f.seek(committed_bytes)
+        self.bytes = committed_bytes
+
+    def write(self, data: bytes) -> None:
+        self._f.write(data)
+        self.bytes += len(data)
+
+    def commit(self) -> int:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        return self.bytes
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class StdoutSink:
+    """`-o -`: rows go to stdout as they are committed; nothing to resume."""
+
+    def __init__(self, stream: BinaryIO | None = None):
+        self._f = stream if stream is not None else sys.stdout.buffer
+        self.bytes = 0
+
+    def write(self, data: bytes) -> None:
+        self._f.write(data)
+        self.bytes += len(data)
+
+    def commit(self) -> int:
+        self._f.flush()
+        return self.bytes
+
+    def close(self) -> None:
+        self._f.flush()
+
+
+def journal_to_parquet(journal: Path, out: Path, include_token_ids: bool, chunk_rows: int = 8192) -> None:
+    """Convert a simple-shape JSONL journal to Parquet in chunks; the file appears atomically."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fields = [pa.field("id", pa.string()), pa.field("text", pa.string()), pa.field("finish_reason", pa.string()),
+              pa.field("usage", pa.struct([("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64())])),
+              pa.field("error", pa.struct([("code", pa.string()), ("message", pa.string())]))]
+    if include_token_ids:
+        fields.append(pa.field("token_ids", pa.list_(pa.int64())))
+    schema = pa.schema(fields)
+    tmp = out.with_name(out.name + ".tmp")
+
+    def table(recs: list[dict]):
+        for r in recs:
+            r["id"] = str(r["id"])
+        return pa.Table.from_pylist(recs, schema=schema)
+
+    with open(journal, "rb") as f, pq.ParquetWriter(str(tmp), schema) as writer:
+        chunk: list[dict] = []
+        for line in f:
+            chunk.append(json.loads(line))
+            if len(chunk) >= chunk_rows:
+                writer.write_table(table(chunk))
+                chunk = []
+        if chunk:
+            writer.write_table(table(chunk))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
