@@ -1,0 +1,128 @@
+"""This machine's measured peaks (memory bandwidth, bf16 matmul FLOP/s), cached per machine.
+
+Owns: the measurements behind `profile --measure-machine` and the cache file
+`$XDG_CACHE_HOME/llmctl/machine.json` (default `~/.cache/llmctl/machine.json`), a JSON object keyed by
+`environment.machine_key(device)` so a cached value is only reused on the same CPU model and thread
+count, or the same GPU. Measured profiles divide by these peaks to report MBU and MFU.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from llmctl.profiling.environment import machine_key
+
+CACHE_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class MachinePeaks:
+    key: str
+    device: str
+    memory_bandwidth: float  # bytes/s, best of read (sum) and copy (read + write bytes)
+    matmul_flops_bf16: float  # FLOP/s of a square bf16 matmul, 2 n^3 per product
+    measured_at: str
+    method: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "llmctl" / "machine.json"
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(torch.device(device))
+
+
+def _best_time(fn, device: str, repeats: int) -> float:
+    """Fastest of `repeats` timed calls after one warm-up call (seconds)."""
+    fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_bandwidth(device: str, nbytes: int, repeats: int = 5) -> dict[str, float]:
+    """Bytes/s of reading (`sum`) and copying (`copy_`, counted as read + write) a `nbytes` fp32 tensor."""
+    import torch
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # pages touched up front
+    dst = torch.empty_like(src)
+    read_s = _best_time(lambda: src.sum(), device, repeats)
+    copy_s = _best_time(lambda: dst.copy_(src), device, repeats)
+    return {"read": src.numel() * 4 / read_s, "copy": 2 * src.numel() * 4 / copy_s}
+
+
+def measure_matmul(device: str, n: int, repeats: int = 3) -> float:
+    """FLOP/s of an [n, n] x [n, n] bf16 matmul (2 n^3 FLOPs)."""
+    import torch
+
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+    seconds = _best_time(lambda: a @ b, device, repeats)
+    return 2 * n**3 / seconds
+
+
+def measure_machine(device: str, nbytes: int | None = None, matmul_n: int | None = None) -> MachinePeaks:
+    """Measure now (about a second on CPU); sizes default to 256 MiB / n=1024 on CPU, 2 GiB / n=8192 on CUDA."""
+    cuda = device.startswith("cuda")
+    nbytes = nbytes or (2 * 1024**3 if cuda else 256 * 1024**2)
+    matmul_n = matmul_n or (8192 if cuda else 1024)
+    bw = measure_bandwidth(device, nbytes)
+    flops = measure_matmul(device, matmul_n)
+    return MachinePeaks(
+        key=machine_key(device), device=device, memory_bandwidth=max(bw.values()), matmul_flops_bf16=flops,
+        measured_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        method={"tensor_bytes": nbytes, "read_bytes_per_s": bw["read"], "copy_bytes_per_s": bw["copy"],
+                "matmul_n": matmul_n, "note": "best of repeated runs after a warm-up"},
+    )
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    if not isinstance(data, dict) or data.get("schema_version") != CACHE_SCHEMA_VERSION:
+        return {}
+    return data
+
+
+def save_peaks(peaks: MachinePeaks, path: Path | None = None) -> Path:
+    """Store (replace) this machine's entry; other machines' entries are kept."""
+    path = path or cache_path()
+    data = _read_cache(path) or {"schema_version": CACHE_SCHEMA_VERSION, "machines": {}}
+    data.setdefault("machines", {})[peaks.key] = peaks.to_dict()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+    return path
+
+
+def cached_peaks(device: str, path: Path | None = None) -> MachinePeaks | None:
+    """This machine's cached peaks, or None when never measured here."""
+    entry = _read_cache(path or cache_path()).get("machines", {}).get(machine_key(device))
+    if not isinstance(entry, dict):
+        return None
+    try:
+        return MachinePeaks(**entry)
+    except TypeError:  # an entry written by another version
+        return None
