@@ -23,7 +23,13 @@ from llmctl.batch.outputs import (FileSink, RowResult, StdoutSink, encode_record
                                   openai_record, simple_record)
 from llmctl.batch.summary import BatchStats, Progress
 from llmctl.engine.params import SamplingParams
-from llmctl.errors import RequestError, UsageError
+from llmctl.errors import LlmctlError, RequestError, UsageError
+
+
+class BatchInterrupted(LlmctlError):
+    """Ctrl-C or SIGTERM: committed rows are kept and a rerun of the same command continues."""
+
+    exit_code = 130
 
 
 @dataclass
@@ -195,9 +201,10 @@ def _serve(opts, source, out: Path | None, parquet: bool, state: JobState, defau
         job.run()
     except KeyboardInterrupt:
         ui.stop()  # before the message, so it is not drawn over
-        if out is not None:
-            ui.info(f"interrupted: {job.stats.rows} rows are safely in {out}; rerun the same command to continue")
-        raise
+        if out is None:
+            raise BatchInterrupted(f"interrupted after {job.stats.rows} rows (no resume with -o -)") from None
+        raise BatchInterrupted(f"interrupted: {job.stats.rows} rows are safely in {out}; "
+                               f"rerun the same command to continue") from None
     finally:
         ui.stop()
         sink.close()

@@ -163,7 +163,7 @@ def register(app: typer.Typer) -> None:
         max_in_flight: Optional[int] = typer.Option(None, "--max-in-flight", min=1, help="Rows handed to the engine at once (default 2 x --max-num-seqs); the reorder buffer holds at most 4x this.", show_default=False),
     ) -> None:
         """Generate a completion for every row of INPUT and write one output row per input row."""
-        from llmctl.batch.runner import BatchOptions, run_batch as run
+        from llmctl.batch.runner import BatchInterrupted, BatchOptions, run_batch as run
         from llmctl.engine.config import parse_bytes
         from llmctl.errors import AbortedError
 
@@ -187,6 +187,8 @@ def register(app: typer.Typer) -> None:
             if summary_json is not None and getattr(e, "stats", None) is not None:
                 _write_summary(summary_json, e.stats.summary())
             raise
+        except KeyboardInterrupt:  # before the job started (e.g. while loading the model)
+            raise BatchInterrupted("interrupted before any row was served") from None
         summary = result.stats.summary()
         ui.summary(summary)
         if summary_json is not None:
