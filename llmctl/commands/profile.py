@@ -21,18 +21,20 @@ SWEEP, ESTIMATE, COMPARE, COMMON = "Measured sweep", "Estimate (--estimate)", "C
 HELP = """Profile a model: measured sweeps, estimates from config.json, and regression checks.
 
 \b
-  llmctl profile MODEL [--batch-sizes 1,8,32] [--prompt-lens 128,512] [--json out.json] [--plot out.png]
-  llmctl profile --estimate MODEL_OR_CONFIG [--dtype int4] [--memory 24GiB] [--bandwidth 900GB/s]
-  llmctl profile compare A.json B.json [--threshold 5%]      (exit 1 when B regresses)
-  llmctl profile --measure-machine                           (cache this machine's peaks for MBU/MFU)
+  llmctl profile MODEL [--batch-sizes 1,8,32] [--prompt-lens 128,512] ...
+  llmctl profile --estimate MODEL_OR_CONFIG [--dtype int4] [--memory 24GiB]
+  llmctl profile compare A.json B.json [--threshold 5%]  (1: B regressed)
+  llmctl profile --measure-machine           (cache peaks for MBU and MFU)
 
 \b
 Examples:
-  llmctl profile ../shared/models/tinyshakespeare-5m --batch-sizes 1,4 --prompt-lens 32 --gen-lens 16 --markdown
-  llmctl profile --estimate meta-llama/Llama-2-7b-hf --dtype fp16 --seq-len 4096 --batch 8 --memory 80GiB
+  llmctl profile ./my-model --batch-sizes 1,4 --prompt-lens 32 --gen-lens 16 \\
+      --json run.json --csv run.csv --plot run.png --markdown
+  llmctl profile --estimate meta-llama/Llama-2-7b-hf --dtype int4 \\
+      --seq-len 4096 --batch 8 --memory 24GiB --bandwidth 1000
   llmctl profile compare main.json branch.json --threshold 10%
 
-MODEL is a local folder or hub id (default: the embedded demo model).
+MODEL is a local folder or hub id (default: the embedded demo model); --estimate also takes a config.json file.
 """
 
 
@@ -61,7 +63,7 @@ def _resolve_device(device: str) -> str:
 def register(app: typer.Typer) -> None:
     @app.command("profile", help=HELP, no_args_is_help=False)
     def profile(
-        targets: list[str] = typer.Argument(None, metavar="[MODEL | compare A.json B.json]", help=MODEL_HELP, show_default=False),
+        targets: list[str] = typer.Argument(None, metavar="MODEL | compare A B", help=MODEL_HELP, show_default=False),
         batch_sizes: str = typer.Option("1,8,32", "--batch-sizes", help="Comma-separated batch sizes.", rich_help_panel=SWEEP),
         prompt_lens: str = typer.Option("128,512", "--prompt-lens", help="Comma-separated prompt lengths (tokens).", rich_help_panel=SWEEP),
         gen_lens: str = typer.Option("128", "--gen-lens", help="Comma-separated generation lengths (tokens).", rich_help_panel=SWEEP),
@@ -71,7 +73,7 @@ def register(app: typer.Typer) -> None:
         markdown: bool = typer.Option(False, "--markdown", help="Print a Markdown table instead of the rich table.", rich_help_panel=SWEEP),
         plot_path: Path = typer.Option(None, "--plot", help="Write a PNG of throughput and latency vs batch size (needs matplotlib).", rich_help_panel=SWEEP, show_default=False),
         device: str = typer.Option("auto", "--device", help="auto (cuda when present, else cpu), cpu or cuda.", rich_help_panel=SWEEP),
-        kv_cache_memory: str = typer.Option(None, "--kv-cache-memory", help="KV-cache size, e.g. 4GiB (default: the engine's).", rich_help_panel=SWEEP, show_default=False),
+        kv_cache_memory: str = typer.Option(None, "--kv-cache-memory", help="KV-cache size, e.g. 4GiB (default: what the largest point needs).", rich_help_panel=SWEEP, show_default=False),
         seed: int = typer.Option(0, "--seed", help="Seed of the random prompts.", rich_help_panel=SWEEP),
         estimate: bool = typer.Option(False, "--estimate", help="Estimate from config.json alone (no weights loaded).", rich_help_panel=ESTIMATE),
         group_size: str = typer.Option("128", "--group-size", help="int8/int4 group size along the input dimension, or 'channel'.", rich_help_panel=ESTIMATE),
