@@ -8,12 +8,13 @@ directly and runs Wanda/SparseGPT inside the shared layer-by-layer calibration d
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+from llmctl.compress.driver import HessianMethod, calibrate_layers, make_ignore
 from llmctl.compress.sparse.masks import SparsityPattern
 from llmctl.compress.sparse.prune import METHODS, LayerSparsity, needs_calibration, prune_linear
 
@@ -22,7 +23,7 @@ from llmctl.compress.sparse.prune import METHODS, LayerSparsity, needs_calibrati
 class SparsifySettings:
     pattern: SparsityPattern
     method: str = "sparsegpt"
-    ignore: tuple[str, ...] = ()  # fnmatch globs or name suffixes, e.g. "*.down_proj", "layers.0.*"
+    ignore: tuple[str, ...] = ()  # as quantize's --ignore: globs, dotted suffixes ("down_proj", "layers.0.*"), re:REGEX
     percdamp: float = 0.01
     blocksize: int = 128
 
@@ -37,18 +38,14 @@ class Targets:
     skipped: dict[str, str] = field(default_factory=dict)  # linear name -> why it stays dense
 
 
-def ignored(name: str, patterns: tuple[str, ...]) -> bool:
-    """`name` matches a glob whole (`*.mlp.*`) or after some dotted prefix (`down_proj`, `layers.0.*`)."""
-    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, "*." + p) for p in patterns)
-
-
 def target_linears(model: torch.nn.Module, settings: SparsifySettings) -> Targets:
     """Every nn.Linear inside model.model.layers; lm_head and embeddings are never pruned."""
     targets = Targets(names=[])
+    ignored = make_ignore(list(settings.ignore))
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or ".layers." not in f".{name}":
             continue
-        if ignored(name, settings.ignore):
+        if ignored(name):
             targets.skipped[name] = "ignored (--ignore)"
         elif not settings.pattern.fits(module.in_features):
             targets.skipped[name] = f"{module.in_features} inputs are not a multiple of {settings.pattern.m}"
@@ -65,14 +62,22 @@ def sparsify_model(
     settings: SparsifySettings,
     calib_ids: torch.Tensor | None = None,
     progress: ProgressFn | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    checkpoint_dir: Path | None = None,
+    fingerprint: str = "",
 ) -> tuple[list[LayerSparsity], Targets]:
-    """Prune `model` in place; calib_ids [num_samples, seq_len] is required for wanda/sparsegpt."""
+    """Prune `model` in place; calib_ids [num_samples, seq_len] is required for wanda/sparsegpt.
+
+    With `checkpoint_dir`, an interrupted calibrated run with the same `fingerprint` resumes after
+    its last finished decoder layer (the driver's checkpoints)."""
     targets = target_linears(model, settings)
     if not needs_calibration(settings.method):
         return _magnitude(model, settings, targets, progress), targets
     if calib_ids is None:
         raise ValueError(f"{settings.method} needs calibration token ids")
-    return _calibrated(model, settings, targets, calib_ids, progress), targets
+    lines = _calibrated(model, settings, targets, calib_ids, progress, device, checkpoint_dir, fingerprint)
+    return lines, targets
 
 
 def _magnitude(model, settings: SparsifySettings, targets: Targets, progress: ProgressFn | None) -> list[LayerSparsity]:
@@ -89,5 +94,31 @@ def _magnitude(model, settings: SparsifySettings, targets: Targets, progress: Pr
     return lines
 
 
-def _calibrated(model, settings, targets, calib_ids, progress) -> list[LayerSparsity]:
-    raise NotImplementedError("waiting for llmctl.compress.driver")
+def _calibrated(
+    model: torch.nn.Module,
+    settings: SparsifySettings,
+    targets: Targets,
+    calib_ids: torch.Tensor,
+    progress: ProgressFn | None,
+    device: str | torch.device = "cpu",
+    checkpoint_dir: Path | None = None,
+    fingerprint: str = "",
+) -> list[LayerSparsity]:
+    """Wanda/SparseGPT through the shared driver: each linear sees H of its inputs as produced by the
+    already-pruned sub-layers and layers before it."""
+
+    def fn(name: str, linear: torch.nn.Linear, hessian: torch.Tensor) -> LayerSparsity:
+        new, line = prune_linear(
+            name, linear.weight.detach().cpu(), settings.pattern, settings.method, hessian.cpu(),
+            percdamp=settings.percdamp, blocksize=settings.blocksize,
+        )
+        with torch.no_grad():
+            linear.weight.copy_(new.to(linear.weight.device))
+        return line
+
+    wanted = set(targets.names)
+    result = calibrate_layers(
+        model, calib_ids, HessianMethod(fn), device=device, ignore=lambda name: name not in wanted,
+        checkpoint_dir=checkpoint_dir, fingerprint=fingerprint, progress=progress,
+    )
+    return [result.records[name] for name in targets.names if name in result.records]

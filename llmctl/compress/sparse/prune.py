@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from llmctl.compress.hessian import damped_cholesky_inverse, dead_inputs
+from llmctl.compress.quant.layer_methods import relative_output_error
 from llmctl.compress.sparse.magnitude import magnitude_mask
 from llmctl.compress.sparse.masks import SparsityPattern, apply_mask, satisfies_nm, zero_fraction
 from llmctl.compress.sparse.sparsegpt import sparsegpt_prune
@@ -32,6 +33,7 @@ class LayerSparsity:
     sparsity: float  # fraction of exact zeros after pruning
     pattern_ok: bool  # every group satisfies N:M (always True for unstructured)
     loss: float | None = None  # SparseGPT's OBS error estimate, None for the others
+    rel_error: float | None = None  # ||X(W-W')^T||^2 / ||XW^T||^2 on calibration inputs; None without data
 
     def to_dict(self) -> dict:
         return {
@@ -40,6 +42,7 @@ class LayerSparsity:
             "sparsity": round(self.sparsity, 6),
             "pattern_ok": self.pattern_ok,
             **({"obs_loss": self.loss} if self.loss is not None else {}),
+            **({"rel_output_error": round(self.rel_error, 8)} if self.rel_error is not None else {}),
         }
 
 
@@ -61,7 +64,7 @@ def prune_linear(
     """
     if method not in METHODS:
         raise ValueError(f"unknown pruning method {method!r}")
-    loss = None
+    loss = rel_error = None
     w = weight.detach().float()
     if method == "magnitude":
         new = apply_mask(w, magnitude_mask(w, pattern, scope="layer"))
@@ -78,6 +81,7 @@ def prune_linear(
         else:
             res = sparsegpt_prune(w, damped_cholesky_inverse(h, percdamp), pattern, blocksize=blocksize)
             new, loss = res.weight, res.loss
+        rel_error = relative_output_error(weight.detach().float(), new, h.float())
     ok = satisfies_nm(new, pattern.n, pattern.m) if pattern.structured else True  # type: ignore[arg-type]
-    line = LayerSparsity(name, (int(w.shape[0]), int(w.shape[1])), zero_fraction(new), ok, loss)
+    line = LayerSparsity(name, (int(w.shape[0]), int(w.shape[1])), zero_fraction(new), ok, loss, rel_error)
     return new.to(weight.dtype), line
