@@ -1,14 +1,131 @@
-"""`llmctl quantize`: not available yet (see the project's issue tracker)."""
+"""`llmctl quantize`: weight-only AWQ, GPTQ or RTN quantization into compressed-tensors, AWQ or GPTQ folders.
+
+The work is in llmctl.compress.quantize_job; this file parses options, shows progress and prints
+the report (a table, and JSON with --report-json).
+"""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
 import typer
 
-from llmctl.errors import NotImplementedYet
+from llmctl.commands._options import Device, Quiet
+
+HELP = """Quantize MODEL's linear layers to 4 or 8 bits (weights only) with AWQ, GPTQ or RTN.
+
+\b
+Examples:
+  llmctl quantize ../shared/models/tinyshakespeare-5m -o ts-gptq --gptq --group-size 64 \\
+      --calib ../shared/data/tinyshakespeare.txt --num-samples 32 --seq-len 256
+  llmctl quantize ./my-model -o my-model-awq --awq --format awq --calib data.jsonl
+
+\b
+--calib: JSONL (rows with prompt_token_ids, messages, prompt or text), Parquet (the same columns) or
+plain text, cut into --num-samples sequences of --seq-len tokens. Without it a small built-in text is
+used (with a warning). Perplexity before/after is measured on --eval-data, or by default on the last
+10% of the calibration data, which is then not used for calibration.
+Embeddings and lm_head are never quantized; --ignore takes module names, globs or re:REGEX.
+An interrupted run resumes from its last finished layer when rerun with the same arguments.
+"""
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("quantize", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def quantize(ctx: typer.Context) -> None:
-        """Not available yet in this release."""
-        raise NotImplementedYet("'llmctl quantize' is not implemented yet in this release")
+    @app.command("quantize", help=HELP, no_args_is_help=True)
+    def quantize(
+        model: str = typer.Argument(..., help="Model folder (or hub id) to quantize."),
+        output: Path = typer.Option(..., "--output", "-o", help="Output folder for the quantized model."),
+        awq: bool = typer.Option(False, "--awq", help="Activation-aware weight quantization."),
+        gptq: bool = typer.Option(False, "--gptq", help="GPTQ (second-order error feedback, act-order)."),
+        rtn: bool = typer.Option(False, "--rtn", help="Round to nearest (no calibration needed)."),
+        bits: int = typer.Option(4, "--bits", help="4 or 8."),
+        group_size: int = typer.Option(128, "--group-size", help="Input columns per scale/zero group."),
+        symmetric: Optional[bool] = typer.Option(
+            None, "--symmetric/--asymmetric", help="Zero point fixed at the middle (default for GPTQ/RTN) or fitted (AWQ).",
+            show_default=False),
+        calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration data: .jsonl, .parquet or text."),
+        eval_data: Optional[Path] = typer.Option(None, "--eval-data", help="Held-out data for perplexity (same formats)."),
+        num_samples: int = typer.Option(128, "--num-samples", help="Calibration sequences."),
+        seq_len: int = typer.Option(512, "--seq-len", help="Tokens per calibration sequence."),
+        fmt: str = typer.Option("compressed-tensors", "--format", help="compressed-tensors, awq or gptq."),
+        ignore: List[str] = typer.Option([], "--ignore", help="Linear layers to keep unquantized (repeatable)."),
+        act_order: bool = typer.Option(True, "--act-order/--no-act-order", help="GPTQ: columns by decreasing Hessian diagonal."),
+        dampening: float = typer.Option(0.01, "--dampening", help="GPTQ: fraction of the mean Hessian diagonal added."),
+        device: str = Device,
+        report_json: Optional[Path] = typer.Option(None, "--report-json", help="Also write the report as JSON here."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Write into a non-empty output folder."),
+        quiet: bool = Quiet,
+    ) -> None:
+        from llmctl.compress.quantize_job import QuantizeArgs, run_quantize
+        from llmctl.errors import UsageError
+
+        chosen = [m for m, on in (("awq", awq), ("gptq", gptq), ("rtn", rtn)) if on]
+        if len(chosen) != 1:
+            raise UsageError("choose exactly one method: --awq, --gptq or --rtn")
+        args = QuantizeArgs(
+            model=model, output=str(output), method=chosen[0], bits=bits, group_size=group_size, symmetric=symmetric,
+            calib=str(calib) if calib else None, eval_data=str(eval_data) if eval_data else None,
+            num_samples=num_samples, seq_len=seq_len, format=fmt, ignore=list(ignore), device=device,
+            act_order=act_order, dampening=dampening, overwrite=overwrite,
+        )
+        report = _run_with_progress(args, run_quantize, quiet)
+        if report_json:
+            report_json.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        if not quiet:
+            _print_report(report)
+
+
+def _run_with_progress(args, run_quantize, quiet: bool):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    err = Console(stderr=True)
+
+    def warn(msg: str) -> None:
+        err.print(f"[yellow]warning:[/yellow] {msg}")
+
+    if quiet:
+        return run_quantize(args, warn=lambda m: print(f"llmctl: warning: {m}", file=sys.stderr))
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as bar:
+        task = bar.add_task(f"{args.method} layers", total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        return run_quantize(args, progress=progress, warn=warn)
+
+
+def _fmt_size(n: int) -> str:
+    from llmctl.engine.config import format_bytes
+
+    return format_bytes(n)
+
+
+def _print_report(r) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    ppl = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    summary = Table(title=f"llmctl quantize: {r.output}", show_header=False)
+    for k, v in (
+        ("method", f"{r.method} {r.bits}-bit, group {r.group_size}, {'symmetric' if r.symmetric else 'asymmetric'}"),
+        ("format", r.format),
+        ("wall time", f"{r.wall_time_s:.1f} s"),
+        ("size", f"{_fmt_size(r.size_before_bytes)} -> {_fmt_size(r.size_after_bytes)}"),
+        ("perplexity", f"{ppl(r.perplexity_before)} -> {ppl(r.perplexity_after)} ({r.eval_tokens} held-out tokens)"),
+        ("calibration", f"{r.calibration['num_samples']} x {r.calibration['seq_len']} tokens from {r.calibration['source']}"),
+    ):
+        summary.add_row(k, v)
+    con.print(summary)
+    layers = Table(title="per-layer relative output error ||X(W-Q)^T||^2 / ||XW^T||^2")
+    layers.add_column("layer")
+    layers.add_column("shape")
+    layers.add_column("error", justify="right")
+    for row in r.layers:
+        layers.add_row(row["name"], "x".join(map(str, row["shape"])), f"{row['rel_output_error']:.2e}")
+    con.print(layers)
