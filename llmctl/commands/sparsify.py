@@ -1,14 +1,153 @@
-"""`llmctl sparsify`: not available yet (see the project's issue tracker)."""
+"""`llmctl sparsify`: prune a model's linear layers to 2:4, 4:8 or an unstructured sparsity with
+magnitude, Wanda or SparseGPT, optionally followed by quantization (a recipe).
+
+The work is in llmctl.compress.sparse (job.py, recipe.py); this file parses options, shows progress
+and prints the report (a table, and JSON with --report-json).
+"""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
 import typer
 
-from llmctl.errors import NotImplementedYet
+from llmctl.commands._options import Device, Quiet
+
+HELP = """Prune MODEL's decoder linear layers and write a dense checkpoint that stores the zeros.
+
+\b
+Examples:
+  llmctl sparsify ../shared/models/tinyshakespeare-5m -o ts-2of4 --pattern 2:4 --method sparsegpt \\
+      --calib ../shared/data/tinyshakespeare.txt --num-samples 32 --seq-len 256
+  llmctl sparsify ./my-model -o my-model-50 --sparsity 0.5 --method wanda --calib data.jsonl
+  llmctl sparsify ./my-model -o my-model-2of4-w4 --recipe recipes/sparse-2of4-gptq-w4.yaml
+
+\b
+Speed, plainly: there is NO sparse speedup on the CPU; the output is an ordinary dense model with
+zeros and runs at dense speed everywhere by default. vLLM dropped its 2:4 sparse kernels in 2026.
+On NVIDIA Ampere or newer GPUs 2:4 weights can use PyTorch's semi-structured sparse matmuls;
+"up to 2x" holds only for large compatible matmuls, and end-to-end gains measured elsewhere are
+near 1.1x. What pruning buys here is a model that compresses and quantizes well (see --recipe).
+
+\b
+Methods: magnitude (|W|, no data), wanda (|W| x input-channel norm, one calibration pass, no weight
+update), sparsegpt (default: OBS-style pruning with weight updates through the inverse Hessian).
+--pattern N:M keeps at most N non-zeros in every M consecutive inputs (default 2:4); --sparsity F
+prunes the fraction F unstructured instead. Embeddings and lm_head are never pruned; --ignore takes
+module names, globs or re:REGEX. --calib: JSONL, Parquet or plain text (as quantize); perplexity
+before/after is measured on --eval-data or the last 10% of the calibration data. config.json gets a
+`sparsity_config` entry (pattern, method, per-layer sparsity); transformers ignores it.
+An interrupted run resumes from its last finished layer when rerun with the same arguments.
+"""
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("sparsify", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def sparsify(ctx: typer.Context) -> None:
-        """Not available yet in this release."""
-        raise NotImplementedYet("'llmctl sparsify' is not implemented yet in this release")
+    @app.command("sparsify", help=HELP, no_args_is_help=True)
+    def sparsify(
+        model: str = typer.Argument(..., help="Model folder (or hub id) to prune."),
+        output: Path = typer.Option(..., "--output", "-o", help="Output folder for the pruned model."),
+        pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M semi-structured pattern: 2:4 (default) or 4:8.",
+                                              show_default=False),
+        sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Unstructured fraction of zeros instead, e.g. 0.5.",
+                                                 show_default=False),
+        method: Optional[str] = typer.Option(None, "--method", help="magnitude, wanda or sparsegpt (default).",
+                                             show_default=False),
+        calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration data: .jsonl, .parquet or text."),
+        eval_data: Optional[Path] = typer.Option(None, "--eval-data", help="Held-out data for perplexity (same formats)."),
+        num_samples: Optional[int] = typer.Option(None, "--num-samples", help="Calibration sequences [default: 128].",
+                                                  show_default=False),
+        seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per calibration sequence [default: 512].",
+                                              show_default=False),
+        ignore: Optional[List[str]] = typer.Option(None, "--ignore", help="Linear layers to keep dense (repeatable)."),
+        dampening: Optional[float] = typer.Option(None, "--dampening", help="SparseGPT: fraction of the mean Hessian "
+                                                  "diagonal added [default: 0.01].", show_default=False),
+        block_size: Optional[int] = typer.Option(None, "--block-size", help="SparseGPT: columns per mask/update block "
+                                                 "[default: 128].", show_default=False),
+        recipe: Optional[Path] = typer.Option(None, "--recipe", help="YAML recipe (sparsify, then optionally quantize); "
+                                              "flags given here override it."),
+        evaluate: bool = typer.Option(True, "--eval/--no-eval", help="Measure perplexity before and after."),
+        device: str = Device,
+        report_json: Optional[Path] = typer.Option(None, "--report-json", help="Also write the report as JSON here."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Write into a non-empty output folder."),
+        quiet: bool = Quiet,
+    ) -> None:
+        from llmctl.compress.sparse.recipe import load_recipe, merge_args, run_recipe
+
+        loaded = load_recipe(recipe) if recipe is not None else None
+        args = merge_args(loaded, {
+            "model": model, "output": str(output), "pattern": pattern, "sparsity": sparsity, "method": method,
+            "calib": str(calib) if calib else None, "eval_data": str(eval_data) if eval_data else None,
+            "num_samples": num_samples, "seq_len": seq_len, "ignore": list(ignore) if ignore else None,
+            "dampening": dampening, "block_size": block_size, "device": device, "evaluate": evaluate,
+            "overwrite": overwrite,
+        }).resolve()
+        report = _run_with_progress(loaded, args, run_recipe, quiet)
+        if report_json:
+            report_json.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        if not quiet:
+            _print_report(report)
+
+
+def _run_with_progress(recipe, args, run_recipe, quiet: bool):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    err = Console(stderr=True)
+
+    def warn(msg: str) -> None:
+        err.print(f"[yellow]warning:[/yellow] {msg}")
+
+    if quiet:
+        return run_recipe(recipe, args, warn=lambda m: print(f"llmctl: warning: {m}", file=sys.stderr))
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                label = f"{args.method} {args.pattern or args.sparsity}" if stage == "sparsify" else "quantize"
+                tasks[stage] = bar.add_task(label, total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        return run_recipe(recipe, args, progress=progress, warn=warn)
+
+
+def _print_report(report) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    r = report.sparsify
+    ppl = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    out = report.quantize.output if report.quantize is not None else r.output
+    summary = Table(title=f"llmctl sparsify: {out}", show_header=False)
+    rows = [
+        ("method", f"{r.method}, pattern {r.pattern}"),
+        ("sparsity", f"{r.global_sparsity:.2%} of pruned linears, {r.model_sparsity:.2%} of all decoder linears"),
+        ("perplexity", f"{ppl(r.perplexity_before)} -> {ppl(r.perplexity_after)} ({r.eval_tokens} held-out tokens)"),
+        ("wall time", f"{r.wall_time_s:.1f} s"),
+    ]
+    if report.quantize is not None:
+        q = report.quantize
+        rows += [
+            ("then quantized", f"{q.method} {q.bits}-bit, group {q.group_size}, {q.format}"),
+            ("perplexity", f"{ppl(q.perplexity_before)} (sparse) -> {ppl(q.perplexity_after)} (sparse + quantized)"),
+            ("zeros kept", "yes, every pruned weight is exactly zero after quantization"),
+        ]
+    rows.append(("speed", r.speed_note))
+    for k, v in rows:
+        summary.add_row(k, v)
+    con.print(summary)
+    layers = Table(title="per layer")
+    for col in ("layer", "shape", "sparsity", "pattern ok", "rel. output error"):
+        layers.add_column(col, justify="left" if col == "layer" else "right")
+    for line in r.layers:
+        err = line.get("rel_output_error")
+        layers.add_row(line["name"], "x".join(map(str, line["shape"])), f"{line['sparsity']:.2%}",
+                       "yes" if line["pattern_ok"] else "NO", "-" if err is None else f"{err:.4g}")
+    con.print(layers)
+    for name, why in r.skipped.items():
+        con.print(f"dense: {name} ({why})")

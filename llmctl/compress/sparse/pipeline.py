@@ -54,6 +54,13 @@ def target_linears(model: torch.nn.Module, settings: SparsifySettings) -> Target
     return targets
 
 
+@dataclass
+class SparsifyResult:
+    lines: list[LayerSparsity]  # one per pruned linear, in forward order
+    targets: Targets
+    resumed_layers: int = 0  # decoder layers taken from an interrupted run's checkpoint
+
+
 ProgressFn = Callable[[int, int], None]  # (layers done, layers total)
 
 
@@ -66,18 +73,18 @@ def sparsify_model(
     device: str | torch.device = "cpu",
     checkpoint_dir: Path | None = None,
     fingerprint: str = "",
-) -> tuple[list[LayerSparsity], Targets]:
+) -> SparsifyResult:
     """Prune `model` in place; calib_ids [num_samples, seq_len] is required for wanda/sparsegpt.
 
     With `checkpoint_dir`, an interrupted calibrated run with the same `fingerprint` resumes after
     its last finished decoder layer (the driver's checkpoints)."""
     targets = target_linears(model, settings)
     if not needs_calibration(settings.method):
-        return _magnitude(model, settings, targets, progress), targets
+        return SparsifyResult(_magnitude(model, settings, targets, progress), targets)
     if calib_ids is None:
         raise ValueError(f"{settings.method} needs calibration token ids")
-    lines = _calibrated(model, settings, targets, calib_ids, progress, device, checkpoint_dir, fingerprint)
-    return lines, targets
+    lines, resumed = _calibrated(model, settings, targets, calib_ids, progress, device, checkpoint_dir, fingerprint)
+    return SparsifyResult(lines, targets, resumed)
 
 
 def _magnitude(model, settings: SparsifySettings, targets: Targets, progress: ProgressFn | None) -> list[LayerSparsity]:
@@ -103,7 +110,7 @@ def _calibrated(
     device: str | torch.device = "cpu",
     checkpoint_dir: Path | None = None,
     fingerprint: str = "",
-) -> list[LayerSparsity]:
+) -> tuple[list[LayerSparsity], int]:
     """Wanda/SparseGPT through the shared driver: each linear sees H of its inputs as produced by the
     already-pruned sub-layers and layers before it."""
 
@@ -121,4 +128,4 @@ def _calibrated(
         model, calib_ids, HessianMethod(fn), device=device, ignore=lambda name: name not in wanted,
         checkpoint_dir=checkpoint_dir, fingerprint=fingerprint, progress=progress,
     )
-    return [result.records[name] for name in targets.names if name in result.records]
+    return [result.records[name] for name in targets.names if name in result.records], result.resumed_layers
