@@ -14,7 +14,7 @@ from pathlib import Path
 import typer
 
 from llmctl.commands._options import MODEL_HELP
-from llmctl.errors import UsageError
+from llmctl.errors import LlmctlError, UsageError
 
 SWEEP, ESTIMATE, COMPARE, COMMON = "Measured sweep", "Estimate (--estimate)", "Compare (profile compare A B)", "Common"
 
@@ -92,8 +92,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         targets = targets or []
         if targets and targets[0] == "compare":
-            code = _run_compare(targets[1:], threshold, stat)
-            raise typer.Exit(code)
+            _run_compare(targets[1:], threshold, stat)
+            return
         if len(targets) > 1:
             raise UsageError(f"profile takes one MODEL, got {len(targets)} ({' '.join(targets)}); "
                              "to compare two records use: llmctl profile compare A.json B.json")
@@ -124,6 +124,16 @@ def _size(n: float | None) -> str:
     if n is None:
         return "-"
     return f"{n / 1e9:.2f} GB ({format_bytes(n)})" if n >= 1e8 else format_bytes(n)
+
+
+def _console(min_width: int = 80):
+    """A console at least `min_width` wide, so wide tables stay whole in CI logs and pipes."""
+    from rich.console import Console
+
+    console = Console()
+    if console.width < min_width:
+        console = Console(width=min_width)
+    return console
 
 
 def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
@@ -211,7 +221,8 @@ def _run_estimate(target: str, *, dtype: str, group_size: str, kv_dtype: str | N
         write_json(record, json_path)
 
 
-def _run_compare(files: list[str], threshold: str, stat: str) -> int:
+def _run_compare(files: list[str], threshold: str, stat: str) -> None:
+    """Print the table; raise LlmctlError (exit 1) when B regresses beyond the threshold."""
     from rich.console import Console
     from rich.table import Table
 
@@ -230,7 +241,7 @@ def _run_compare(files: list[str], threshold: str, stat: str) -> int:
         verdict = "[red]REGRESSION[/red]" if d.regression else ""
         table.add_row(*(str(x) for x in d.point), d.metric, "lower" if d.lower_is_better else "higher",
                       _num(d.a), _num(d.b), "-" if ratio is None else f"{ratio:.3f}", verdict)
-    console = Console()
+    console = _console(120)
     console.print(table)
     for label, keys in (("only in A", result.only_in_a), ("only in B", result.only_in_b)):
         if keys:
@@ -238,9 +249,9 @@ def _run_compare(files: list[str], threshold: str, stat: str) -> int:
     if not result.deltas:
         raise UsageError("the two records share no (batch, prompt, gen) point; nothing to compare")
     n = len(result.regressions)
-    typer.echo(f"{n} regression(s) beyond {result.threshold:.1%}" if n else f"no regression beyond {result.threshold:.1%}",
-               err=True)
-    return 1 if n else 0
+    if n:
+        raise LlmctlError(f"{n} regression(s) of B beyond {result.threshold:.1%} ({stat})")
+    typer.echo(f"no regression beyond {result.threshold:.1%} ({stat})", err=True)
 
 
 def _num(x: float | None) -> str:
@@ -341,4 +352,4 @@ def _print_sweep(record: dict) -> None:
                       p50(p, "decode_tokens_per_s_per_sequence"), p50(p, "prefill_tokens_per_s"),
                       "-" if mem is None else f"{mem / 2**20:.0f}", str(p.get("kv_blocks_used") or "-"),
                       "-" if p.get("mbu") is None else f"{p['mbu']:.1%}", "-" if p.get("mfu") is None else f"{p['mfu']:.1%}")
-    Console().print(table)
+    _console(140).print(table)
