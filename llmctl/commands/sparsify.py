@@ -16,31 +16,38 @@ import typer
 
 from llmctl.commands._options import Device, Quiet
 
-HELP = """Prune MODEL's decoder linear layers and write a dense checkpoint that stores the zeros.
+HELP = """Prune MODEL's decoder linears; write a dense checkpoint storing the zeros.
 
 \b
 Examples:
-  llmctl sparsify ../shared/models/tinyshakespeare-5m -o ts-2of4 --pattern 2:4 --method sparsegpt \\
-      --calib ../shared/data/tinyshakespeare.txt --num-samples 32 --seq-len 256
-  llmctl sparsify ./my-model -o my-model-50 --sparsity 0.5 --method wanda --calib data.jsonl
-  llmctl sparsify ./my-model -o my-model-2of4-w4 --recipe recipes/sparse-2of4-gptq-w4.yaml
+  llmctl sparsify ../shared/models/tinyshakespeare-5m -o ts-2of4 \\
+      --pattern 2:4 --method sparsegpt \\
+      --calib ../shared/data/tinyshakespeare.txt --num-samples 32
+  llmctl sparsify ./my-model -o my-model-50 --sparsity 0.5 --method wanda
+  llmctl sparsify ./my-model -o my-model-2of4-w4 \\
+      --recipe recipes/sparse-2of4-gptq-w4.yaml
 
-\b
-Speed, plainly: there is NO sparse speedup on the CPU; the output is an ordinary dense model with
-zeros and runs at dense speed everywhere by default. vLLM dropped its 2:4 sparse kernels in 2026.
-On NVIDIA Ampere or newer GPUs 2:4 weights can use PyTorch's semi-structured sparse matmuls;
-"up to 2x" holds only for large compatible matmuls, and end-to-end gains measured elsewhere are
-near 1.1x. What pruning buys here is a model that compresses and quantizes well (see --recipe).
+Speed, plainly: there is NO sparse speedup on the CPU. The output is an
+ordinary dense model with zeros and runs at dense speed by default.
+vLLM dropped its 2:4 sparse kernels in 2026. On NVIDIA Ampere or newer,
+2:4 weights can use PyTorch's semi-structured sparse matmuls, but "up to
+2x" holds only for large compatible matmuls; end-to-end gains measured
+elsewhere are near 1.1x. Pruning mainly buys a model that compresses and
+quantizes well (see --recipe).
 
-\b
-Methods: magnitude (|W|, no data), wanda (|W| x input-channel norm, one calibration pass, no weight
-update), sparsegpt (default: OBS-style pruning with weight updates through the inverse Hessian).
---pattern N:M keeps at most N non-zeros in every M consecutive inputs (default 2:4); --sparsity F
-prunes the fraction F unstructured instead. Embeddings and lm_head are never pruned; --ignore takes
-module names, globs or re:REGEX. --calib: JSONL, Parquet or plain text (as quantize); perplexity
-before/after is measured on --eval-data or the last 10% of the calibration data. config.json gets a
-`sparsity_config` entry (pattern, method, per-layer sparsity); transformers ignores it.
-An interrupted run resumes from its last finished layer when rerun with the same arguments.
+Methods: magnitude (|W|, no data); wanda (|W| x input-channel norm, no
+weight update); sparsegpt (default: OBS-style pruning that updates the
+remaining weights through the inverse Hessian).
+
+--pattern N:M keeps at most N non-zeros in every M consecutive inputs
+(default 2:4); --sparsity F prunes the fraction F, unstructured.
+Embeddings and lm_head are never pruned; --ignore takes module names,
+globs or re:REGEX. --calib: JSONL, Parquet or plain text, as in quantize.
+Perplexity before/after uses --eval-data or the last 10% of the
+calibration data. config.json gets a sparsity_config entry (pattern,
+method, per-layer sparsity), which transformers ignores. An interrupted
+run resumes from its last finished layer when rerun with the same
+arguments.
 """
 
 
@@ -57,15 +64,15 @@ def register(app: typer.Typer) -> None:
                                              show_default=False),
         calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration data: .jsonl, .parquet or text."),
         eval_data: Optional[Path] = typer.Option(None, "--eval-data", help="Held-out data for perplexity (same formats)."),
-        num_samples: Optional[int] = typer.Option(None, "--num-samples", help="Calibration sequences [default: 128].",
+        num_samples: Optional[int] = typer.Option(None, "--num-samples", help="Calibration sequences (default 128).",
                                                   show_default=False),
-        seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per calibration sequence [default: 512].",
+        seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per calibration sequence (default 512).",
                                               show_default=False),
         ignore: Optional[List[str]] = typer.Option(None, "--ignore", help="Linear layers to keep dense (repeatable)."),
         dampening: Optional[float] = typer.Option(None, "--dampening", help="SparseGPT: fraction of the mean Hessian "
-                                                  "diagonal added [default: 0.01].", show_default=False),
+                                                  "diagonal added (default 0.01).", show_default=False),
         block_size: Optional[int] = typer.Option(None, "--block-size", help="SparseGPT: columns per mask/update block "
-                                                 "[default: 128].", show_default=False),
+                                                 "(default 128).", show_default=False),
         recipe: Optional[Path] = typer.Option(None, "--recipe", help="YAML recipe (sparsify, then optionally quantize); "
                                               "flags given here override it."),
         evaluate: bool = typer.Option(True, "--eval/--no-eval", help="Measure perplexity before and after."),
