@@ -1,0 +1,105 @@
+"""`llmctl run-batch` end to end on the real engine and the embedded demo model (float32, greedy, CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import llmctl.commands.run_batch as rb
+from llmctl.batch.journal import state_path
+from llmctl.cli import main
+
+ENGINE_ARGS = ["--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "16MiB", "--max-model-len", "48",
+               "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-tokens", "4", "-q"]
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_bytes().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy continuations computed straight through the engine, without run-batch."""
+    from llmctl.engine.config import EngineConfig
+    from llmctl.engine.params import SamplingParams
+    from llmctl.runtime.loader import load_runtime
+
+    rt = load_runtime(None, dtype="float32", device="cpu", engine_config=EngineConfig(kv_cache_memory=16 << 20))
+    prompts = {"romeo": rt.encode("ROMEO:"), "juliet": rt.encode("JULIET:"),
+               "chat": rt.apply_chat_template([{"role": "user", "content": "Who art thou?"}])}
+    engine, got = rt.engine, {}
+    for name, ids in prompts.items():
+        engine.add_request(name, ids, SamplingParams(max_tokens=4 if name != "juliet" else 2, temperature=0.0))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id] = (out.output_token_ids, out.text, len(out.prompt_token_ids))
+    return got
+
+
+def test_demo_model_rows_match_the_engine_and_bad_rows_are_reported(tmp_path, reference):
+    inp = tmp_path / "in.jsonl"
+    rows = [{"id": "r", "prompt": "ROMEO:"},
+            {"id": "c", "messages": [{"role": "user", "content": "Who art thou?"}]},
+            {"id": "j", "prompt": "JULIET:", "max_tokens": 2},
+            {"id": "long", "prompt": "ROMEO: " * 40},  # longer than --max-model-len 48
+            {"id": "role", "messages": [{"role": "narrator", "content": "x"}]}]
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    summary = tmp_path / "s.json"
+    assert main(["run-batch", str(inp), "-o", str(out), "--include-token-ids", "--summary-json", str(summary),
+                 *ENGINE_ARGS]) == 0
+    r, c, j, long, role = read_jsonl(out)
+    for row, name in ((r, "romeo"), (c, "chat"), (j, "juliet")):
+        ids, text, n_prompt = reference[name]
+        assert row["token_ids"] == ids and row["text"] == text and row["error"] is None
+        assert row["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": len(ids)}
+    assert len(j["token_ids"]) == 2 and r["finish_reason"] == "length"
+    assert long["error"]["code"] == "prompt_too_long" and long["text"] is None
+    assert role["error"]["code"] == "unknown_role"
+    s = json.loads(summary.read_text())
+    assert s["rows"] == 5 and s["errors"] == 2 and s["output_tokens"] == 10 and s["ttft_s"]["p50"] > 0
+
+
+def test_openai_chat_request_on_the_demo_model(tmp_path, reference):
+    inp = tmp_path / "batch.jsonl"
+    inp.write_text(json.dumps({"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions",
+                               "body": {"model": "demo", "messages": [{"role": "user", "content": "Who art thou?"}]}}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["run-batch", str(inp), "-o", str(out), *ENGINE_ARGS]) == 0
+    (line,) = read_jsonl(out)
+    body = line["response"]["body"]
+    assert line["custom_id"] == "q1" and line["response"]["status_code"] == 200
+    assert body["choices"][0]["message"]["content"] == reference["chat"][1]
+    assert body["usage"]["completion_tokens"] == 4
+
+
+def test_interrupted_real_run_resumes_to_the_same_bytes(tmp_path, monkeypatch):
+    inp = tmp_path / "in.jsonl"
+    names = ["ROMEO", "JULIET", "NURSE", "FRIAR", "PRINCE"]
+    inp.write_text("".join(json.dumps({"prompt": f"{n}:", "max_tokens": 1 + i % 3}) + "\n" for i, n in enumerate(names)))
+    ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
+    assert main(["run-batch", str(inp), "-o", str(ref), "--max-in-flight", "2", *ENGINE_ARGS]) == 0
+
+    load = rb._load_runtime
+
+    def load_and_interrupt(*a, **k):  # the real engine, stopped by a Ctrl-C at its 3rd step
+        runtime = load(*a, **k)
+        engine, step, calls = runtime.engine, runtime.engine.step, []
+
+        def interrupting_step():
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return step()
+
+        monkeypatch.setattr(engine, "step", interrupting_step)
+        return runtime
+
+    monkeypatch.setattr(rb, "_load_runtime", load_and_interrupt)
+    assert main(["run-batch", str(inp), "-o", str(out), "--max-in-flight", "2", *ENGINE_ARGS]) == 130
+    state = json.loads(state_path(out).read_text())
+    assert 0 < state["stats"]["rows"] < len(names)
+    monkeypatch.setattr(rb, "_load_runtime", load)
+    assert main(["run-batch", str(inp), "-o", str(out), "--max-in-flight", "2", *ENGINE_ARGS]) == 0
+    assert out.read_bytes() == ref.read_bytes()
