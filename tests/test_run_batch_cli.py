@@ -207,3 +207,46 @@ def test_help_documents_exit_codes_and_an_example(capsys):
     assert main(["run-batch", "--help"]) == 0
     text = capsys.readouterr().out
     assert "Exit codes" in text and "130" in text and "--max-errors" in text and "llmctl run-batch examples/" in text
+
+
+def test_parquet_output_resumes_through_its_journal(tmp_path, engines):
+    import pyarrow.parquet as pq
+
+    inp = write_jsonl(tmp_path / "in.jsonl", prompts(60))
+    ref, out = tmp_path / "ref.parquet", tmp_path / "out.parquet"
+    assert main(["run-batch", str(inp), "-o", str(ref), "-q"]) == 0
+    engines.append(InterruptAt(20))
+    assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 130
+    assert journal_path(out).exists() and not out.exists()
+    assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 0
+    assert pq.read_table(str(out)).to_pylist() == pq.read_table(str(ref)).to_pylist()
+    assert not journal_path(out).exists()
+
+
+def test_resume_refused_when_the_input_changed(tmp_path, engines, capsys):
+    inp = write_jsonl(tmp_path / "in.jsonl", prompts(30))
+    out = tmp_path / "out.jsonl"
+    engines.append(InterruptAt(5))
+    assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 130
+    write_jsonl(inp, prompts(31))
+    capsys.readouterr()
+    assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 2
+    assert "input_bytes" in capsys.readouterr().err
+
+
+def test_sampling_defaults_and_row_overrides_reach_the_engine(tmp_path, engines):
+    seen = []
+
+    class Recording(FakeEngine):
+        def add_request(self, rid, ids, params):
+            seen.append(params)
+            super().add_request(rid, ids, params)
+
+    engines.append(Recording())
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "b", "top_k": 3, "stop": "x", "max_tokens": 2}])
+    assert main(["run-batch", str(inp), "-o", str(tmp_path / "o.jsonl"), "-q", "--max-tokens", "5", "--top-k", "7",
+                 "--stop", "\n\n", "--stop", "END", "--repetition-penalty", "1.2", "--ignore-eos", "--min-p", "0.1"]) == 0
+    a, b = seen
+    assert (a.max_tokens, a.top_k, a.stop, a.repetition_penalty, a.ignore_eos, a.min_p, a.temperature) == \
+        (5, 7, ["\n\n", "END"], 1.2, True, 0.1, 0.0)
+    assert (b.max_tokens, b.top_k, b.stop) == (2, 3, ["x"])
