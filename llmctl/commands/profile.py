@@ -49,15 +49,9 @@ def _int_list(text: str, option: str) -> list[int]:
 
 
 def _resolve_device(device: str) -> str:
-    import torch
+    from llmctl.runtime.loader import resolve_device
 
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError("--device cuda requested but no CUDA device is available")
-    if device != "cpu" and not device.startswith("cuda"):
-        raise UsageError(f"unknown --device {device!r}; use auto, cpu or cuda")
-    return device
+    return resolve_device(device)
 
 
 def register(app: typer.Typer) -> None:
@@ -223,7 +217,6 @@ def _run_estimate(target: str, *, dtype: str, group_size: str, kv_dtype: str | N
 
 def _run_compare(files: list[str], threshold: str, stat: str) -> None:
     """Print the table; raise LlmctlError (exit 1) when B regresses beyond the threshold."""
-    from rich.console import Console
     from rich.table import Table
 
     from llmctl.profiling.compare import compare_records, parse_threshold
@@ -300,8 +293,9 @@ def _run_sweep(target: str | None, *, batch_sizes: list[int], prompt_lens: list[
         if not quiet and point is not None:
             typer.echo(f"[{i + 1}/{n}] batch {point.batch_size}, prompt {point.prompt_len}, gen {point.gen_len}", err=True)
 
+    facts = model_facts(runtime.model, runtime.config, kv_dtype)
     try:
-        points = run_sweep(engine, settings, model_facts(runtime.model, runtime.config, kv_dtype), peaks, progress)
+        points = run_sweep(engine, settings, facts, peaks, progress)
     except RequestError as e:
         raise UsageError(f"the engine refused a sweep request: {e.message} (raise --kv-cache-memory?)") from None
     cfg = engine.engine_config
@@ -315,6 +309,8 @@ def _run_sweep(target: str | None, *, batch_sizes: list[int], prompt_lens: list[
                   "warmup": warmup, "seed": seed},
         machine_peaks=peaks.to_dict() if peaks else None, points=points,
     )
+    record["model_facts"] = {"num_parameters": runtime.config.num_parameters(), "weight_bytes": facts.weight_bytes,
+                             "kv_bytes_per_token": facts.kv_bytes_per_token, "kv_dtype": kv_dtype}
     if json_path:
         report.write_json(record, json_path)
     if csv_path:
@@ -330,7 +326,6 @@ def _run_sweep(target: str | None, *, batch_sizes: list[int], prompt_lens: list[
 
 
 def _print_sweep(record: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     env = record["environment"]

@@ -127,10 +127,11 @@ def plot(record: dict[str, Any], path: Path) -> None:
     series: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for p in record["points"]:
         series.setdefault((p["prompt_len"], p["gen_len"]), []).append(p)
-    panels = [("decode_tokens_per_s", "Decode throughput (tokens/s, all sequences)", 1.0),
-              ("ttft_s", "Time to first token (ms)", 1e3), ("tpot_s", "Time per output token (ms)", 1e3)]
+    panels = [("decode_tokens_per_s", "Decode throughput, all sequences", "tokens/s", 1.0),
+              ("ttft_s", "Time to first token (TTFT)", "ms", 1e3),
+              ("tpot_s", "Time per output token (TPOT)", "ms", 1e3)]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
-    for ax, (metric, title, scale) in zip(axes, panels):
+    for ax, (metric, title, unit, scale) in zip(axes, panels):
         for (prompt_len, gen_len), pts in sorted(series.items()):
             pts = sorted(pts, key=lambda p: p["batch_size"])
             xs = [p["batch_size"] for p in pts]
@@ -145,12 +146,13 @@ def plot(record: dict[str, Any], path: Path) -> None:
             ax.set_xscale("log", base=2)
         ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
         ax.set_xlabel("batch size (concurrent sequences)")
-        ax.set_title(title)
+        ax.set_title(f"{title} (higher is better)" if unit == "tokens/s" else f"{title} (lower is better)")
+        ax.set_ylabel(unit)
         ax.grid(True, alpha=0.3)
         ax.set_ylim(bottom=0)
     axes[0].legend(fontsize=8)
     env = record.get("environment") or {}
-    where = env.get("gpu_name") or f"{env.get('cpu_model')}, {env.get('cpu_threads')} threads"
+    where = env.get("gpu_name") or f"{env.get('cpu_model')}, threads: {env.get('cpu_threads')}"
     fig.suptitle(f"llmctl profile: {record['model']} on {env.get('device')} ({where}), dtype {env.get('dtype')} "
                  f"- lines p50, bands p50..p90 over repeats", fontsize=10)
     fig.tight_layout()
