@@ -170,3 +170,20 @@ def test_sweep_rejects_bad_lists_and_too_long(capsys):
     assert main(["profile", "--prompt-lens", "100000", "--batch-sizes", "1", "--gen-lens", "1", "-q"]) == 2
     assert "exceeds the model's context" in capsys.readouterr().err
     assert main(["profile", "a", "b"]) == 2
+
+
+def test_one_token_outputs_have_no_tpot_and_still_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from llmctl.profiling import report
+
+    engine = FakeEngine()
+    settings = sweep.SweepSettings(points=sweep.grid([1, 2], [4], [1, 5]), repeat=1, warmup=0, vocab_size=9)
+    points = sweep.run_sweep(engine, settings)
+    one = [p for p in points if p["gen_len"] == 1]
+    assert all(p["tpot_s"] is None and p["decode_tokens_per_s"] is None and p["ttft_s"]["p50"] > 0 for p in one)
+    env = {"device": "cpu", "cpu_model": "fake", "cpu_threads": 1, "dtype": "float32"}
+    record = report.sweep_record("fake", env, {}, {"repeat": 1}, None, points)
+    report.plot(record, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    report.write_csv(record, tmp_path / "p.csv")
+    assert (tmp_path / "p.csv").read_text().count("\n") == 5

@@ -115,6 +115,10 @@ def markdown(record: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _nan(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
 def plot(record: dict[str, Any], path: Path) -> None:
     """PNG: decode and output throughput, TTFT and TPOT against batch size, one line per (prompt, gen)."""
     try:
@@ -135,12 +139,10 @@ def plot(record: dict[str, Any], path: Path) -> None:
         for (prompt_len, gen_len), pts in sorted(series.items()):
             pts = sorted(pts, key=lambda p: p["batch_size"])
             xs = [p["batch_size"] for p in pts]
-            ys = [_stat(p, metric, scale=scale) for p in pts]
-            lo = [_stat(p, metric, "p50", scale) for p in pts]
-            hi = [_stat(p, metric, "p90", scale) for p in pts]
+            ys = [_nan(_stat(p, metric, scale=scale)) for p in pts]  # None (e.g. TPOT of 1-token outputs) -> gap
+            hi = [_nan(_stat(p, metric, "p90", scale)) for p in pts]
             line, = ax.plot(xs, ys, marker="o", label=f"prompt {prompt_len}, gen {gen_len}")
-            if None not in lo and None not in hi:
-                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
+            ax.fill_between(xs, ys, hi, color=line.get_color(), alpha=0.15)
         batch_sizes = sorted({p["batch_size"] for p in record["points"]})
         if len(batch_sizes) > 1 and batch_sizes[0] > 0:
             ax.set_xscale("log", base=2)

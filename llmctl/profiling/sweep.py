@@ -42,7 +42,8 @@ FORMULAS = {
                    "linear interpolation between closest ranks (numpy's default)",
     "peak_memory_bytes": "CUDA: torch.cuda.max_memory_allocated over the point's repeats; "
                          "CPU: peak resident set size (VmHWM, reset per point when /proc/self/clear_refs allows)",
-    "kv_blocks_used": "most KV-cache blocks in use after any engine step during the point",
+    "kv_blocks_used": "most KV-cache blocks in use during any engine step of the point (the engine's peak counter, "
+                      "reset per repeat)",
     "mbu": "(weight_bytes + batch_size x (prompt_len + gen_len / 2) x kv_bytes_per_token) / tpot_s.p50 / "
            "machine memory_bandwidth",
     "mfu": "batch_size x (prompt_len x flops_per_token(prompt_len / 2) + gen_len x flops_per_token(prompt_len + gen_len / 2)) "
@@ -108,29 +109,28 @@ def random_prompts(rng: random.Random, batch_size: int, prompt_len: int, vocab_s
 
 
 def kv_blocks_in_use(engine: Any) -> int | None:
-    """Blocks currently allocated in the engine's paged KV cache, when the engine exposes it."""
+    """Blocks allocated in the engine's paged KV cache right now, when the engine exposes them."""
+    manager = getattr(engine, "block_manager", None)
+    value = getattr(manager, "num_used_blocks", None)
+    value = value() if callable(value) else value
+    return value if isinstance(value, int) else None
+
+
+def _reset_engine_peak(engine: Any) -> bool:
+    """Zero the engine's own peak-blocks counter (LLMEngine.stats.peak_used_blocks, updated inside a step,
+    before finished requests free their blocks); False when the engine has none."""
     stats = getattr(engine, "stats", None)
-    for name in ("kv_blocks_used", "num_used_blocks", "used_blocks"):
-        value = stats.get(name) if isinstance(stats, dict) else getattr(stats, name, None)
-        if isinstance(value, int):
-            return value
-    manager = getattr(engine, "block_manager", None) or getattr(getattr(engine, "scheduler", None), "block_manager", None)
-    for name in ("num_used_blocks", "used_blocks"):
-        value = getattr(manager, name, None)
-        value = value() if callable(value) else value
-        if isinstance(value, int):
-            return value
-    total, free = getattr(manager, "num_blocks", None), getattr(manager, "num_free_blocks", None)
-    free = free() if callable(free) else free
-    if isinstance(total, int) and isinstance(free, int):
-        return total - free
-    return None
+    if isinstance(getattr(stats, "peak_used_blocks", None), int):
+        stats.peak_used_blocks = 0
+        return True
+    return False
 
 
 def run_repeat(engine: Engine, point: SweepPoint, rng: random.Random, vocab_size: int, tag: str) -> RepeatResult:
     """Add the point's requests at once and step the engine until all finish."""
     params = SamplingParams(max_tokens=point.gen_len, temperature=0.0, ignore_eos=True)
     prompts = random_prompts(rng, point.batch_size, point.prompt_len, vocab_size)
+    engine_peak = _reset_engine_peak(engine)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
@@ -138,10 +138,13 @@ def run_repeat(engine: Engine, point: SweepPoint, rng: random.Random, vocab_size
     most_blocks: int | None = None
     while engine.has_unfinished_requests():
         outputs.extend(engine.step())
-        used = kv_blocks_in_use(engine)
+        used = kv_blocks_in_use(engine)  # after the step: finished requests have already freed theirs
         if used is not None:
             most_blocks = used if most_blocks is None else max(most_blocks, used)
-    return RepeatResult(outputs, time.perf_counter() - start, most_blocks)
+    wall = time.perf_counter() - start
+    if engine_peak:
+        most_blocks = max(most_blocks or 0, engine.stats.peak_used_blocks)
+    return RepeatResult(outputs, wall, most_blocks)
 
 
 def percentile(values: list[float], q: float) -> float:
