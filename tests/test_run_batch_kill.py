@@ -130,3 +130,15 @@ def test_stdin_to_stdout(job):
     assert rc == 0, err
     assert out == ref.read_bytes()
     assert err == b""  # --quiet: nothing on stderr
+
+
+def test_reader_closing_stdout_stops_the_job_cleanly(tmp_path):
+    inp = tmp_path / "big.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": f"row {i}", "max_tokens": 3}) + "\n" for i in range(3000)))
+    p = child([str(inp), "-o", "-", "-q"], stdin=subprocess.DEVNULL)
+    first = p.stdout.readline()  # like `| head -1`
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=60) == 130
+    assert json.loads(first)["id"] == 1
+    assert b"stdout was closed" in err and b"Traceback" not in err and b"Exception ignored" not in err

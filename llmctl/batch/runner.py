@@ -199,6 +199,10 @@ def _serve(opts, source, out: Path | None, parquet: bool, state: JobState, defau
     ui.start(rows_total, stats.rows)
     try:
         job.run()
+    except BrokenPipeError:  # `-o - | head`: the reader has gone
+        ui.stop()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # no second BrokenPipeError when Python flushes stdout at exit
+        raise BatchInterrupted(f"stdout was closed after {job.stats.rows} rows; stopping") from None
     except KeyboardInterrupt:
         ui.stop()  # before the message, so it is not drawn over
         if out is None:
