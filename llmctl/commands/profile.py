@@ -99,9 +99,9 @@ def register(app: typer.Typer) -> None:
         if estimate:
             if target is None:
                 raise UsageError("--estimate needs a model folder, config.json or hub id")
-            _run_estimate(target, dtype=dtype, group_size=group_size, kv_dtype=kv_dtype, seq_len=seq_len,
-                                  batch=batch, memory=memory, bandwidth=bandwidth,
-                                  quantize_embeddings=quantize_embeddings, json_path=json_path)
+            _run_estimate(target, dtype=dtype, group_size=group_size, kv_dtype=kv_dtype, seq_len=seq_len, batch=batch,
+                          memory=memory, bandwidth=bandwidth, quantize_embeddings=quantize_embeddings,
+                          json_path=json_path)
             return
         _run_sweep(
             target, batch_sizes=_int_list(batch_sizes, "--batch-sizes"), prompt_lens=_int_list(prompt_lens, "--prompt-lens"),
@@ -256,7 +256,6 @@ def _run_sweep(target: str | None, *, batch_sizes: list[int], prompt_lens: list[
                dtype: str, device: str, kv_cache_memory: str | None, seed: int, quiet: bool) -> None:
     import torch
 
-    from llmctl.engine.config import EngineConfig, parse_bytes
     from llmctl.errors import RequestError
     from llmctl.profiling import report
     from llmctl.profiling.environment import environment
@@ -264,25 +263,17 @@ def _run_sweep(target: str | None, *, batch_sizes: list[int], prompt_lens: list[
     from llmctl.profiling.sweep import SweepSettings, grid, model_facts, run_sweep
     from llmctl.runtime.loader import load_runtime
 
-    if plot_path is not None:  # fail before the sweep, not after it
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UsageError("--plot needs matplotlib: pip install 'llmctl[plot]' (or pip install matplotlib)") from None
-    block = EngineConfig().block_size
+    import importlib.util
+
+    if plot_path is not None and importlib.util.find_spec("matplotlib") is None:  # fail before the sweep
+        raise UsageError("--plot needs matplotlib: pip install 'llmctl[plot]' (or pip install matplotlib)")
     longest = max(prompt_lens) + max(gen_lens)
     runtime = load_runtime(target, dtype=dtype, device=device)
     if longest > runtime.config.max_position_embeddings:
         raise UsageError(f"prompt + generation length {longest} exceeds the model's context "
                          f"({runtime.config.max_position_embeddings} tokens)")
-    from llmctl.profiling.estimate import kv_bytes_per_sequence
-
     kv_dtype = {torch.float32: "fp32", torch.float16: "fp16"}.get(runtime.dtype, "bf16")
-    need = max(batch_sizes) * kv_bytes_per_sequence(runtime.config, longest + block, kv_dtype, block)
-    runtime.engine_config = EngineConfig(
-        kv_cache_memory=parse_bytes(kv_cache_memory) if kv_cache_memory else need,
-        max_num_seqs=max(max(batch_sizes), EngineConfig().max_num_seqs), seed=seed,
-    )
+    runtime.engine_config = _engine_config(runtime.config, kv_dtype, max(batch_sizes), longest, kv_cache_memory, seed)
     engine = runtime.engine
     dtype_name = str(runtime.dtype).replace("torch.", "")
     peaks = cached_peaks(device)
@@ -298,13 +289,8 @@ def _run_sweep(target: str | None, *, batch_sizes: list[int], prompt_lens: list[
         points = run_sweep(engine, settings, facts, peaks, progress)
     except RequestError as e:
         raise UsageError(f"the engine refused a sweep request: {e.message} (raise --kv-cache-memory?)") from None
-    cfg = engine.engine_config
     record = report.sweep_record(
-        model=runtime.model_name, environment=environment(device, dtype_name),
-        engine={"block_size": cfg.block_size, "num_kv_blocks": engine.num_kv_blocks, "kv_cache_bytes": engine.kv_cache_bytes,
-                "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-                "enable_prefix_caching": cfg.enable_prefix_caching,
-                "kv_cache_sizing": "--kv-cache-memory" if kv_cache_memory else "largest batch x (prompt + gen + 1 block)"},
+        model=runtime.model_name, environment=environment(device, dtype_name), engine=_engine_info(engine, kv_cache_memory),
         settings={"batch_sizes": batch_sizes, "prompt_lens": prompt_lens, "gen_lens": gen_lens, "repeat": repeat,
                   "warmup": warmup, "seed": seed},
         machine_peaks=peaks.to_dict() if peaks else None, points=points,
@@ -323,6 +309,26 @@ def _run_sweep(target: str | None, *, batch_sizes: list[int], prompt_lens: list[
         _print_sweep(record)
     if peaks is None and not quiet:
         typer.echo("MBU/MFU need this machine's peaks: run `llmctl profile --measure-machine` once", err=True)
+
+
+def _engine_config(config, kv_dtype: str, max_batch: int, longest: int, kv_cache_memory: str | None, seed: int):
+    """Engine settings for a sweep: every sequence of the largest batch fits in the KV cache at once
+    (unless --kv-cache-memory says otherwise) and may run concurrently."""
+    from llmctl.engine.config import EngineConfig, parse_bytes
+    from llmctl.profiling.estimate import kv_bytes_per_sequence
+
+    block = EngineConfig().block_size
+    need = max_batch * kv_bytes_per_sequence(config, longest + block, kv_dtype, block)
+    return EngineConfig(kv_cache_memory=parse_bytes(kv_cache_memory) if kv_cache_memory else need,
+                        max_num_seqs=max(max_batch, EngineConfig().max_num_seqs), seed=seed)
+
+
+def _engine_info(engine, kv_cache_memory: str | None) -> dict:
+    cfg = engine.engine_config
+    return {"block_size": cfg.block_size, "num_kv_blocks": engine.num_kv_blocks, "kv_cache_bytes": engine.kv_cache_bytes,
+            "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "enable_prefix_caching": cfg.enable_prefix_caching,
+            "kv_cache_sizing": "--kv-cache-memory" if kv_cache_memory else "largest batch x (prompt + gen + 1 block)"}
 
 
 def _print_sweep(record: dict) -> None:
