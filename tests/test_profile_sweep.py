@@ -187,3 +187,12 @@ def test_one_token_outputs_have_no_tpot_and_still_plot(tmp_path):
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
     report.write_csv(record, tmp_path / "p.csv")
     assert (tmp_path / "p.csv").read_text().count("\n") == 5
+
+
+def test_plot_without_matplotlib_is_one_line_before_the_sweep(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert main(["profile", "--plot", "x.png", "-q"]) == 2
+    assert "pip install 'llmctl[plot]'" in capsys.readouterr().err
