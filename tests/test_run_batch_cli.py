@@ -250,3 +250,30 @@ def test_sampling_defaults_and_row_overrides_reach_the_engine(tmp_path, engines)
     assert (a.max_tokens, a.top_k, a.stop, a.repetition_penalty, a.ignore_eos, a.min_p, a.temperature) == \
         (5, 7, ["\n\n", "END"], 1.2, True, 0.1, 0.0)
     assert (b.max_tokens, b.top_k, b.stop) == (2, 3, ["x"])
+
+
+def test_rerun_after_max_errors_continues_without_duplicates(tmp_path, engines):
+    rows = [{"prompt": "ok", "max_tokens": 1 + i % 4} if i % 4 else {"prompt": ""} for i in range(40)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    out, ref = tmp_path / "out.jsonl", tmp_path / "ref.jsonl"
+    assert main(["run-batch", str(inp), "-o", str(ref), "-q"]) == 0
+    assert main(["run-batch", str(inp), "-o", str(out), "-q", "--max-errors", "2"]) == 3
+    assert main(["run-batch", str(inp), "-o", str(out), "-q", "--max-errors", "5"]) == 3  # the limit is a total
+    assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 0
+    assert out.read_bytes() == ref.read_bytes()
+
+
+def test_odd_json_values_become_error_rows_or_round_trip(tmp_path, engines):
+    inp = write_jsonl(tmp_path / "in.jsonl", [], raw_lines=[
+        b'{"id": "a\\ud800", "prompt": "x", "max_tokens": 1}',  # lone surrogate in an id: echoed back as an escape
+        b'{"prompt": "x", "temperature": NaN}',
+        b'{"prompt": "\\udc80"}',  # cannot be encoded
+        b'{"prompt": "x", "max_tokens": 1.5}',
+        b'{"prompt": "x", "stop": [1]}',
+    ])
+    out = tmp_path / "out.jsonl"
+    assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 0
+    rows = [json.loads(line) for line in out.read_bytes().decode("utf-8").splitlines()]
+    assert rows[0]["id"] == "a\ud800" and rows[0]["error"] is None
+    assert [r["error"]["code"] for r in rows[1:]] == ["invalid_parameter", "tokenization_failed",
+                                                      "invalid_parameter", "invalid_parameter"]

@@ -13,6 +13,7 @@ and the last row read, so the reorder buffer, the set of rows written ahead of t
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -108,6 +109,7 @@ class BatchJob:
         self._next_read = (start_index, start_position)  # resume point when _order is empty
         self._exhausted = False
         self._since_commit = 0
+        self._busy = False  # True while one row's bookkeeping is half-updated: no commit then
         self.peaks = Peaks()
         self._t0 = self._last_commit = self._last_progress = time.perf_counter()
         self._session_output_tokens = 0
@@ -129,9 +131,12 @@ class BatchJob:
                 elif not admitted:
                     raise RuntimeError("run-batch loop made no progress (engine idle with requests in flight)")
         except AbortedError:
-            raise  # committed by _write before raising
+            raise  # committed by _check_errors before raising
         except BaseException:
-            self._safe_commit()
+            # Ctrl-C can land anywhere; commit only when the bookkeeping is not half-updated (otherwise
+            # the previous commit stays the resume point and the rows after it are served again).
+            if not self._busy:
+                self._safe_commit()
             raise
         self._commit(finished=True)
         self._progress(force=True, finished=True)
@@ -146,6 +151,7 @@ class BatchJob:
                 self._exhausted = True
                 break
             n += 1
+            self._busy = True
             self.peaks.rows_read += 1
             self._order.append(row.index)
             self._positions[row.index] = row.position
@@ -155,8 +161,10 @@ class BatchJob:
                 self._resume_done.discard(row.index)
                 self._written.add(row.index)
                 self._advance()
-                continue
-            self._submit(row)
+            else:
+                self._submit(row)
+            self._busy = False
+            self._check_errors()
         return n
 
     def _submit(self, row: InputRow) -> None:
@@ -204,6 +212,9 @@ class BatchJob:
         values.update(row.overrides)
         if "seed" not in row.overrides and self._defaults.get("seed") is not None:
             values["seed"] = self._defaults["seed"] + row.index
+        for name, v in row.overrides.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                raise RequestError("invalid_parameter", f"{name} must be a finite number, got {v}")
         if not isinstance(values.get("ignore_eos"), bool):
             raise RequestError("invalid_parameter", f"ignore_eos must be true or false, got {values['ignore_eos']!r}")
         try:
@@ -212,6 +223,7 @@ class BatchJob:
             raise RequestError("invalid_parameter", str(e)) from None
 
     def _finish(self, out: Any) -> None:
+        self._busy = True
         row = self._in_flight.pop(out.request_id, None)
         if row is None:
             raise RuntimeError(f"engine returned unknown request {out.request_id!r}")
@@ -220,6 +232,8 @@ class BatchJob:
                                       prompt_tokens=len(out.prompt_token_ids),
                                       completion_tokens=len(out.output_token_ids),
                                       token_ids=list(out.output_token_ids), ttft=out.ttft, tpot=out.tpot))
+        self._busy = False
+        self._check_errors()
 
     # -- ordering and writing -------------------------------------------------------------------
 
@@ -254,15 +268,18 @@ class BatchJob:
         self.stats.add_row(r.prompt_tokens, r.completion_tokens, None if r.error is None else r.error.code, r.ttft, r.tpot)
         self._session_output_tokens += r.completion_tokens
         self._since_commit += 1
+        self._progress()
+
+    def _check_errors(self) -> None:
+        """--max-errors: called between rows, when a commit is consistent."""
         limit = self.settings.max_errors
-        if limit is not None and r.error is not None and self.stats.errors > limit:
+        if limit is not None and self.stats.errors > limit:
             self._commit()
             self._progress(force=True)
             error = AbortedError(f"stopped after {self.stats.errors} failed rows (--max-errors {limit}); "
                                  f"{self.stats.rows} rows are written and kept")
             error.stats = self.stats  # for --summary-json
             raise error
-        self._progress()
 
     # -- commits and progress -------------------------------------------------------------------
 

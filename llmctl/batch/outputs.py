@@ -82,7 +82,9 @@ def openai_record(row: InputRow, result: RowResult, model: str, created: int, in
 
 
 def encode_record(rec: dict) -> bytes:
-    return (json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+    """One JSONL line. A lone surrogate (from a "\\ud800" escape in the input) is written back as the same
+    JSON escape, so the line stays valid UTF-8 and valid JSON."""
+    return (json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8", "backslashreplace")
 
 
 class FileSink:

@@ -89,7 +89,10 @@ def fingerprint(opts: BatchOptions, source_format: str, defaults: SamplingParams
         inp = str(Path(inp).resolve())
         size = os.path.getsize(inp)
     sampling = dataclasses.asdict(defaults)
-    return {"model": opts.model or "(demo model)", "dtype": opts.dtype, "input": inp, "input_bytes": size,
+    model = opts.model or "(demo model)"
+    if opts.model and Path(opts.model).expanduser().is_dir():
+        model = str(Path(opts.model).expanduser().resolve())  # ./m and m are the same model
+    return {"model": model, "dtype": opts.dtype, "input": inp, "input_bytes": size,
             "input_format": source_format, "prompt_column": opts.prompt_column, "id_column": opts.id_column,
             "messages_column": opts.messages_column, "include_token_ids": opts.include_token_ids,
             "ordered": opts.ordered, **{f"sampling.{k}": v for k, v in sampling.items()}}
