@@ -115,14 +115,15 @@ def _load_runtime(model, dtype="auto", device="auto", engine_config=None):
     return load_runtime(model, dtype=dtype, device=device, engine_config=engine_config)
 
 
-def _sigterm_as_interrupt() -> None:
+def _sigterm_as_interrupt():
+    """Treat SIGTERM like Ctrl-C (commit, exit 130); returns the previous handler, or None."""
     def handler(signum, frame):
         raise KeyboardInterrupt
 
     try:
-        signal.signal(signal.SIGTERM, handler)
+        return signal.signal(signal.SIGTERM, handler)
     except ValueError:  # not the main thread (embedded use): leave signals alone
-        pass
+        return None
 
 
 def register(app: typer.Typer) -> None:
@@ -180,7 +181,7 @@ def register(app: typer.Typer) -> None:
             max_in_flight=max_in_flight,
         )
         ui = RichUI(quiet)
-        _sigterm_as_interrupt()
+        previous = _sigterm_as_interrupt()
         try:
             result = run(opts, _load_runtime, ui)
         except AbortedError as e:
@@ -189,6 +190,9 @@ def register(app: typer.Typer) -> None:
             raise
         except KeyboardInterrupt:  # before the job started (e.g. while loading the model)
             raise BatchInterrupted("interrupted before any row was served") from None
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         summary = result.stats.summary()
         ui.summary(summary)
         if summary_json is not None:
