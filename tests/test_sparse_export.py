@@ -30,7 +30,8 @@ def test_saved_sparse_model_loads_in_transformers_with_same_logits(tmp_path):
     src = make_random_model(tmp_path / "src", "llama")
     model, config = load_model(src, "float32", "cpu")
     pattern = parse_pattern("2:4", None)
-    lines, targets = sparsify_model(model, SparsifySettings(pattern, "magnitude"))
+    res = sparsify_model(model, SparsifySettings(pattern, "magnitude"))
+    lines, targets = res.lines, res.targets
     assert len(lines) == 14 and all(line.pattern_ok for line in lines)
     meta = sparsity_config(pattern, "magnitude", {l.name: l.sparsity for l in lines}, [], 0.5)
     out = save_dense_model(model, config.raw, src, tmp_path / "out", {"sparsity_config": meta})
@@ -74,3 +75,30 @@ def test_semi_structured_path_stays_dense_on_cpu(tmp_path):
     half = model.model.layers[0].mlp.up_proj.weight.detach().half()
     assert shape_supported(half)  # [128, 64], 2:4, fp16
     assert not shape_supported(half.float()) and not shape_supported(half[:, :60])
+
+
+def test_semi_structured_decisions_follow_the_timer(tmp_path, monkeypatch):
+    """The CUDA path's choice logic, with the device check, conversion and timing faked on the CPU."""
+    import llmctl.compress.sparse.semi_structured as ss
+
+    src = make_random_model(tmp_path / "src", "llama", hidden_size=64, intermediate_size=128)
+    model, config = load_model(src, "float16", "cpu")
+    res = sparsify_model(model, SparsifySettings(parse_pattern("2:4", None), "magnitude"))
+    monkeypatch.setattr(ss, "semi_structured_support", lambda device: (True, ""))
+    monkeypatch.setattr(torch.sparse, "to_sparse_semi_structured", lambda w: w.clone())
+    calls = []
+
+    def timer(w, tokens):  # [128, 64] gate/up measured faster sparse; [64, 64] and [64, 128] not
+        calls.append(tuple(w.shape))
+        return (2.0, 1.0) if tuple(w.shape) == (128, 64) else (1.0, 1.0)
+
+    names = res.targets.names
+    decisions = ss.accelerate_2of4(model, names, timer=timer)
+    converted = {d.name for d in decisions if d.converted}
+    assert converted == {n for n in names if n.endswith(("gate_proj", "up_proj"))}
+    assert len(calls) == len(set(calls))  # each shape timed once
+    raw = dict(config.raw, sparsity_config=sparsity_config(parse_pattern("2:4", None), "magnitude",
+                                                           {n: 0.5 for n in names}, [], 0.5))
+    assert len(ss.accelerate_from_config(model, raw, timer=timer)) == len(names)
+    raw["sparsity_config"]["pattern"] = "4:8"
+    assert ss.accelerate_from_config(model, raw, timer=timer) == []  # only 2:4 has sparse tensor cores

@@ -134,7 +134,8 @@ def _print_report(report) -> None:
     rows = [
         ("method", f"{r.method}, pattern {r.pattern}"),
         ("sparsity", f"{r.global_sparsity:.2%} of pruned linears, {r.model_sparsity:.2%} of all decoder linears"),
-        ("perplexity", f"{ppl(r.perplexity_before)} -> {ppl(r.perplexity_after)} ({r.eval_tokens} held-out tokens)"),
+        ("perplexity", "not measured (--no-eval)" if r.perplexity_after is None else
+         f"{ppl(r.perplexity_before)} -> {ppl(r.perplexity_after)} ({r.eval_tokens} held-out tokens)"),
         ("wall time", f"{r.wall_time_s:.1f} s"),
     ]
     if report.quantize is not None:
@@ -149,12 +150,21 @@ def _print_report(report) -> None:
         summary.add_row(k, v)
     con.print(summary)
     layers = Table(title="per layer")
-    for col in ("layer", "shape", "sparsity", "pattern ok", "rel. output error"):
-        layers.add_column(col, justify="left" if col == "layer" else "right")
+    for col in ("layer", "linear", "shape", "sparsity", "pattern ok", "rel. output error"):
+        layers.add_column(col, justify="left" if col == "linear" else "right")
     for line in r.layers:
         err = line.get("rel_output_error")
-        layers.add_row(line["name"], "x".join(map(str, line["shape"])), f"{line['sparsity']:.2%}",
+        layer, linear = _split(line["name"])
+        layers.add_row(layer, linear, "x".join(map(str, line["shape"])), f"{line['sparsity']:.2%}",
                        "yes" if line["pattern_ok"] else "NO", "-" if err is None else f"{err:.4g}")
     con.print(layers)
     for name, why in r.skipped.items():
         con.print(f"dense: {name} ({why})")
+
+
+def _split(name: str) -> tuple[str, str]:
+    """model.layers.3.mlp.up_proj -> ("3", "mlp.up_proj"); other names unchanged."""
+    parts = name.split(".")
+    if len(parts) > 3 and parts[1] == "layers":
+        return parts[2], ".".join(parts[3:])
+    return "", name

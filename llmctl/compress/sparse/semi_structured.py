@@ -126,6 +126,22 @@ def accelerate_2of4(
     return decisions
 
 
+def accelerate_from_config(
+    model: torch.nn.Module,
+    raw_config: dict,
+    tokens: int = 256,
+    timer: Callable[[torch.Tensor, int], tuple[float, float]] = time_dense_vs_sparse,
+) -> list[SemiStructuredDecision]:
+    """Engine hook: for a checkpoint whose config.json says `sparsity_config.pattern == "2:4"`, try
+    the semi-structured path on its pruned linears (see accelerate_2of4); otherwise do nothing."""
+    meta = raw_config.get("sparsity_config") or {}
+    if meta.get("pattern") != "2:4" or not meta.get("layers"):
+        return []
+    modules = dict(model.named_modules())
+    names = [n for n in meta["layers"] if isinstance(modules.get(n), torch.nn.Linear)]
+    return accelerate_2of4(model, names, tokens=tokens, timer=timer)
+
+
 def _bench(argv: list[str] | None = None) -> int:
     """Time dense vs 2:4 sparse linears of real model shapes; prints JSON lines (one per case)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
