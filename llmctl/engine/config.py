@@ -22,6 +22,9 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+DEFAULT_KV_CAP = 2 * 1024**3
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -33,7 +36,8 @@ def format_bytes(n: float) -> str:
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
-    kv_cache_memory: int = 2 * 1024**3  # bytes for K and V of all layers
+    # Bytes for K and V of all layers; None: what max_num_seqs full-length sequences need, at most 2 GiB.
+    kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decodes)
     max_num_seqs: int = 256
@@ -47,5 +51,5 @@ class EngineConfig:
             raise UsageError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise UsageError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        if self.kv_cache_memory < 1:
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise UsageError("--kv-cache-memory must be positive")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from llmctl.engine.config import EngineConfig
+from llmctl.engine.config import DEFAULT_KV_CAP, EngineConfig
 from llmctl.engine.scheduler import ScheduledBatch
 from llmctl.engine.sequence import Sequence
 from llmctl.kernels.attention import PagedAttentionMetadata, PrefillChunk
@@ -26,7 +26,12 @@ class ModelRunner:
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.block_size = engine_config.block_size
         self.bytes_per_block = kv_bytes_per_token(config, dtype) * self.block_size
-        self.num_blocks = engine_config.kv_cache_memory // self.bytes_per_block
+        budget = engine_config.kv_cache_memory
+        if budget is None:  # enough for max_num_seqs sequences of full length, capped
+            max_len = min(engine_config.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+            per_seq = -(-max_len // self.block_size) * self.bytes_per_block
+            budget = min(DEFAULT_KV_CAP, engine_config.max_num_seqs * per_seq)
+        self.num_blocks = budget // self.bytes_per_block
         shape = (self.num_blocks, self.block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
