@@ -72,6 +72,20 @@ def test_perplexity_and_kl_by_hand():
     assert perplexity(uniform, ids, 8).perplexity == pytest.approx(v)
 
 
+def test_batched_windows_equal_one_at_a_time(monkeypatch):
+    from llmctl.runtime import evaluate
+
+    torch.manual_seed(1)
+    model, ref = TableModel(torch.randn(11, 11)), TableModel(torch.randn(11, 11))
+    ids = torch.randint(0, 11, (203,)).tolist()
+    batched = perplexity(model, ids, 16, 5, reference=ref)
+    monkeypatch.setattr(evaluate, "LOGITS_BUDGET", 1)  # one window per forward pass
+    single = perplexity(model, ids, 16, 5, reference=ref)
+    assert batched.num_windows == single.num_windows > 30
+    assert batched.perplexity == pytest.approx(single.perplexity, rel=1e-6)
+    assert batched.mean_kl == pytest.approx(single.mean_kl, rel=1e-6)
+
+
 def _hf_strided_perplexity(hf_model, ids: torch.Tensor, seq_len: int, stride: int) -> float:
     """Hugging Face's documented strided-perplexity loop, weighting each window's mean loss by the labels
     it really scores (after transformers' internal shift)."""

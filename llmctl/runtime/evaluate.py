@@ -62,62 +62,81 @@ def plan_windows(num_tokens: int, seq_len: int, stride: int) -> list[Window]:
     return windows
 
 
-def _log_probs(model: Any, ids: Any) -> Any:
-    """ids [S] -> log-softmax of the logits [S, V] in float32."""
+LOGITS_BUDGET = 2**28  # bytes of float32 logits per forward pass; bounds how many windows run together
+
+
+def _log_probs(model: Any, chunks: Any) -> Any:
+    """chunks [B, S] -> log-softmax of the logits [B, S, V] in float32."""
     import torch
 
-    logits = model.forward_dense(ids[None, :])[0]  # [S, V]
-    return torch.log_softmax(logits.float(), dim=-1)
+    return torch.log_softmax(model.forward_dense(chunks).float(), dim=-1)
 
 
-def score_window(model: Any, ids: Any, window: Window, reference: Any | None = None) -> tuple[float, float | None, float | None, int]:
-    """(sum of NLL, sum of KL(ref || model), sum of reference NLL, scored count) over one window's scored tokens."""
+def _groups(windows: list[Window], seq_len: int, vocab_size: int) -> list[list[Window]]:
+    """Consecutive windows of equal length, at most LOGITS_BUDGET bytes of logits per group."""
+    most = max(1, LOGITS_BUDGET // (seq_len * vocab_size * 4))
+    groups: list[list[Window]] = []
+    for w in windows:
+        last = groups[-1] if groups else None
+        if last and len(last) < most and last[0].end - last[0].begin == w.end - w.begin:
+            last.append(w)
+        else:
+            groups.append([w])
+    return groups
+
+
+def _score(logp: Any, chunk: Any, window: Window, ref_logp: Any | None) -> tuple[float, float, float, int]:
+    """(sum NLL, sum KL(ref || model), sum reference NLL, count) over one window's scored tokens.
+
+    logp, ref_logp [S, V] of the window; chunk [S] its token ids."""
     import torch
 
-    chunk = ids[window.begin: window.end]  # [S]
     first = window.score_from - window.begin  # index in the chunk of the first scored token
-    targets = chunk[first:]  # [n]
-    logp = _log_probs(model, chunk)[first - 1: -1]  # [n, V]: position t-1 predicts token t
-    nll = -logp.gather(-1, targets[:, None]).sum().item()
-    if reference is None:
-        return nll, None, None, targets.numel()
-    ref_logp = _log_probs(reference, chunk)[first - 1: -1]  # [n, V]
-    if ref_logp.shape[-1] != logp.shape[-1]:
-        raise UsageError(f"the reference model's vocabulary ({ref_logp.shape[-1]}) differs from the model's ({logp.shape[-1]})")
-    kl = torch.nn.functional.kl_div(logp, ref_logp, reduction="sum", log_target=True).item()  # sum p_ref (log p_ref - log p)
-    ref_nll = -ref_logp.gather(-1, targets[:, None]).sum().item()
-    return nll, kl, ref_nll, targets.numel()
+    targets = chunk[first:, None]  # [n, 1]
+    lp = logp[first - 1: -1]  # [n, V]: position t-1 predicts token t
+    nll = -lp.gather(-1, targets).sum().item()
+    if ref_logp is None:
+        return nll, 0.0, 0.0, targets.shape[0]
+    rp = ref_logp[first - 1: -1]  # [n, V]
+    kl = torch.nn.functional.kl_div(lp, rp, reduction="sum", log_target=True).item()  # sum p_ref (log p_ref - log p)
+    return nll, kl, -rp.gather(-1, targets).sum().item(), targets.shape[0]
 
 
 def perplexity(model: Any, token_ids: Sequence[int] | Any, seq_len: int = 512, stride: int | None = None,
                reference: Any | None = None, progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
     """Sliding-window perplexity of `model` on `token_ids` (and KL against `reference`, when given).
 
-    stride None: seq_len // 2. Runs under inference mode on the model's device."""
+    stride None: seq_len // 2. Runs under inference mode on the model's device; windows of equal length
+    run as one batch (bounded by LOGITS_BUDGET)."""
     import torch
 
     stride = max(1, seq_len // 2) if stride is None else stride
     device = next(model.parameters()).device
     ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1).to(device)  # [N]
     windows = plan_windows(ids.numel(), seq_len, stride)
-    total_nll = total_kl = total_ref = 0.0
-    count = 0
+    totals = [0.0, 0.0, 0.0, 0]  # NLL, KL, reference NLL, scored tokens
+    done = 0
     with torch.inference_mode():
-        for i, window in enumerate(windows):
-            nll, kl, ref_nll, n = score_window(model, ids, window, reference)
-            total_nll += nll
-            count += n
-            if reference is not None:
-                total_kl += kl
-                total_ref += ref_nll
+        vocab = model.forward_dense(ids[None, :2]).shape[-1]
+        for group in _groups(windows, seq_len, vocab):
+            chunks = torch.stack([ids[w.begin: w.end] for w in group])  # [B, S]
+            logp = _log_probs(model, chunks)  # [B, S, V]
+            ref_logp = None if reference is None else _log_probs(reference, chunks)
+            if ref_logp is not None and ref_logp.shape[-1] != logp.shape[-1]:
+                raise UsageError(f"the reference model's vocabulary ({ref_logp.shape[-1]}) differs from the "
+                                 f"model's ({logp.shape[-1]})")
+            for j, w in enumerate(group):
+                part = _score(logp[j], chunks[j], w, None if ref_logp is None else ref_logp[j])
+                totals = [a + b for a, b in zip(totals, part)]
+            done += len(group)
             if progress:
-                progress(i + 1, len(windows))
-    mean_nll = total_nll / count
+                progress(done, len(windows))
+    nll, kl, ref_nll, count = totals
     return PerplexityResult(
-        perplexity=math.exp(mean_nll), mean_nll=mean_nll, num_scored_tokens=count, num_tokens=ids.numel(),
+        perplexity=math.exp(nll / count), mean_nll=nll / count, num_scored_tokens=count, num_tokens=ids.numel(),
         num_windows=len(windows), seq_len=seq_len, stride=stride,
-        mean_kl=None if reference is None else total_kl / count,
-        reference_perplexity=None if reference is None else math.exp(total_ref / count),
+        mean_kl=None if reference is None else kl / count,
+        reference_perplexity=None if reference is None else math.exp(ref_nll / count),
     )
 
 
