@@ -131,15 +131,14 @@ def _console(min_width: int = 80):
 
 
 def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=title, show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column(justify="right")
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(justify="right", overflow="fold")
     for k, v in rows:
         table.add_row(k, v)
-    Console().print(table)
+    _console(110).print(table)
 
 
 def _measure(device: str, quiet: bool):
@@ -174,7 +173,10 @@ def _run_estimate(target: str, *, dtype: str, group_size: str, kv_dtype: str | N
     from llmctl.profiling.report import write_json
 
     config, source = est.find_config(target)
-    weight_dtype = dtype if dtype != "auto" else (config.torch_dtype or "bf16")
+    weight_dtype = dtype
+    if dtype == "auto":  # the checkpoint's own dtype, when it names one we know
+        named = str(config.torch_dtype or "").replace("torch.", "")
+        weight_dtype = named if named in est.WEIGHT_BITS or named in ("float32", "bfloat16", "float16") else "bf16"
     bw, bw_source = (est.parse_bandwidth(bandwidth), "--bandwidth") if bandwidth else (None, None)
     if bw is None:
         peaks = _default_peaks()
