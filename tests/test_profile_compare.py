@@ -98,6 +98,18 @@ def test_threshold_parsing_and_bad_inputs(tmp_path, capsys):
         load_record(other)
 
 
+def test_environment_differences_are_noted(tmp_path, capsys):
+    a = _record(BASE)
+    b = _record(BASE)
+    b["environment"] = {**b["environment"], "dtype": "float32", "cpu_threads": 8}
+    assert compare.environment_differences(a, b) == ["cpu_threads: 2 -> 8", "dtype: bfloat16 -> float32"]
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    assert main(["profile", "compare", str(pa), str(pb)]) == 0
+    assert "different environments" in capsys.readouterr().out
+
+
 def test_markdown_table_has_a_row_per_point():
     text = markdown(_record(BASE))
     assert text.count("\n| 1 | 128 | 64 |") == 1 and text.count("\n| 8 | 128 | 64 |") == 1

@@ -221,7 +221,7 @@ def _run_compare(files: list[str], threshold: str, stat: str) -> None:
     """Print the table; raise LlmctlError (exit 1) when B regresses beyond the threshold."""
     from rich.table import Table
 
-    from llmctl.profiling.compare import compare_records, parse_threshold
+    from llmctl.profiling.compare import compare_records, environment_differences, parse_threshold
     from llmctl.profiling.report import load_record
 
     if len(files) != 2:
@@ -241,6 +241,9 @@ def _run_compare(files: list[str], threshold: str, stat: str) -> None:
     for label, keys in (("only in A", result.only_in_a), ("only in B", result.only_in_b)):
         if keys:
             console.print(f"{label} (not compared): " + ", ".join(f"batch {k[0]}/prompt {k[1]}/gen {k[2]}" for k in keys))
+    differences = environment_differences(a, b)
+    if differences:
+        console.print("note: the records come from different environments: " + "; ".join(differences))
     if not result.deltas:
         raise UsageError("the two records share no (batch, prompt, gen) point; nothing to compare")
     n = len(result.regressions)

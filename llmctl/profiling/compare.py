@@ -86,3 +86,12 @@ def compare_records(a: dict[str, Any], b: dict[str, Any], threshold: float = 0.0
             vb = (pb[key].get(metric) or {}).get(stat)
             deltas.append(MetricDelta(key, metric, va, vb, lower, _is_regression(va, vb, lower, threshold)))
     return Comparison(deltas, sorted(pa.keys() - pb.keys()), sorted(pb.keys() - pa.keys()), threshold, stat)
+
+
+ENVIRONMENT_KEYS = ("device", "gpu_name", "cpu_model", "cpu_threads", "dtype", "torch_version", "llmctl_version")
+
+
+def environment_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """'dtype: bfloat16 -> float32' for each environment fact that differs between the records."""
+    ea, eb = a.get("environment") or {}, b.get("environment") or {}
+    return [f"{k}: {ea.get(k)} -> {eb.get(k)}" for k in ENVIRONMENT_KEYS if ea.get(k) != eb.get(k)]
