@@ -95,15 +95,28 @@ class PagedAttentionMetadata:
         self.prefills = prefills  # list[PrefillChunk]
 
 
+def _kernels_for(t: torch.Tensor):
+    """(write_kv, decode_attention) for the tensor's device: Triton on CUDA when present."""
+    if t.is_cuda:
+        try:
+            from llmctl.kernels.triton_attention import decode_attention_triton, write_kv_triton
+
+            return write_kv_triton, decode_attention_triton
+        except ImportError:  # no triton: the references run on CUDA too
+            pass
+    return write_kv, decode_attention
+
+
 def paged_attention(q, k, v, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, heads, D], k/v [T, kv_heads, D] for the packed batch; writes K/V, returns [T, heads, D]."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    write, decode = _kernels_for(q)
+    write(k_cache, v_cache, k, v, meta.slot_mapping)
     nd = meta.num_decodes
     if nd == q.shape[0]:
-        return decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        return decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        out[:nd] = decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
     for p in meta.prefills:
         s, e = p.start, p.start + p.length
         out[s:e] = chunk_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, p.block_table, p.num_computed, scale)
