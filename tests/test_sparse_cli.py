@@ -131,3 +131,27 @@ def test_recipe_values_and_flag_overrides(tmp_path):
         bad.write_text(text)
         with pytest.raises(UsageError, match=needle):
             load_recipe(bad)
+
+
+def test_recipe_sparsify_then_gptq_keeps_every_zero(tiny, tmp_path):
+    """2:4 SparseGPT then 4-bit GPTQ in one run; the packed output dequantizes to exact 2:4 zeros."""
+    from llmctl.compress.formats import read_quantized
+
+    model, calib = tiny
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text('sparsify: {method: sparsegpt, pattern: "2:4"}\n'
+                      "quantize: {method: gptq, bits: 4, group_size: 32, format: compressed-tensors}\n"
+                      "calibration: {num_samples: 8, seq_len: 32}\n")
+    out, report = tmp_path / "out", tmp_path / "r.json"
+    assert main(["sparsify", str(model), "-o", str(out), "--recipe", str(recipe), "--calib", str(calib),
+                 "--report-json", str(report), "--quiet"]) == 0
+    r = json.loads(report.read_text())
+    assert r["zeros_kept_after_quantization"] is True
+    assert r["quantize"]["method"] == "gptq" and r["quantize"]["perplexity_after"] is not None
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["sparsity_config"]["pattern"] == "2:4" and cfg["quantization_config"]
+    _, linears, _ = read_quantized(out)
+    assert len(linears) == 14
+    for name, lin in linears.items():
+        assert satisfies_nm(lin.dequantize(), 2, 4), name
+    assert not (out / ".llmctl-sparse-stage").exists()
