@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from llmctl.errors import LlmctlError
 
     try:
-        app(args=argv, prog_name="llmctl", standalone_mode=False)
+        rc = app(args=argv, prog_name="llmctl", standalone_mode=False)
     except LlmctlError as e:
         print(f"llmctl: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"llmctl: internal error: {type(e).__name__}: {e} (set LLMCTL_DEBUG=1 for a traceback)", file=sys.stderr)
         return 1
-    return 0
+    return rc if isinstance(rc, int) else 0  # with standalone_mode=False, click returns typer.Exit codes
 
 
 if __name__ == "__main__":
