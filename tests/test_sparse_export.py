@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import torch
 
 from llmctl.compress.sparse.export import save_dense_model, sparsity_config
@@ -102,3 +104,14 @@ def test_semi_structured_decisions_follow_the_timer(tmp_path, monkeypatch):
     assert len(ss.accelerate_from_config(model, raw, timer=timer)) == len(names)
     raw["sparsity_config"]["pattern"] = "4:8"
     assert ss.accelerate_from_config(model, raw, timer=timer) == []  # only 2:4 has sparse tensor cores
+
+
+def test_gpu_benchmark_entry_point_skips_without_cuda(capsys):
+    import json as _json
+
+    import llmctl.compress.sparse.semi_structured as ss
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: benchmarks/gpu_check.sh runs the real benchmark")
+    assert ss._bench(["--shapes", "128x128", "--tokens", "4"]) == 0
+    assert "skipped" in _json.loads(capsys.readouterr().out)
