@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 import torch
 
 from llmctl.compress.sparse.export import save_dense_model, sparsity_config
