@@ -277,3 +277,61 @@ def test_odd_json_values_become_error_rows_or_round_trip(tmp_path, engines):
     assert rows[0]["id"] == "a\ud800" and rows[0]["error"] is None
     assert [r["error"]["code"] for r in rows[1:]] == ["invalid_parameter", "tokenization_failed",
                                                       "invalid_parameter", "invalid_parameter"]
+
+
+def test_a_second_job_on_the_same_output_is_refused(tmp_path, engines, capsys):
+    import fcntl
+
+    inp = write_jsonl(tmp_path / "in.jsonl", prompts(5))
+    out = tmp_path / "out.jsonl"
+    with open(out, "wb") as held:  # what a running job holds
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        assert main(["run-batch", str(inp), "-o", str(out), "--overwrite"]) == 2
+        assert "another llmctl run-batch is writing" in capsys.readouterr().err
+    assert main(["run-batch", str(inp), "-o", str(out), "-q", "--overwrite"]) == 0
+
+
+def test_disk_full_is_one_line_and_resumable(tmp_path, engines, capsys, monkeypatch):
+    import errno
+
+    from llmctl.batch import outputs
+
+    inp = write_jsonl(tmp_path / "in.jsonl", prompts(40))
+    ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
+    assert main(["run-batch", str(inp), "-o", str(ref), "-q"]) == 0
+    write, calls = outputs.FileSink.write, []
+
+    def failing_write(self, data):
+        calls.append(1)
+        if len(calls) == 25:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(self, data)
+
+    monkeypatch.setattr(outputs.FileSink, "write", failing_write)
+    monkeypatch.setattr(rb, "_load_runtime", lambda *a, **k: FakeRuntime(FakeEngine(max_num_seqs=4, max_model_len=64)))
+    assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("llmctl: error: cannot write") and "No space left on device" in err and len(err.splitlines()) == 1
+    monkeypatch.setattr(outputs.FileSink, "write", write)
+    assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 0
+    assert out.read_bytes() == ref.read_bytes()
+
+
+def test_openai_batch_resumes_to_the_same_lines(tmp_path, engines):
+    reqs = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"prompt": f"ROMEO {i}:", "max_tokens": 1 + i % 4}} for i in range(30)]
+    inp = write_jsonl(tmp_path / "b.jsonl", reqs)
+    ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
+    assert main(["run-batch", str(inp), "-o", str(ref), "-q"]) == 0
+    engines.append(InterruptAt(6))
+    assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 130
+    assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 0
+
+    def strip_created(rows):
+        for r in rows:
+            r["response"]["body"].pop("created")
+        return rows
+
+    got = read_jsonl(out)
+    assert len({r["response"]["body"]["created"] for r in got}) == 1  # one job, one creation time
+    assert strip_created(got) == strip_created(read_jsonl(ref))

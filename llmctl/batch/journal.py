@@ -88,12 +88,6 @@ def load_state(path: Path) -> JobState | None:
         raise UsageError(f"{path} is not a readable run-batch state file ({e}); pass --overwrite to start over") from None
 
 
-def remove_state(output: Path) -> None:
-    for p in (state_path(output), journal_path(output), state_path(output).with_name(state_path(output).name + ".tmp")):
-        if p.exists():
-            p.unlink()
-
-
 def fingerprint_mismatch(saved: dict, current: dict) -> str | None:
     """A one-line description of the first setting that differs, or None when a rerun may continue."""
     for key in sorted(set(saved) | set(current)):

@@ -96,11 +96,13 @@ class FileSink:
 
     def __init__(self, path: Path, committed_bytes: int = 0):
         self.path = path
-        exists = path.exists()
-        if exists and path.stat().st_size < committed_bytes:
-            raise UsageError(f"{path} is shorter ({path.stat().st_size} bytes) than its state file says "
+        self._f: BinaryIO = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+b")
+        _lock_or_refuse(self._f, path)  # before cutting anything: another job may be writing here
+        size = os.fstat(self._f.fileno()).st_size
+        if size < committed_bytes:
+            self._f.close()
+            raise UsageError(f"{path} is shorter ({size} bytes) than its state file says "
                              f"({committed_bytes}); it was changed by hand: pass --overwrite to start over")
-        self._f: BinaryIO = open(path, "r+b" if exists else "wb")
         self._f.truncate(committed_bytes)
         self._f.seek(committed_bytes)
         self.bytes = committed_bytes
@@ -116,6 +118,19 @@ class FileSink:
 
     def close(self) -> None:
         self._f.close()
+
+
+def _lock_or_refuse(f: BinaryIO, path: Path) -> None:
+    """An exclusive advisory lock for the life of the file object (released by the OS even on kill -9)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no protection against two jobs on one output
+        return
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise UsageError(f"another llmctl run-batch is writing {path}; wait for it or choose another output") from None
 
 
 class StdoutSink:

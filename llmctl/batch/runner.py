@@ -17,8 +17,7 @@ from typing import Any, Callable, Protocol
 
 from llmctl.batch.inputs import InputRow, open_input
 from llmctl.batch.job import BatchJob, Checkpoint, JobSettings
-from llmctl.batch.journal import (JobState, fingerprint_mismatch, journal_path, load_state, remove_state,
-                                  save_state, state_path)
+from llmctl.batch.journal import JobState, fingerprint_mismatch, journal_path, load_state, save_state, state_path
 from llmctl.batch.outputs import (FileSink, RowResult, StdoutSink, encode_record, journal_to_parquet,
                                   openai_record, simple_record)
 from llmctl.batch.summary import BatchStats, Progress
@@ -115,10 +114,7 @@ def _check_paths(opts: BatchOptions) -> tuple[Path | None, bool]:
 def _resume_state(out: Path, parquet: bool, fp: dict, overwrite: bool) -> JobState | None:
     """The state to continue from; None for a fresh start. Refuses unsafe reruns."""
     if overwrite:
-        remove_state(out)
-        if out.exists():
-            out.unlink()
-        return None
+        return None  # the old files are replaced once the output is locked (see _serve)
     state = load_state(state_path(out))
     if state is None:
         if out.exists() and out.stat().st_size > 0:
@@ -156,6 +152,26 @@ def run_batch(opts: BatchOptions, load_runtime: Callable[..., Any], ui: BatchUI 
 
 def _serve(opts, source, out: Path | None, parquet: bool, state: JobState, defaults: SamplingParams,
            load_runtime: Callable[..., Any], ui: BatchUI) -> BatchResult:
+    # The output is opened (and locked) before the slow model load, so a second job on it fails fast.
+    sink: Any = StdoutSink() if out is None else FileSink(journal_path(out) if parquet else out, state.output_bytes)
+    try:
+        if out is not None and parquet and opts.overwrite and out.exists():
+            out.unlink()  # a finished Parquet output of the run being replaced
+        stats = _load_and_drive(opts, source, out, state, sink, defaults, load_runtime, ui)
+        if out is not None:
+            if parquet:
+                journal_to_parquet(journal_path(out), out, opts.include_token_ids)
+            state.complete = True
+            save_state(state_path(out), state)
+            if parquet:
+                journal_path(out).unlink()
+    finally:
+        sink.close()  # held (and locked) until the output is final
+    return BatchResult(stats)
+
+
+def _load_and_drive(opts, source, out: Path | None, state: JobState, sink, defaults: SamplingParams,
+                    load_runtime: Callable[..., Any], ui: BatchUI) -> BatchStats:
     from llmctl.engine.config import EngineConfig, format_bytes
 
     engine_config = EngineConfig(**opts.engine)
@@ -174,19 +190,25 @@ def _serve(opts, source, out: Path | None, parquet: bool, state: JobState, defau
         def fmt(row: InputRow, r: RowResult) -> bytes:
             return encode_record(simple_record(row, r, opts.include_token_ids))
 
-    if out is None:
-        sink: Any = StdoutSink()
-        on_commit = None
-    else:
-        sink = FileSink(journal_path(out) if parquet else out, state.output_bytes)
-        spath = state_path(out)
-        save_state(spath, state)  # from here on a rerun continues this job
+    return _drive(opts, source, out, state, sink, engine, runtime, fmt, defaults, engine_config, ui)
 
-        def on_commit(c: Checkpoint) -> None:
-            state.next_index, state.next_position, state.done_after = c.next_index, c.next_position, c.done_after
-            state.output_bytes, state.stats = c.output_bytes, c.stats.to_state()
-            save_state(spath, state)
 
+def _state_saver(path: Path, state: JobState) -> Callable[[Checkpoint], None]:
+    def on_commit(c: Checkpoint) -> None:
+        state.next_index, state.next_position, state.done_after = c.next_index, c.next_position, c.done_after
+        state.output_bytes, state.stats = c.output_bytes, c.stats.to_state()
+        save_state(path, state)
+
+    return on_commit
+
+
+def _drive(opts, source, out: Path | None, state: JobState, sink, engine, runtime, fmt, defaults: SamplingParams,
+           engine_config, ui: BatchUI) -> BatchStats:
+    """Run the job loop; turn interruptions and write failures into one-line errors."""
+    on_commit = None
+    if out is not None:
+        save_state(state_path(out), state)  # from here on a rerun continues this job
+        on_commit = _state_saver(state_path(out), state)
     max_in_flight = opts.max_in_flight or 2 * engine_config.max_num_seqs
     settings = JobSettings(max_in_flight=max_in_flight, window=4 * max_in_flight, ordered=opts.ordered,
                            max_errors=opts.max_errors, commit_rows=opts.commit_rows,
@@ -201,7 +223,7 @@ def _serve(opts, source, out: Path | None, parquet: bool, state: JobState, defau
         ui.info(f"resuming {out}: {stats.rows} rows already written")
     ui.start(rows_total, stats.rows)
     try:
-        job.run()
+        return job.run()
     except BrokenPipeError:  # `-o - | head`: the reader has gone
         ui.stop()
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # no second BrokenPipeError when Python flushes stdout at exit
@@ -210,16 +232,13 @@ def _serve(opts, source, out: Path | None, parquet: bool, state: JobState, defau
         ui.stop()  # before the message, so it is not drawn over
         if out is None:
             raise BatchInterrupted(f"interrupted after {job.stats.rows} rows (no resume with -o -)") from None
-        raise BatchInterrupted(f"interrupted: {job.stats.rows} rows are safely in {out}; "
+        raise BatchInterrupted(f"interrupted: {state.stats.get('rows', 0)} rows are safely in {out}; "
                                f"rerun the same command to continue") from None
+    except OSError as e:  # disk full, output folder gone, ...
+        ui.stop()
+        if out is None:
+            raise LlmctlError(f"cannot write stdout: {e.strerror or e}") from None
+        raise LlmctlError(f"cannot write {out}: {e.strerror or e}; the {state.stats.get('rows', 0)} rows committed "
+                          f"before are kept, rerun to continue") from None
     finally:
         ui.stop()
-        sink.close()
-    if out is not None:
-        if parquet:
-            journal_to_parquet(journal_path(out), out, opts.include_token_ids)
-        state.complete = True
-        save_state(state_path(out), state)
-        if parquet:
-            journal_path(out).unlink()
-    return BatchResult(job.stats)
