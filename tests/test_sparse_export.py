@@ -114,3 +114,25 @@ def test_gpu_benchmark_entry_point_skips_without_cuda(capsys):
         pytest.skip("a GPU is present: benchmarks/gpu_check.sh runs the real benchmark")
     assert ss._bench(["--shapes", "128x128", "--tokens", "4"]) == 0
     assert "skipped" in _json.loads(capsys.readouterr().out)
+
+
+def test_wanda_norm_method_matches_hessian_diagonal(tmp_path):
+    """The driver's O(in) Wanda statistics give the same masks as sqrt(diag H) from the GPTQ Hessian."""
+    from llmctl.compress.driver import HessianMethod, calibrate_layers
+    from llmctl.compress.sparse.prune import prune_linear
+
+    src = make_random_model(tmp_path / "src", "llama", seed=5)
+    calib = torch.randint(3, 160, (4, 24), generator=torch.Generator().manual_seed(1))
+    pattern = parse_pattern("2:4", None)
+    a, _ = load_model(src, "float32", "cpu")
+    sparsify_model(a, SparsifySettings(pattern, "wanda"), calib)
+    b, _ = load_model(src, "float32", "cpu")
+
+    def fn(name, linear, hessian):
+        new, line = prune_linear(name, linear.weight, pattern, "wanda", hessian)
+        linear.weight.data.copy_(new)
+        return line
+
+    calibrate_layers(b, calib, HessianMethod(fn))
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa == 0, pb == 0), name

@@ -14,8 +14,9 @@ from typing import Callable
 
 import torch
 
-from llmctl.compress.driver import HessianMethod, calibrate_layers, make_ignore
+from llmctl.compress.driver import HessianMethod, SubLayerGroup, calibrate_layers, make_ignore
 from llmctl.compress.sparse.masks import SparsityPattern
+from llmctl.compress.sparse.wanda import InputNormAccumulator
 from llmctl.compress.sparse.prune import METHODS, LayerSparsity, needs_calibration, prune_linear
 
 
@@ -111,21 +112,51 @@ def _calibrated(
     checkpoint_dir: Path | None = None,
     fingerprint: str = "",
 ) -> tuple[list[LayerSparsity], int]:
-    """Wanda/SparseGPT through the shared driver: each linear sees H of its inputs as produced by the
-    already-pruned sub-layers and layers before it."""
-
-    def fn(name: str, linear: torch.nn.Linear, hessian: torch.Tensor) -> LayerSparsity:
-        new, line = prune_linear(
-            name, linear.weight.detach().cpu(), settings.pattern, settings.method, hessian.cpu(),
-            percdamp=settings.percdamp, blocksize=settings.blocksize,
-        )
-        with torch.no_grad():
-            linear.weight.copy_(new.to(linear.weight.device))
-        return line
-
+    """Wanda/SparseGPT through the shared driver: each linear sees its inputs as produced by the
+    already-pruned sub-layers and layers before it. Pruning runs where the layer is (--device)."""
+    method = WandaMethod(settings) if settings.method == "wanda" else HessianMethod(_sparsegpt_fn(settings))
     wanted = set(targets.names)
     result = calibrate_layers(
-        model, calib_ids, HessianMethod(fn), device=device, ignore=lambda name: name not in wanted,
+        model, calib_ids, method, device=device, ignore=lambda name: name not in wanted,
         checkpoint_dir=checkpoint_dir, fingerprint=fingerprint, progress=progress,
     )
     return [result.records[name] for name in targets.names if name in result.records], result.resumed_layers
+
+
+def _sparsegpt_fn(settings: SparsifySettings):
+    def fn(name: str, linear: torch.nn.Linear, hessian: torch.Tensor) -> LayerSparsity:
+        new, line = prune_linear(name, linear.weight, settings.pattern, "sparsegpt", hessian,
+                                 percdamp=settings.percdamp, blocksize=settings.blocksize)
+        with torch.no_grad():
+            linear.weight.copy_(new)
+        return line
+
+    return fn
+
+
+class WandaMethod:
+    """Driver method for Wanda: only the per-channel input norms, O(in_features) per linear
+    (no in x in Hessian), then |W| * ||X_j|| pruning per sub-layer group."""
+
+    def __init__(self, settings: SparsifySettings):
+        self.settings = settings
+        self.acc: dict[str, InputNormAccumulator] = {}
+
+    def observe(self, name: str, x: torch.Tensor) -> None:
+        if name not in self.acc:
+            self.acc[name] = InputNormAccumulator(x.shape[-1], device=x.device)
+        self.acc[name].add(x)
+
+    def process_group(self, layer_index: int, layer: torch.nn.Module, group: SubLayerGroup, names: list[str]) -> dict:
+        out = {}
+        for name in names:
+            linear = layer.get_submodule(name.split(".", 3)[3])
+            norms = self.acc.pop(name).norms()
+            new, line = prune_linear(name, linear.weight, self.settings.pattern, "wanda", input_norms=norms)
+            with torch.no_grad():
+                linear.weight.copy_(new)
+            out[name] = line
+        return out
+
+    def finish_layer(self, layer_index: int, layer: torch.nn.Module) -> dict:
+        return {}

@@ -53,14 +53,16 @@ def prune_linear(
     method: str,
     hessian: torch.Tensor | None = None,
     *,
+    input_norms: torch.Tensor | None = None,
     percdamp: float = 0.01,
     blocksize: int = 128,
 ) -> tuple[torch.Tensor, LayerSparsity]:
     """Prune `weight` [out, in] -> (new weight in weight's dtype and device, report line).
 
-    hessian: H [in, in] = 2 X X^T / T of the layer's inputs; required for wanda and sparsegpt
-    (Wanda reads only its diagonal). Inputs that never fired (H_jj = 0) get their columns zeroed,
-    as GPTQ does: they cannot affect the output on the calibration data.
+    hessian: H [in, in] = 2 X X^T / T of the layer's inputs; required for sparsegpt. Wanda takes
+    `input_norms` [in] (||X_j||) or, failing that, sqrt(diag H). Inputs that never fired (zero norm)
+    get their columns zeroed, as GPTQ does: they cannot affect the output on the calibration data.
+    Computes on weight's device; returns the new weight in weight's dtype.
     """
     if method not in METHODS:
         raise ValueError(f"unknown pruning method {method!r}")
@@ -68,20 +70,31 @@ def prune_linear(
     w = weight.detach().float()
     if method == "magnitude":
         new = apply_mask(w, magnitude_mask(w, pattern, scope="layer"))
+    elif method == "wanda":
+        if input_norms is None and hessian is None:
+            raise ValueError(f"{name}: wanda needs the input norms (or the Hessian) of the layer's inputs")
+        norms = (input_norms if input_norms is not None else input_norms_from_hessian(hessian)).to(w.device)
+        w = _zero_dead_columns(w, norms == 0)
+        new = apply_mask(w, wanda_mask(w, norms, pattern))
+        if hessian is not None:
+            rel_error = relative_output_error(weight.detach().float(), new, hessian.to(w.device).float())
     else:
         if hessian is None:
-            raise ValueError(f"{name}: {method} needs the Hessian of the layer's inputs")
+            raise ValueError(f"{name}: sparsegpt needs the Hessian of the layer's inputs")
         h = hessian.to(w.device)
-        dead = dead_inputs(h)
-        if bool(dead.any()):
-            w = w.clone()
-            w[:, dead] = 0.0
-        if method == "wanda":
-            new = apply_mask(w, wanda_mask(w, input_norms_from_hessian(h), pattern))
-        else:
-            res = sparsegpt_prune(w, damped_cholesky_inverse(h, percdamp), pattern, blocksize=blocksize)
-            new, loss = res.weight, res.loss
+        w = _zero_dead_columns(w, dead_inputs(h))
+        res = sparsegpt_prune(w, damped_cholesky_inverse(h, percdamp), pattern, blocksize=blocksize)
+        new, loss = res.weight, res.loss
         rel_error = relative_output_error(weight.detach().float(), new, h.float())
     ok = satisfies_nm(new, pattern.n, pattern.m) if pattern.structured else True  # type: ignore[arg-type]
     line = LayerSparsity(name, (int(w.shape[0]), int(w.shape[1])), zero_fraction(new), ok, loss, rel_error)
     return new.to(weight.dtype), line
+
+
+def _zero_dead_columns(w: torch.Tensor, dead: torch.Tensor) -> torch.Tensor:
+    """w [out, in] with the columns of never-active inputs set to zero (a copy when any are)."""
+    if not bool(dead.any()):
+        return w
+    w = w.clone()
+    w[:, dead] = 0.0
+    return w
