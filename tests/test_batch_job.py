@@ -284,3 +284,22 @@ def test_interrupt_in_the_middle_of_a_row_keeps_the_last_consistent_commit(order
     job2.run()
     assert sorted(r["id"] for r in rest.rows()) == list(range(1, n + 1))
     assert sorted(rest.rows(), key=lambda r: r["id"]) == sorted(full_sink.rows(), key=lambda r: r["id"])
+
+
+def test_traced_memory_does_not_grow_with_the_input():
+    """Python-heap peak for a 20,000-row job stays that of a 2,000-row job (a leak per row would show)."""
+    import tracemalloc
+
+    peaks = []
+    for n in (2_000, 20_000):
+        src = CountingRows(n)
+        sink = CountingSink(src, window=64)
+        engine = FakeEngine(max_num_seqs=8)
+        job = BatchJob(engine, FakeRuntime(engine), iter(src), sink, fmt, SamplingParams(max_tokens=2, temperature=0.0),
+                       JobSettings(max_in_flight=16, window=64))
+        tracemalloc.start()
+        job.run()
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        assert sink.lines == n
+    assert peaks[1] < 1.5 * peaks[0] + 64 * 1024, peaks  # a 10x longer input: about the same peak

@@ -231,7 +231,7 @@ def test_resume_refused_when_the_input_changed(tmp_path, engines, capsys):
     write_jsonl(inp, prompts(31))
     capsys.readouterr()
     assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 2
-    assert "input_bytes" in capsys.readouterr().err
+    assert "the input changed since the job started" in capsys.readouterr().err
 
 
 def test_sampling_defaults_and_row_overrides_reach_the_engine(tmp_path, engines):

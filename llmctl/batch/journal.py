@@ -93,6 +93,8 @@ def fingerprint_mismatch(saved: dict, current: dict) -> str | None:
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key), current.get(key)
         if a != b:
+            if key == "input_bytes":
+                return f"the input changed since the job started ({a} bytes, now {b})"
             return f"{key} was {_show(a)}, now {_show(b)}"
     return None
 
