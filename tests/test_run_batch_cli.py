@@ -335,3 +335,22 @@ def test_openai_batch_resumes_to_the_same_lines(tmp_path, engines):
     got = read_jsonl(out)
     assert len({r["response"]["body"]["created"] for r in got}) == 1  # one job, one creation time
     assert strip_created(got) == strip_created(read_jsonl(ref))
+
+
+def test_stdin_input_to_a_file_resumes_by_reading_past_committed_rows(tmp_path, engines, monkeypatch):
+    import io
+    import types
+
+    data = b"".join(json.dumps(r).encode() + b"\n" for r in prompts(50))
+    ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
+
+    def run(path, extra=()):
+        monkeypatch.setattr("sys.stdin", types.SimpleNamespace(buffer=io.BytesIO(data)))
+        return main(["run-batch", "-", "-o", str(path), "-q", *extra])
+
+    assert run(ref) == 0
+    engines.append(InterruptAt(12))
+    assert run(out) == 130
+    assert 0 < json.loads(state_path(out).read_text())["next_index"] < 50
+    assert run(out) == 0
+    assert out.read_bytes() == ref.read_bytes()
