@@ -14,7 +14,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -107,12 +107,13 @@ def _prepare_output(out: Path, overwrite: bool) -> None:
 
 
 def _perplexity(model, heldout: torch.Tensor | None) -> float | None:
+    """Held-out perplexity over non-overlapping windows (the eval command's function)."""
     from llmctl.runtime.evaluate import perplexity
 
     if heldout is None or heldout.numel() < 2:
         return None
-    ids = heldout[:EVAL_MAX_TOKENS]
-    return perplexity(model, ids, seq_len=EVAL_SEQ_LEN, stride=EVAL_SEQ_LEN).perplexity
+    window = min(EVAL_SEQ_LEN, model.config.max_position_embeddings)
+    return perplexity(model, heldout[:EVAL_MAX_TOKENS], seq_len=window, stride=window).perplexity
 
 
 def _decoder_sparsity(model) -> float:
@@ -135,13 +136,33 @@ def _write_recipe(path: Path, args: SparsifyArgs, model_path: Path) -> None:
                     + yaml.safe_dump({"sparsify": d}, sort_keys=False))
 
 
+def _load_data(args: SparsifyArgs, rt) -> tuple[Any, torch.Tensor | None, list[str]]:
+    """(calibration set or None, held-out token ids or None, warnings) for this run."""
+    from llmctl.compress.calib_data import load_calibration, read_token_stream
+
+    if needs_calibration(args.method) or (args.evaluate and args.eval_data is None):
+        calib = load_calibration(
+            Path(args.calib) if args.calib else None, rt, num_samples=args.num_samples, seq_len=args.seq_len,
+            eval_data=Path(args.eval_data) if args.eval_data else None,
+            separator=rt.eos_token_ids[0] if rt.eos_token_ids else None,
+        )
+        # magnitude pruning only evaluates on this data: the "calibrating on built-in text" warning does not apply
+        warnings = [w for w in calib.warnings if needs_calibration(args.method) or "calibrating" not in w]
+        return calib, calib.heldout, warnings
+    if args.evaluate:
+        return None, torch.tensor(read_token_stream(Path(args.eval_data), rt), dtype=torch.long), []
+    return None, None, []
+
+
 def run_sparsify(
     args: SparsifyArgs,
     *,
     progress: Callable[[int, int], None] | None = None,
     warn: Callable[[str], None] = lambda msg: None,
 ) -> SparsifyReport:
-    from llmctl.compress.calib_data import load_calibration, read_token_stream
+    """Prune args.model into args.output (a dense HF folder) and report what was reached.
+
+    progress(done, total) follows decoder layers (linears for magnitude); warn(msg) gets warnings."""
     from llmctl.compress.sparse.export import save_dense_model, sparsity_config
     from llmctl.compress.sparse.pipeline import SparsifySettings, sparsify_model, target_linears
     from llmctl.runtime.loader import load_runtime, resolve_device
@@ -166,18 +187,8 @@ def run_sparsify(
         if not why.startswith("ignored"):
             warnings.append(f"{name} stays dense: {why}")
 
-    calib = None
-    heldout = None
-    if needs_calibration(args.method) or (args.evaluate and args.eval_data is None):
-        calib = load_calibration(
-            Path(args.calib) if args.calib else None, rt, num_samples=args.num_samples, seq_len=args.seq_len,
-            eval_data=Path(args.eval_data) if args.eval_data else None,
-            separator=rt.eos_token_ids[0] if rt.eos_token_ids else None,
-        )
-        warnings += [w for w in calib.warnings if needs_calibration(args.method) or "calibrating" not in w]
-        heldout = calib.heldout
-    elif args.evaluate:
-        heldout = torch.tensor(read_token_stream(Path(args.eval_data), rt), dtype=torch.long)
+    calib, heldout, data_warnings = _load_data(args, rt)
+    warnings += data_warnings
     for w in warnings:
         warn(w)
     ppl_before = _perplexity(model, heldout) if args.evaluate else None
