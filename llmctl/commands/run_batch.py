@@ -26,7 +26,9 @@ Inputs: simple JSONL ({"id"?, "prompt" | "messages" | "prompt_token_ids", per-ro
 temperature, top_p, top_k, seed, stop, ...}), OpenAI Batch API JSONL (custom_id, method, url,
 body; answered in the OpenAI batch output shape), or Parquet (read one row group at a time).
 Output rows: id, text, finish_reason, usage, error (null or {code, message}); in input order
-unless --unordered. A bad row becomes an error row; it never stops the job.
+unless --unordered (Parquet output: ids as strings). A bad row becomes an error row; it never
+stops the job. Default ids are line numbers (1-based; Parquet: row numbers); ids are not checked
+for duplicates.
 
 \b
 Sampling is greedy by default (--temperature 0) so that batch jobs are reproducible; with
