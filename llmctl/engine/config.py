@@ -43,6 +43,10 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int | None = None  # for unseeded sampled requests; None: fresh randomness each run
+    speculative: str | None = None  # None, "ngram" (prompt lookup) or "draft" (needs draft_model)
+    draft_model: str | None = None  # folder of a smaller model with the same tokenizer
+    num_speculative_tokens: int = 4
+    speculative_max_batch: int | None = None  # speculate only while at most this many run; None: always
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -51,5 +55,11 @@ class EngineConfig:
             raise UsageError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise UsageError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.speculative not in (None, "ngram", "draft"):
+            raise UsageError(f"unknown speculative method {self.speculative!r}; use ngram or draft")
+        if self.speculative == "draft" and not self.draft_model:
+            raise UsageError("speculative decoding with a draft needs --draft MODEL")
+        if self.num_speculative_tokens < 1:
+            raise UsageError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise UsageError("--kv-cache-memory must be positive")

@@ -16,7 +16,23 @@ from llmctl.engine.params import RequestOutput, SamplingParams
 from llmctl.engine.sampler import Sampler
 from llmctl.engine.scheduler import Scheduler
 from llmctl.engine.sequence import Sequence
-from llmctl.errors import RequestError
+from llmctl.engine.spec_decode import DraftModelProposer, NgramProposer, verify
+from llmctl.errors import RequestError, UsageError
+
+
+def _make_proposer(cfg: EngineConfig, runtime):
+    if cfg.speculative == "ngram":
+        return NgramProposer()
+    if cfg.speculative == "draft":
+        from pathlib import Path
+
+        from llmctl.runtime.loader import load_model, resolve_model_path
+
+        draft, dcfg = load_model(Path(resolve_model_path(cfg.draft_model)), str(runtime.dtype).replace("torch.", ""), runtime.device)
+        if dcfg.vocab_size != runtime.config.vocab_size:
+            raise UsageError(f"the draft model's vocabulary ({dcfg.vocab_size}) differs from the target's ({runtime.config.vocab_size})")
+        return DraftModelProposer(draft, runtime.device)
+    return None
 
 
 @dataclass
@@ -28,6 +44,12 @@ class EngineStats:
     finished: int = 0
     peak_used_blocks: int = 0
     model_seconds: float = 0.0  # time inside the model forward and sampling
+    spec_proposed: int = 0  # draft tokens sent for verification
+    spec_accepted: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else None
 
 
 class LLMEngine:
@@ -37,8 +59,6 @@ class LLMEngine:
         self.engine_config = cfg
         self.runner = ModelRunner(runtime.model, runtime.config, cfg, runtime.device, runtime.dtype)
         if self.runner.num_blocks < 1:
-            from llmctl.errors import UsageError
-
             raise UsageError(
                 f"--kv-cache-memory is smaller than one KV block ({self.runner.bytes_per_block} bytes at block size {cfg.block_size})"
             )
@@ -49,6 +69,7 @@ class LLMEngine:
         self.capacity = min(self.max_model_len, self.runner.num_blocks * cfg.block_size)
         self.eos_token_ids = frozenset(runtime.eos_token_ids)
         self.stats = EngineStats()
+        self.proposer = _make_proposer(cfg, runtime)
 
     @property
     def num_kv_blocks(self) -> int:
@@ -91,7 +112,7 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         logits, sampling = self.runner.execute(batch)
-        tokens = self.sampler(logits, sampling) if sampling else []
+        new_tokens = self._sample(logits, sampling)
         self.stats.model_seconds += time.perf_counter() - t0
         self.stats.steps += 1
         self.stats.computed_tokens += batch.total_tokens
@@ -100,17 +121,74 @@ class LLMEngine:
             seq.num_computed_tokens += n
         now = time.perf_counter()
         finished = []
-        for seq, token in zip(sampling, tokens):
-            seq.token_ids.append(token)
-            self.stats.output_tokens += 1
+        for seq, tokens in zip(sampling, new_tokens):
+            if seq.spec_token_ids:  # K/V of rejected drafts stays in the cache but counts as not computed
+                seq.num_computed_tokens -= len(seq.spec_token_ids) - (len(tokens) - 1)
+                seq.spec_token_ids = []
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = self._stop_reason(seq, token)
-            if reason:
-                self.scheduler.finish(seq, reason)
-                finished.append(self._output(seq, now))
+            for token in tokens:
+                seq.token_ids.append(token)
+                self.stats.output_tokens += 1
+                reason = self._stop_reason(seq, token)
+                if reason:
+                    self.scheduler.finish(seq, reason)
+                    if self.proposer:
+                        self.proposer.release(seq.request_id)
+                    finished.append(self._output(seq, now))
+                    break
         self.stats.finished += len(finished)
+        if self.proposer:
+            self._propose()
         return finished
+
+    def _sample(self, logits, sampling: list[Sequence]) -> list[list[int]]:
+        """New tokens per sampling sequence: one, or the verified drafts plus one."""
+        if not any(s.spec_token_ids for s in sampling):
+            return [[t] for t in self.sampler(logits, sampling)] if sampling else []
+        out: list[list[int] | None] = []
+        plain_rows, plain_seqs = [], []
+        row = 0
+        for seq in sampling:
+            k = len(seq.spec_token_ids)
+            if k:
+                gen = self._generator(seq)
+                tokens = verify(logits[row:row + k + 1], seq.spec_token_ids, seq.params, gen)
+                self.stats.spec_proposed += k
+                self.stats.spec_accepted += len(tokens) - 1
+                out.append(tokens)
+            else:
+                plain_rows.append(row)
+                plain_seqs.append(seq)
+                out.append(None)
+            row += k + 1
+        if plain_seqs:
+            it = iter(self.sampler(logits[plain_rows], plain_seqs))
+            out = [o if o is not None else [next(it)] for o in out]
+        return out  # type: ignore[return-value]
+
+    def _generator(self, seq: Sequence):
+        import torch
+
+        if seq.params.seed is None:
+            return self.sampler.generator
+        if seq.generator is None:
+            seq.generator = torch.Generator().manual_seed(seq.params.seed)
+        return seq.generator
+
+    def _propose(self) -> None:
+        """Draft tokens for the next step, for running sequences that are decoding."""
+        cfg = self.engine_config
+        running = self.scheduler.running
+        if cfg.speculative_max_batch is not None and len(running) > cfg.speculative_max_batch:
+            return
+        for seq in running:
+            p = seq.params
+            if seq.num_computed_tokens != seq.num_tokens - 1 or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                continue
+            k = min(cfg.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1, seq.max_len - seq.num_tokens - 1)
+            if k > 0:
+                seq.spec_token_ids = self.proposer.propose(seq.request_id, seq.token_ids, k)[:k]
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

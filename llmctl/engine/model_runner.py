@@ -57,7 +57,7 @@ class ModelRunner:
             start = seq.num_computed_tokens
             table = seq.block_table
             offset = len(ids)
-            ids.extend(seq.token_ids[start:start + n])
+            ids.extend(seq.step_token_ids(start, n))
             pos.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if n == 1:
@@ -65,8 +65,9 @@ class ModelRunner:
                 dec_lens.append(start + 1)
             else:
                 prefills.append(PrefillChunk(offset, n, start, torch.tensor(table, dtype=torch.long, device=self.device)))
-            if start + n == seq.num_tokens:
-                logits_idx.append(offset + n - 1)
+            k = len(seq.spec_token_ids)
+            if start + n == seq.num_tokens + k:  # caught up: logits for the last token and each draft
+                logits_idx.extend(range(offset + n - 1 - k, offset + n))
                 sampling.append(seq)
         dev = self.device
         nd = len(dec_tables)
@@ -88,7 +89,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one step; returns float32 logits [n_sampling, vocab] on the CPU and their sequences."""
+        """Run one step; returns float32 logits on the CPU, 1 + len(spec_token_ids) rows per sampling
+        sequence, in order, and those sequences."""
         input_ids, positions, meta, logits_idx, sampling = self.prepare(batch)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         if not sampling:

@@ -27,14 +27,7 @@ class Sampler:
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1).tolist()
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32)
-        logits = logits / temps[:, None].to(logits.device)
-        logits = apply_top_k_top_p(logits, params)
-        probs = torch.softmax(logits, dim=-1)
-        min_ps = [p.min_p for p in params]
-        if any(min_ps):
-            mp = torch.tensor(min_ps, dtype=probs.dtype, device=probs.device)[:, None]
-            probs = torch.where(probs < mp * probs.amax(dim=-1, keepdim=True), 0.0, probs)
+        probs = sampling_probs(logits, params)
         tokens = (probs / self._exponential_noise(probs, seqs)).argmax(dim=-1)
         if greedy_rows:
             rows = torch.tensor(greedy_rows, device=logits.device)
@@ -50,6 +43,19 @@ class Sampler:
                     s.generator = torch.Generator().manual_seed(s.params.seed)
                 q[i].exponential_(generator=s.generator)
         return q.to(probs.device)
+
+
+def sampling_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p applied: the distribution each row samples from. [B, V]"""
+    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32)
+    logits = logits / temps[:, None].to(logits.device)
+    probs = torch.softmax(apply_top_k_top_p(logits, params), dim=-1)
+    min_ps = [p.min_p for p in params]
+    if any(min_ps):
+        mp = torch.tensor(min_ps, dtype=probs.dtype, device=probs.device)[:, None]
+        probs = torch.where(probs < mp * probs.amax(dim=-1, keepdim=True), 0.0, probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

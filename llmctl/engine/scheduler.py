@@ -54,7 +54,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = seq.num_tokens - seq.num_computed_tokens
+            if seq.spec_token_ids and n + len(seq.spec_token_ids) <= budget:
+                n += len(seq.spec_token_ids)
+            else:
+                seq.spec_token_ids = []
+                n = min(n, budget)
             while not self.bm.allocate(seq, n):
                 victim = self.running.pop()  # the latest admitted gives way
                 self._preempt(victim)
@@ -62,7 +67,8 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                self.bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
+                # Draft tokens may be rejected: only verified tokens enter the prefix cache.
+                self.bm.cache_full_blocks(seq, seq.num_computed_tokens + n - len(seq.spec_token_ids))
                 chosen.append((seq, n))
                 budget -= n
                 i += 1
@@ -86,6 +92,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq)
+        seq.spec_token_ids = []
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1

@@ -21,7 +21,7 @@ class Status(enum.Enum):
 class Sequence:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_table",
                  "block_hashes", "params", "status", "max_len", "arrival_time", "first_token_time",
-                 "finish_reason", "stop_text_end", "generator", "num_preemptions")
+                 "finish_reason", "stop_text_end", "generator", "num_preemptions", "spec_token_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_len: int):
         self.request_id = request_id
@@ -39,6 +39,13 @@ class Sequence:
         self.stop_text_end: int | None = None  # where a matched stop string starts in the text
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler
         self.num_preemptions = 0
+        self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step, not yet verified
+
+    def step_token_ids(self, start: int, n: int) -> list[int]:
+        """The n tokens from position `start` that a step computes, speculative drafts included."""
+        if self.spec_token_ids:
+            return (self.token_ids + self.spec_token_ids)[start:start + n]
+        return self.token_ids[start:start + n]
 
     @property
     def num_tokens(self) -> int:

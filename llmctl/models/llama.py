@@ -66,6 +66,19 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
+    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, past):
+        """x [S, hidden] at `positions` after `past` = (k, v) [kv_heads, P, D] or None (a dense,
+        contiguous per-request cache, used by the speculative draft model). Returns (out, cache)."""
+        q, k, v = self.qkv(x, positions)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, S, D]
+        if past is not None:
+            k, v = torch.cat((past[0], k), dim=1), torch.cat((past[1], v), dim=1)
+        s, total = x.shape[0], k.shape[1]
+        mask = torch.arange(total, device=x.device)[None, :] <= (positions[:, None])  # [S, total]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                             attn_mask=mask, scale=self.scale, enable_gqa=True)
+        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(s, -1)), (k, v)
+
     def forward_dense(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [B, S, hidden], positions [S]."""
         b, s, _ = x.shape
@@ -99,6 +112,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x, positions, meta, kv_cache) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_cached(self, x, positions, past):
+        a, cache = self.self_attn.forward_cached(self.input_layernorm(x), positions, past)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
 
     def forward_dense(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn.forward_dense(self.input_layernorm(x), positions)
@@ -136,6 +154,24 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def forward_cached(self, input_ids: torch.Tensor, start: int, cache: list | None):
+        """Tokens [S] at positions start.. after a dense per-layer cache (None: empty).
+        Returns (float32 logits of the last token [V], the extended cache)."""
+        positions = torch.arange(start, start + input_ids.shape[0], device=input_ids.device)
+        x = self.model.embed_tokens(input_ids)
+        new_cache = []
+        for i, layer in enumerate(self.model.layers):
+            x, c = layer.forward_cached(x, positions, None if cache is None else cache[i])
+            new_cache.append(c)
+        return self.compute_logits(self.model.norm(x[-1:]))[0], new_cache
+
+    @staticmethod
+    def trim_cache(cache: list | None, length: int) -> list | None:
+        """Keep the first `length` positions of a `forward_cached` cache."""
+        if cache is None or length == 0:
+            return None
+        return [(k[:, :length], v[:, :length]) for k, v in cache]
 
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, S] token ids -> [B, S, vocab] float32 logits, causal, no cache."""

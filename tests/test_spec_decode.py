@@ -1,0 +1,85 @@
+"""Speculative decoding: greedy output identical to plain decoding; sampled output distributed as
+the target's (statistical test of the accept/reject rule on a tiny vocabulary)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from llmctl import LLM, SamplingParams
+from llmctl.engine.spec_decode import NgramProposer, verify
+
+
+def truncated_draft(src, dst, layers: int = 2):
+    """A draft model: the first `layers` decoder layers of `src`, with its embeddings and head."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    (dst / "config.json").write_text(json.dumps(cfg))
+    sd = load_file(str(src / "model.safetensors"))
+    keep = {k: v for k, v in sd.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    save_file(keep, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_ngram_proposes_what_followed_the_latest_match():
+    p = NgramProposer(max_n=3)
+    assert p.propose("r", [1, 2, 3, 9, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == [7, 5]
+    assert p.propose("r", [4, 5, 6], 3) == []
+
+
+PROMPTS = ["ROMEO:\nO, I will not.\n\nROMEO:\n", "First Citizen:\nBefore we proceed any further, hear me speak.",
+           "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\nJULIET:\nO Romeo"]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_speculation_equals_plain_decoding(method, shakespeare_model, tmp_path):
+    kw = dict(speculative=method, num_speculative_tokens=3)
+    if method == "draft":
+        kw["draft_model"] = str(truncated_draft(shakespeare_model, tmp_path / "draft"))
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = LLM(str(shakespeare_model), dtype="float32").generate(PROMPTS, params)
+    spec_llm = LLM(str(shakespeare_model), dtype="float32", **kw)
+    spec = spec_llm.generate(PROMPTS, params)
+    assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
+    stats = spec_llm.engine.stats
+    assert stats.spec_proposed > 0 and 0 < stats.spec_accepted <= stats.spec_proposed
+    assert stats.steps < 3 * 40  # speculation saved steps
+
+
+def test_speculation_stops_at_large_batch(shakespeare_model):
+    llm = LLM(str(shakespeare_model), dtype="float32", speculative="ngram", speculative_max_batch=2)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert llm.engine.stats.spec_proposed == 0
+
+
+def test_verify_preserves_the_target_distribution():
+    """Point-mass drafts through the accept/reject rule: emitted tokens follow the target exactly."""
+    target = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]])
+    logits = target.log()
+    params = SamplingParams(temperature=1.0)
+    g = torch.Generator().manual_seed(0)
+    n = 20000
+    first = torch.zeros(4)
+    second = torch.zeros(4)
+    accepted_first = 0
+    for _ in range(n):
+        out = verify(logits, [2], params, g)  # draft token 2 at the first position
+        first[out[0]] += 1
+        if len(out) == 2:
+            accepted_first += 1
+            second[out[1]] += 1
+    assert torch.allclose(first / n, target[0], atol=0.012)
+    assert abs(accepted_first / n - 0.15) < 0.012  # acceptance probability p(draft)
+    assert torch.allclose(second / second.sum(), target[1], atol=0.03)
+
+
+def test_sampled_speculation_runs_and_reports_acceptance(shakespeare_model):
+    llm = LLM(str(shakespeare_model), dtype="float32", speculative="ngram")
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.7, seed=3, ignore_eos=True))
+    assert all(len(o.output_token_ids) == 24 for o in outs)
+    assert llm.engine.stats.spec_acceptance_rate is not None
