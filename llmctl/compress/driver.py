@@ -78,7 +78,10 @@ def _run_layer(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, 
     """layer.forward_dense over hidden [N, S, H] in mini-batches; returns the outputs (on CPU) if keep."""
     outs = []
     for i in range(0, hidden.shape[0], batch_size):
-        y = layer.forward_dense(hidden[i : i + batch_size].to(device), positions)
+        try:
+            y = layer.forward_dense(hidden[i : i + batch_size].to(device), positions)
+        except _StopForward:
+            continue
         if keep:
             outs.append(y.to("cpu"))
     return torch.cat(outs) if keep else None
@@ -122,9 +125,16 @@ def calibrate_layers(
             names = [f"model.layers.{i}.{rel}" for rel in group.linears if not ignore(f"model.layers.{i}.{rel}")]
             if not names:
                 continue
+            # the hook of the group's last linear stops the forward: later parts are not needed yet
+            last = group.linears[-1]
             hooks = [
-                layer.get_submodule(n.split(".", 3)[3]).register_forward_hook(_observer(method, n)) for n in names
+                layer.get_submodule(n.split(".", 3)[3]).register_forward_hook(
+                    _observer(method, n, stop=n.endswith(last))
+                )
+                for n in names
             ]
+            if not names[-1].endswith(last):
+                hooks.append(layer.get_submodule(last).register_forward_hook(_stopper))
             try:
                 _run_layer(layer, hidden, positions, device, batch_size, keep=False)
             finally:
@@ -141,9 +151,19 @@ def calibrate_layers(
     return result
 
 
-def _observer(method: LayerMethod, name: str):
+class _StopForward(Exception):
+    """Raised by a hook once a group's inputs are all seen; caught per mini-batch."""
+
+
+def _stopper(module, inputs, output):
+    raise _StopForward
+
+
+def _observer(method: LayerMethod, name: str, stop: bool):
     def hook(module, inputs, output):
         method.observe(name, inputs[0].detach())
+        if stop:
+            raise _StopForward
 
     return hook
 

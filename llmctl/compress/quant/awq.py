@@ -13,6 +13,7 @@ themselves (X W^T against X/s Q(W s)^T), not on the whole attention or MLP block
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -34,26 +35,43 @@ def fake_quant(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 
 
 def search_scales(
-    x: torch.Tensor, weights: list[torch.Tensor], spec: QuantSpec, n_grid: int = 20, max_tokens: int = 4096
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    spec: QuantSpec,
+    n_grid: int = 20,
+    max_tokens: int = 4096,
+    block: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
 ) -> ScaleSearch:
-    """Best per-input-channel scale for linears sharing the input x [tokens, in]; weights: [out_i, in]."""
+    """Best per-input-channel scale for linears sharing the input x [tokens, in]; weights: [out_i, in].
+
+    Grid point k = 0 is the unscaled baseline (s = 1, reported as alpha 0); k >= 1 tries alpha = k / n_grid
+    with s = mean|x|^alpha / mean|w|^(1 - alpha) per input channel (AutoAWQ's "duo" scaling), normalised
+    around 1. The loss is the mean squared error of `block(effective weights)` against
+    `block(weights)`, where the effective weight of each linear is Q(W s) / s; without `block`, the
+    linears' own outputs on x.
+    """
     x = _sample_tokens(x.float(), max_tokens)
     x_mean = x.abs().mean(dim=0).clamp(min=1e-8)  # [in]
-    refs = [x @ w.float().t() for w in weights]
-    best: ScaleSearch | None = None
-    loss0 = 0.0
-    for k in range(n_grid + 1):
-        alpha = k / n_grid
-        s = x_mean.pow(alpha)
-        s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1 (range-neutral)
-        loss = 0.0
-        for w, ref in zip(weights, refs):
-            wq = fake_quant(w.float() * s[None, :], spec) / s[None, :]
-            loss += float(((x @ wq.t()) - ref).pow(2).mean())
-        if k == 0:
-            loss0 = loss
-        if best is None or loss < best.loss:
-            best = ScaleSearch(s, alpha, loss, loss0)
+    w_all = torch.cat([w.float() for w in weights])  # [sum out, in]
+    # weight magnitude per input channel, relative within each quantization group
+    wg = w_all.abs().reshape(w_all.shape[0], -1, spec.group_size)
+    w_mean = (wg / wg.amax(dim=-1, keepdim=True).clamp(min=1e-8)).reshape(w_all.shape).mean(dim=0).clamp(min=1e-8)
+    if block is None:
+        block = lambda ws: torch.cat([x @ w.t() for w in ws], dim=-1)  # noqa: E731
+    with torch.no_grad():
+        ref = block([w.float() for w in weights])
+        best: ScaleSearch | None = None
+        loss0 = 0.0
+        for k in range(n_grid + 1):
+            alpha = k / n_grid
+            s = (x_mean.pow(alpha) / w_mean.pow(1 - alpha)).clamp(min=1e-4) if k else torch.ones_like(x_mean)
+            s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1 (range-neutral)
+            eff = [fake_quant(w.float() * s[None, :], spec) / s[None, :] for w in weights]
+            loss = float((block(eff) - ref).float().pow(2).mean())
+            if k == 0:
+                loss0 = loss
+            if best is None or loss < best.loss:
+                best = ScaleSearch(s, alpha, loss, loss0)
     best.loss_unscaled = loss0
     return best
 

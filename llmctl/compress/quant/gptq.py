@@ -67,7 +67,9 @@ def quantize_gptq(
             g = int(perm[col]) // gs
             if not act_order and col % gs == 0:
                 # the group's columns as they are now: updated ones in W1, later blocks in W
-                cur = torch.cat([W1[:, i:], W[:, b1:]], dim=1)[:, :gs]
+                cur = W1[:, i : i + gs]
+                if cur.shape[1] < gs:  # the group runs past this block
+                    cur = torch.cat([cur, W[:, b1 : b1 + gs - cur.shape[1]]], dim=1)
                 scales[:, g], zeros[:, g] = group_params(cur, spec)
             w = W1[:, i]
             q = quantize_with(w[:, None], scales[:, g], zeros[:, g], spec)[:, 0]

@@ -55,12 +55,18 @@ def _set_weight(linear: nn.Linear, w: torch.Tensor) -> None:
     linear.weight.data.copy_(w.to(linear.weight.dtype))
 
 
-def gptq_method(spec: QuantSpec, *, act_order: bool = True, percdamp: float = 0.01, block_size: int = 128) -> HessianMethod:
+def gptq_method(
+    spec: QuantSpec, *, act_order: bool = True, percdamp: float = 0.01, block_size: int = 128, preserve_zeros: bool = True
+) -> HessianMethod:
+    """GPTQ per linear. RTN and AWQ map an exact zero to its zero point, so they keep zeros by
+    construction; GPTQ's error feedback would refill them, hence the mask of exact zeros."""
     def fn(name: str, linear: nn.Linear, H: torch.Tensor) -> LinearRecord:
         w = linear.weight.detach().float().cpu().clone()
         check_group_size(name, w.shape[1], spec.group_size)
         H = H.cpu()
-        r = quantize_gptq(w, H, spec, percdamp=percdamp, block_size=block_size, act_order=act_order)
+        # exact zeros stay exactly zero (sparse-then-quantize); a dense weight has next to none
+        mask = (w == 0) if preserve_zeros and bool((w == 0).any()) else None
+        r = quantize_gptq(w, H, spec, percdamp=percdamp, block_size=block_size, act_order=act_order, mask=mask)
         _set_weight(linear, r.weight)
         return LinearRecord(name, tuple(w.shape), r, relative_output_error(w, r.weight, H))
 
@@ -86,12 +92,16 @@ class AwqMethod:
     def __init__(self, spec: QuantSpec, *, n_grid: int = 20, max_tokens: int = 4096, clip: bool = True):
         self.spec, self.n_grid, self.max_tokens, self.clip = spec, n_grid, max_tokens, clip
         self.xs: dict[str, list[torch.Tensor]] = {}
+        self.seqs: dict[str, list[torch.Tensor]] = {}
         self.acc: dict[str, HessianAccumulator] = {}
         self.pending: dict[str, tuple[torch.Tensor, torch.Tensor, float | None]] = {}  # name -> (x sample, H, alpha)
 
     def observe(self, name: str, x: torch.Tensor) -> None:
         x2 = x.reshape(-1, x.shape[-1]).float().cpu()
         self.xs.setdefault(name, []).append(x2)
+        seqs = self.seqs.setdefault(name, [])
+        if sum(t.shape[0] * t.shape[1] for t in seqs) < self.max_tokens and x.dim() == 3:
+            seqs.append(x.detach())  # whole sequences, for the attention block's objective
         if name not in self.acc:
             self.acc[name] = HessianAccumulator(x2.shape[-1])
         self.acc[name].add(x2)
@@ -114,7 +124,8 @@ class AwqMethod:
         alpha = None
         if self._can_fold(prev, linears):
             quantized = [layer.get_submodule(n.split(".", 3)[3]).weight.detach().float() for n in names]
-            found = search_scales(x, quantized, self.spec, n_grid=self.n_grid)
+            block = self._block(layer, group, names)
+            found = search_scales(x, quantized, self.spec, n_grid=self.n_grid, block=block)
             s = found.scales
             if found.alpha > 0:
                 if isinstance(prev, nn.Linear):
@@ -127,9 +138,33 @@ class AwqMethod:
                 H = H / (s[:, None] * s[None, :])
             alpha = found.alpha
         for n in names:
+            self.seqs.pop(n, None)
             self.pending[n] = (x, H, alpha)
             self.acc.pop(n)
         return {}
+
+    def _block(self, layer: nn.Module, group: SubLayerGroup, names: list[str]):
+        """The objective of the scale search: the whole attention (q/k/v) or MLP (gate/up) output,
+        as AutoAWQ measures it; None (the linears' own outputs) for o_proj and down_proj."""
+        if group.name not in ("attn_in", "mlp_in"):
+            return None
+        modules = [layer.get_submodule(n.split(".", 3)[3]) for n in names]
+        xs = torch.cat(self.seqs[names[0]])  # [B, S, in]
+        positions = torch.arange(xs.shape[1], device=xs.device)
+
+        def run(ws: list[torch.Tensor]) -> torch.Tensor:
+            saved = [m.weight.data for m in modules]
+            try:
+                for m, w in zip(modules, ws):
+                    m.weight.data = w.to(m.weight.device, m.weight.dtype)
+                if group.name == "attn_in":
+                    return layer.self_attn.forward_dense(xs, positions).float()
+                return layer.mlp(xs).float()
+            finally:
+                for m, w in zip(modules, saved):
+                    m.weight.data = w
+
+        return run
 
     @staticmethod
     def _can_fold(prev: nn.Module, linears: list[nn.Module]) -> bool:
