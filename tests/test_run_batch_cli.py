@@ -354,3 +354,19 @@ def test_stdin_input_to_a_file_resumes_by_reading_past_committed_rows(tmp_path, 
     assert 0 < json.loads(state_path(out).read_text())["next_index"] < 50
     assert run(out) == 0
     assert out.read_bytes() == ref.read_bytes()
+
+
+def test_overwrite_interrupted_while_loading_leaves_a_restartable_job(tmp_path, engines, monkeypatch):
+    inp = write_jsonl(tmp_path / "in.jsonl", prompts(10))
+    for out in (tmp_path / "o.jsonl", tmp_path / "o.parquet"):
+        assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 0
+
+        def interrupted_load(*a, **k):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(rb, "_load_runtime", interrupted_load)
+        assert main(["run-batch", str(inp), "-o", str(out), "-q", "--overwrite", "--max-tokens", "2"]) == 130
+        monkeypatch.undo()
+        monkeypatch.setattr(rb, "_load_runtime", lambda *a, **k: FakeRuntime(FakeEngine(max_num_seqs=4)))
+        assert main(["run-batch", str(inp), "-o", str(out), "-q", "--max-tokens", "2"]) == 0
+        assert json.loads(state_path(out).read_text())["stats"]["rows"] == 10

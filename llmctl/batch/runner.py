@@ -155,8 +155,10 @@ def _serve(opts, source, out: Path | None, parquet: bool, state: JobState, defau
     # The output is opened (and locked) before the slow model load, so a second job on it fails fast.
     sink: Any = StdoutSink() if out is None else FileSink(journal_path(out) if parquet else out, state.output_bytes)
     try:
-        if out is not None and parquet and opts.overwrite and out.exists():
-            out.unlink()  # a finished Parquet output of the run being replaced
+        if out is not None:
+            save_state(state_path(out), state)  # at once: the sink may just have cut the output back
+            if parquet and opts.overwrite and out.exists():
+                out.unlink()  # a finished Parquet output of the run being replaced
         stats = _load_and_drive(opts, source, out, state, sink, defaults, load_runtime, ui)
         if out is not None:
             if parquet:
@@ -205,10 +207,7 @@ def _state_saver(path: Path, state: JobState) -> Callable[[Checkpoint], None]:
 def _drive(opts, source, out: Path | None, state: JobState, sink, engine, runtime, fmt, defaults: SamplingParams,
            engine_config, ui: BatchUI) -> BatchStats:
     """Run the job loop; turn interruptions and write failures into one-line errors."""
-    on_commit = None
-    if out is not None:
-        save_state(state_path(out), state)  # from here on a rerun continues this job
-        on_commit = _state_saver(state_path(out), state)
+    on_commit = None if out is None else _state_saver(state_path(out), state)
     max_in_flight = opts.max_in_flight or 2 * engine_config.max_num_seqs
     settings = JobSettings(max_in_flight=max_in_flight, window=4 * max_in_flight, ordered=opts.ordered,
                            max_errors=opts.max_errors, commit_rows=opts.commit_rows,
