@@ -33,6 +33,10 @@ def ids(n=6, s=24, seed=1):
     return torch.randint(0, 97, (n, s), generator=torch.Generator().manual_seed(seed))
 
 
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
 class Zeroing:
     """A method that zeroes each group's weights and remembers what inputs it saw."""
 
@@ -70,7 +74,7 @@ def test_methods_write_their_dequantized_weights_into_the_model(make):
     for name, rec in res.records.items():
         assert isinstance(rec, LinearRecord) and 0 <= rec.error < 1e-3
         assert torch.equal(model.get_submodule(name).weight, rec.result.weight)
-    torch.testing.assert_close(model.forward_dense(x), ref, atol=0.05, rtol=0.05)
+    assert _rel(model.forward_dense(x), ref) < 0.02
 
 
 def test_gptq_and_awq_beat_rtn_on_output_error_at_4_bits():
@@ -88,7 +92,7 @@ def test_awq_folds_v_into_o_without_gqa_and_keeps_the_function():
     res = calibrate_layers(model, x, AwqMethod(QuantSpec(8, 32, scale_dtype=torch.float32), n_grid=4))
     assert res.records["model.layers.0.self_attn.o_proj"].alpha is not None  # searched, since shapes allow
     assert not torch.allclose(model.model.layers[0].self_attn.v_proj.weight, v_before, atol=1e-3)
-    torch.testing.assert_close(model.forward_dense(x), ref, atol=0.05, rtol=0.05)
+    assert _rel(model.forward_dense(x), ref) < 0.02
     gqa = calibrate_layers(tiny_model(kv_heads=2), x, AwqMethod(QuantSpec(8, 32), n_grid=2))
     assert gqa.records["model.layers.0.self_attn.o_proj"].alpha is None  # GQA: no v -> o folding
 
