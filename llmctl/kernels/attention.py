@@ -33,15 +33,23 @@ def decode_attention(
     context_lens: torch.Tensor,  # [B] int64, tokens in cache including the new one
     scale: float,
 ) -> torch.Tensor:
-    """Returns [B, heads, D]."""
-    k = gather_context(k_cache, block_tables)
+    """Returns [B, heads, D].
+
+    Explicit batched matmuls rather than SDPA: for one query token per sequence, PyTorch's CPU
+    flash kernel measured about 5x slower here (B=64, 9 heads, 3 KV heads, 272 positions, bf16).
+    Query heads are grouped by the KV head they share ([B, kv_heads, group, D]), so K/V are never
+    repeated per query head."""
+    b, heads, d = q.shape
+    kvh = k_cache.shape[2]
+    k = gather_context(k_cache, block_tables)  # [B, kv_heads, L, D]
     v = gather_context(v_cache, block_tables)
     length = k.shape[2]
-    mask = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]  # [B, L]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
-    )
-    return out.squeeze(2)
+    qg = q.view(b, kvh, heads // kvh, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, kv_heads, group, L]
+    valid = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]  # [B, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(b, heads, d)
 
 
 def chunk_attention(
