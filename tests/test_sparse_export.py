@@ -25,10 +25,11 @@ def test_target_linears_ignore_and_width(tmp_path):
     assert "model.layers.0.mlp.up_proj" in t.names and "lm_head" not in t.names
 
 
-def test_saved_sparse_model_loads_in_transformers_with_same_logits(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_saved_sparse_model_loads_in_transformers_with_same_logits(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
-    src = make_random_model(tmp_path / "src", "llama")
+    src = make_random_model(tmp_path / "src", arch, tie_word_embeddings=arch == "qwen3")
     model, config = load_model(src, "float32", "cpu")
     pattern = parse_pattern("2:4", None)
     res = sparsify_model(model, SparsifySettings(pattern, "magnitude"))
