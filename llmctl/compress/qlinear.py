@@ -64,7 +64,7 @@ class QuantLinear(nn.Module):
         self.bits, self.group_size = bits, group_size
         self.use_int4_kernel = False
         self.bias: torch.Tensor | None = None
-        self.perm: torch.Tensor | None = None
+        self.register_buffer("perm", None)  # input column order grouping act-order columns, or None
 
     @classmethod
     def from_unpacked(cls, u, dtype: torch.dtype, device: str | torch.device = "cpu") -> "QuantLinear":
@@ -77,7 +77,7 @@ class QuantLinear(nn.Module):
             perm = torch.argsort(g_idx, stable=True)
             if not torch.equal(g_idx[perm], expected):
                 raise ModelLoadError(f"g_idx with groups of unequal size (group size {u.group_size}) is not supported")
-            self.register_buffer("perm", perm.to(device))
+            self.perm = perm.to(device)
             codes = codes[:, perm]
         device = torch.device(device)
         self.use_int4_kernel = (

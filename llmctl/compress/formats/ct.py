@@ -6,6 +6,10 @@ offset back to unsigned and packed densely), name.weight_scale [out, groups] in 
 name.weight_shape int [2], and for asymmetric runs name.weight_zero_point packed along dim 0.
 The packing itself is the package's `PackedQuantizationCompressor.compress`, fed the dequantized
 weight and our scales/zero points so it reproduces our integer codes.
+
+Known limitation outside llmctl: transformers (with compressed-tensors 0.20) refuses asymmetric
+pack-quantized files (a zero-point shape mismatch on its meta-device path; see
+vllm-project/llm-compressor#1618); symmetric files load there, and llmctl loads both.
 """
 
 from __future__ import annotations
