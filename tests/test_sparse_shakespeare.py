@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from llmctl.compress.calib_data import cut_sequences
-from llmctl.compress.driver import HessianMethod, calibrate_layers
-from llmctl.compress.quant.gptq import quantize_gptq
+from llmctl.compress.driver import calibrate_layers
+from llmctl.compress.quant.layer_methods import gptq_method
 from llmctl.compress.quant.spec import QuantSpec
 from llmctl.compress.sparse.masks import parse_pattern, satisfies_nm
 from llmctl.compress.sparse.pipeline import SparsifySettings, sparsify_model
@@ -68,19 +68,12 @@ def test_wanda_and_sparsegpt_beat_magnitude_at_2of4(setup):
 
 
 def test_2of4_then_gptq_4bit_keeps_zeros(setup):
-    """SparseGPT 2:4, then GPTQ 4-bit (group 64) with the pruning mask on the sparse layers' inputs."""
+    """SparseGPT 2:4, then GPTQ 4-bit (group 64, act-order) calibrated on the sparse model's inputs."""
     model, state, calib, held = setup
     result = _prune(model, state, "sparsegpt", calib)
     sparse_ppl = _ppl(model, held)
-    spec = QuantSpec(bits=4, group_size=64)
-
-    def gptq_keep_zeros(name, linear, hessian):
-        w = linear.weight.detach().float()
-        r = quantize_gptq(w, hessian, spec, act_order=True, mask=w == 0)
-        linear.weight.data.copy_(r.weight)
-        return r
-
-    calibrate_layers(model, calib, HessianMethod(gptq_keep_zeros))
+    # quantize's own GPTQ layer method: it masks exact zeros (preserve_zeros, on by default)
+    calibrate_layers(model, calib, gptq_method(QuantSpec(bits=4, group_size=64)))
     for name in result.targets.names:
         assert satisfies_nm(model.get_submodule(name).weight, 2, 4), name
     quant_ppl = _ppl(model, held)
