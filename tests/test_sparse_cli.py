@@ -155,3 +155,19 @@ def test_recipe_sparsify_then_gptq_keeps_every_zero(tiny, tmp_path):
     for name, lin in linears.items():
         assert satisfies_nm(lin.dequantize(), 2, 4), name
     assert not (out / ".llmctl-sparse-stage").exists()
+    again = load_recipe(out / "recipe.yaml")  # the whole run, in recipe form
+    assert again.quantize["bits"] == 4 and again.quantize["group_size"] == 32 and again.sparsify["method"] == "sparsegpt"
+
+
+def test_output_recipe_reproduces_the_run(tiny, tmp_path):
+    model, calib = tiny
+    first = tmp_path / "first"
+    assert main(["sparsify", str(model), "-o", str(first), "--method", "wanda", "--pattern", "4:8", "--calib", str(calib),
+                 "--num-samples", "5", "--seq-len", "24", "--ignore", "o_proj", "--no-eval", "--quiet"]) == 0
+    recipe = load_recipe(first / "recipe.yaml")
+    assert recipe.sparsify["pattern"] == "4:8" and recipe.calibration["num_samples"] == 5 and recipe.quantize is None
+    second = tmp_path / "second"
+    assert main(["sparsify", str(model), "-o", str(second), "--recipe", str(first / "recipe.yaml"), "--no-eval",
+                 "--quiet"]) == 0
+    a, b = _weights(first), _weights(second)
+    assert all(torch.equal(a[k], b[k]) for k in a)

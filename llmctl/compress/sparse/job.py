@@ -1,6 +1,6 @@
 """The whole `llmctl sparsify` job, below the CLI: load, calibrate, prune, evaluate, write.
 
-Owns: `SparsifyArgs` (the resolved arguments, saved as recipe.yaml in the output), `SparsifyReport`
+Owns: `SparsifyArgs` (the resolved arguments; recipe.py saves them as the output's recipe.yaml), `SparsifyReport`
 and `run_sparsify`. The command module only parses options and prints the report. The output is a
 dense checkpoint (zeros stored as zeros) in the source dtype: smaller only after compression or
 quantization, faster only where a sparse kernel runs (2:4 on NVIDIA Ampere+; never on the CPU).
@@ -125,17 +125,6 @@ def _decoder_sparsity(model) -> float:
     return zeros / max(1, total)
 
 
-def _write_recipe(path: Path, args: SparsifyArgs, model_path: Path) -> None:
-    import yaml
-
-    d = asdict(args)
-    for k in ("overwrite", "output"):
-        d.pop(k)
-    d["model"] = str(model_path)
-    path.write_text("# llmctl sparsify: resolved arguments of the run that wrote this folder\n"
-                    + yaml.safe_dump({"sparsify": d}, sort_keys=False))
-
-
 def _load_data(args: SparsifyArgs, rt) -> tuple[Any, torch.Tensor | None, list[str]]:
     """(calibration set or None, held-out token ids or None, warnings) for this run."""
     from llmctl.compress.calib_data import load_calibration, read_token_stream
@@ -207,7 +196,6 @@ def run_sparsify(
     global_sparsity = pruned / max(1, weights)
     meta = sparsity_config(pattern, args.method, {l.name: l.sparsity for l in lines}, list(args.ignore), global_sparsity)
     save_dense_model(model, rt.config.raw, rt.model_path, out, {"sparsity_config": meta})
-    _write_recipe(out / "recipe.yaml", args, rt.model_path)
     shutil.rmtree(out / TMP_DIR, ignore_errors=True)
     return SparsifyReport(
         method=args.method, pattern=pattern.label(), output=str(out), wall_time_s=round(time.perf_counter() - t0, 3),

@@ -114,6 +114,7 @@ def run_recipe(
     stage_progress = (lambda stage: (lambda d, t: progress(stage, d, t))) if progress else (lambda stage: None)
     if recipe is None or recipe.quantize is None:
         report = run_sparsify(args, progress=stage_progress("sparsify"), warn=warn)
+        write_recipe(Path(args.output) / "recipe.yaml", args, None)
         return RecipeReport(report, None, None, None if recipe is None else recipe.path)
 
     from llmctl.compress.quantize_job import QuantizeArgs, run_quantize
@@ -138,7 +139,22 @@ def run_recipe(
             f"quantization refilled pruned weights in {len(broken)} layer(s) (first: {broken[0]}); "
             f"the output in {out} is not sparse. The quantize method must keep pruned weights at zero (GPTQ mask)"
         )
+    write_recipe(out / "recipe.yaml", args, qargs)  # replaces quantize's own: the whole run, loadable by --recipe
     return RecipeReport(s_report, q_report, True, recipe.path)
+
+
+def write_recipe(path: Path, args: SparsifyArgs, qargs: Any | None) -> None:
+    """The resolved settings of this run in recipe form: `llmctl sparsify MODEL -o OUT --recipe path` repeats it."""
+    import yaml
+
+    doc: dict[str, Any] = {
+        "calibration": {k: getattr(args, k) for k in CALIBRATION_KEYS},
+        "sparsify": {k: getattr(args, k) for k in SPARSIFY_KEYS},
+    }
+    if qargs is not None:
+        doc["quantize"] = {k: getattr(qargs, k) for k in QUANTIZE_KEYS}
+    header = f"# llmctl sparsify: resolved settings of the run that wrote this folder (model: {args.model})\n"
+    path.write_text(header + yaml.safe_dump(doc, sort_keys=False))
 
 
 def _pruned_masks(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
