@@ -32,7 +32,7 @@ class ModelRunner:
             per_seq = -(-max_len // self.block_size) * self.bytes_per_block
             budget = min(DEFAULT_KV_CAP, engine_config.max_num_seqs * per_seq)
         self.num_blocks = budget // self.bytes_per_block
-        shape = (self.num_blocks, self.block_size, config.num_kv_heads, config.head_dim)
+        shape = (config.num_kv_heads, self.num_blocks * self.block_size, config.head_dim)  # head-major
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_layers)
@@ -64,7 +64,8 @@ class ModelRunner:
                 dec_tables.append(table)
                 dec_lens.append(start + 1)
             else:
-                prefills.append(PrefillChunk(offset, n, start, torch.tensor(table, dtype=torch.long, device=self.device)))
+                seq_slots = [table[p // bs] * bs + p % bs for p in range(start + n)]
+                prefills.append(PrefillChunk(offset, n, start, torch.tensor(seq_slots, dtype=torch.long, device=self.device)))
             k = len(seq.spec_token_ids)
             if start + n == seq.num_tokens + k:  # caught up: logits for the last token and each draft
                 logits_idx.extend(range(offset + n - 1 - k, offset + n))
@@ -78,7 +79,7 @@ class ModelRunner:
             dec_lens_t = torch.tensor(dec_lens, dtype=torch.long, device=dev)
         else:
             dec_tables_t = dec_lens_t = None
-        meta = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), nd, dec_tables_t, dec_lens_t, prefills)
+        meta = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), nd, dec_tables_t, dec_lens_t, prefills, bs)
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(pos, dtype=torch.long, device=dev),
