@@ -46,9 +46,7 @@ def semi_structured_support(device: str | torch.device) -> tuple[bool, str]:
     cap = torch.cuda.get_device_capability(dev)
     if cap < MIN_CAPABILITY:
         return False, f"GPU compute capability {cap[0]}.{cap[1]} has no sparse tensor cores (needs 8.0+)"
-    try:
-        from torch.sparse import to_sparse_semi_structured  # noqa: F401
-    except ImportError:
+    if not hasattr(torch.sparse, "to_sparse_semi_structured"):
         return False, "this PyTorch build has no torch.sparse.to_sparse_semi_structured"
     return True, ""
 
