@@ -19,17 +19,23 @@ HELP = """Quantize MODEL's linear layers to 4 or 8 bits (weights only) with AWQ,
 
 \b
 Examples:
-  llmctl quantize ../shared/models/tinyshakespeare-5m -o ts-gptq --gptq --group-size 64 \\
-      --calib ../shared/data/tinyshakespeare.txt --num-samples 32 --seq-len 256
+  llmctl quantize ../shared/models/tinyshakespeare-5m -o ts-gptq --gptq \\
+      --group-size 64 --calib ../shared/data/tinyshakespeare.txt \\
+      --num-samples 32 --seq-len 256
   llmctl quantize ./my-model -o my-model-awq --awq --format awq --calib data.jsonl
 
 \b
---calib: JSONL (rows with prompt_token_ids, messages, prompt or text), Parquet (the same columns) or
-plain text, cut into --num-samples sequences of --seq-len tokens. Without it a small built-in text is
-used (with a warning). Perplexity before/after is measured on --eval-data, or by default on the last
-10% of the calibration data, which is then not used for calibration.
-Embeddings and lm_head are never quantized; --ignore takes module names, globs or re:REGEX.
-An interrupted run resumes from its last finished layer when rerun with the same arguments.
+--calib: JSONL (rows with prompt_token_ids, messages, prompt or text),
+  Parquet (the same columns) or plain text, cut into --num-samples sequences
+  of --seq-len tokens. Without it a small built-in text is used (a warning
+  says so: data from your own domain is better).
+Perplexity before/after: on --eval-data, or by default on the last 10% of the
+  calibration data (then not used for calibration).
+Embeddings and lm_head are never quantized; --ignore takes module names,
+  globs or re:REGEX. Group sizes must divide every quantized layer's input
+  width (the error names the sizes that work).
+An interrupted run resumes from its last finished layer when rerun with the
+  same arguments and output folder.
 """
 
 

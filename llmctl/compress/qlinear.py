@@ -8,9 +8,9 @@ matmul runs, which is faster there. Other weights (8-bit, odd widths, CUDA) are 
 codes (two 4-bit codes per byte, or one int8) and dequantized per call.
 
 The int4 kernel computes w = (q - 8) * scale + zero_f per group, so our (q - z) * s is passed as
-scale = s, zero_f = (8 - z) * s. Its packed layout (checked at first use by `_int4_layout_ok`):
-rows in blocks of 64, byte k * 32 + i of a block holds row i (low nibble) and row i + 32 (high
-nibble) of column k.
+scale = s, zero_f = (8 - z) * s. Its packed layout depends on the CPU build PyTorch dispatches to
+(found at first use by `_int4_block_rows`): rows in blocks of B (64 with AVX-512, 32 with AVX2),
+byte k * B/2 + i of a block holds row i (low nibble) and row i + B/2 (high nibble) of column k.
 """
 
 from __future__ import annotations
@@ -27,19 +27,27 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
 @functools.lru_cache(maxsize=1)
-def _int4_layout_ok() -> bool:
-    """The CPU int4 kernel exists and its packed layout is the one `_unpack_int4_cpu` reads."""
+def _int4_block_rows() -> int | None:
+    """Row-block width B of the CPU int4 kernel's packed layout, or None (no kernel, unknown layout)."""
     try:
-        q = torch.randint(0, 16, (64, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+        q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        return torch.equal(_unpack_int4_cpu(packed, 64, 64), q)
     except (RuntimeError, AttributeError):
-        return False
+        return None
+    for block in (64, 32):
+        if torch.equal(_unpack_int4_cpu(packed, 128, 64, block), q):
+            return block
+    return None
 
 
-def _unpack_int4_cpu(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Codes int32 [n, k] from the CPU int4 kernel's packed uint8 [n, k / 2]."""
-    f = packed.contiguous().reshape(n // 64, k, 32)
+def _int4_layout_ok() -> bool:
+    return _int4_block_rows() is not None
+
+
+def _unpack_int4_cpu(packed: torch.Tensor, n: int, k: int, block: int | None = None) -> torch.Tensor:
+    """Codes int32 [n, k] from the CPU int4 kernel's packed uint8 [n, k / 2] (row blocks of `block`)."""
+    block = block or _int4_block_rows()
+    f = packed.contiguous().reshape(n // block, k, block // 2)
     return torch.cat([f & 15, f >> 4], dim=-1).permute(0, 2, 1).reshape(n, k).to(torch.int32)
 
 
