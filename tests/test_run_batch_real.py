@@ -103,3 +103,43 @@ def test_interrupted_real_run_resumes_to_the_same_bytes(tmp_path, monkeypatch):
     monkeypatch.setattr(rb, "_load_runtime", load)
     assert main(["run-batch", str(inp), "-o", str(out), "--max-in-flight", "2", *ENGINE_ARGS]) == 0
     assert out.read_bytes() == ref.read_bytes()
+
+
+@pytest.mark.parametrize("spec", [["--speculative", "ngram"], ["--speculative", "auto", "--speculative-max-batch", "3"],
+                                  ["--draft", "DEMO"]])
+def test_speculative_run_batch_gives_the_plain_greedy_rows_and_reports_acceptance(tmp_path, spec):
+    from llmctl.runtime.loader import resolve_model_path
+
+    spec = [resolve_model_path(None) if a == "DEMO" else a for a in spec]  # the model as its own draft
+    inp = tmp_path / "in.jsonl"
+    # Prompts that repeat themselves, so prompt lookup finds drafts to propose.
+    rows = [{"id": i, "prompt": "ROMEO: to be or not to be. " * 2 + "ROMEO: to"} for i in range(3)]
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [*ENGINE_ARGS, "--max-tokens", "8", "--max-model-len", "64", "--include-token-ids"]
+    plain, fast = tmp_path / "plain.jsonl", tmp_path / "fast.jsonl"
+    summary = tmp_path / "s.json"
+    assert main(["run-batch", str(inp), "-o", str(plain), *args]) == 0
+    assert main(["run-batch", str(inp), "-o", str(fast), "--summary-json", str(summary), *args, *spec]) == 0
+    assert read_jsonl(fast) == read_jsonl(plain)
+    s = json.loads(summary.read_text())["speculative"]
+    assert s["proposed_tokens"] > 0 and 0 <= s["accepted_tokens"] <= s["proposed_tokens"]
+    if "--draft" in spec:  # the model drafting for itself agrees with itself on every greedy token
+        assert s["accepted_tokens"] == s["proposed_tokens"]
+
+
+def test_speculative_settings_resolve_the_options():
+    from llmctl.engine.config import AUTO_SPEC_MAX_BATCH, EngineConfig, speculative_settings
+    from llmctl.errors import UsageError
+
+    assert speculative_settings("off", None, 4, None) == {}
+    assert speculative_settings("off", "d", 3, None)["speculative"] == "draft"
+    auto = speculative_settings("auto", None, 4, None)
+    assert auto["speculative"] == "ngram" and auto["speculative_max_batch"] == AUTO_SPEC_MAX_BATCH
+    assert speculative_settings("auto", "d", 4, 2) == dict(speculative="draft", draft_model="d",
+                                                          num_speculative_tokens=4, speculative_max_batch=2)
+    assert speculative_settings("ngram", None, 4, None)["speculative_max_batch"] is None
+    for bad in (("fast", None), ("ngram", "d")):
+        with pytest.raises(UsageError):
+            speculative_settings(bad[0], bad[1], 4, None)
+    with pytest.raises(UsageError, match="--draft"):
+        EngineConfig(**speculative_settings("draft", None, 4, None))

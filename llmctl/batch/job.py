@@ -97,6 +97,7 @@ class BatchJob:
         self.settings = settings
         self.stats = stats if stats is not None else BatchStats()
         self._base_elapsed = self.stats.elapsed_s
+        self._base_spec = (self.stats.spec_proposed, self.stats.spec_accepted)
         self._resume_done = set(done_after or ())
         self._on_commit, self._on_progress, self._rows_total = on_commit, on_progress, rows_total
         self._vocab_size = getattr(getattr(runtime, "config", None), "vocab_size", None)
@@ -292,6 +293,10 @@ class BatchJob:
     def _commit(self, finished: bool = False) -> None:
         output_bytes = self.sink.commit()
         self.stats.elapsed_s = self._base_elapsed + (time.perf_counter() - self._t0)
+        engine_stats = getattr(self.engine, "stats", None)
+        if engine_stats is not None and hasattr(engine_stats, "spec_proposed"):
+            self.stats.spec_proposed = self._base_spec[0] + engine_stats.spec_proposed
+            self.stats.spec_accepted = self._base_spec[1] + engine_stats.spec_accepted
         if self._order:
             nxt = (self._order[0], self._positions[self._order[0]])
         else:

@@ -63,6 +63,8 @@ class BatchStats:
     errors_by_code: dict[str, int] = field(default_factory=dict)
     ttft: LogHistogram = field(default_factory=LogHistogram)
     tpot: LogHistogram = field(default_factory=LogHistogram)
+    spec_proposed: int = 0  # speculative decoding: draft tokens verified, and accepted
+    spec_accepted: int = 0
 
     def add_row(self, prompt_tokens: int, completion_tokens: int, error_code: str | None,
                 ttft: float | None = None, tpot: float | None = None) -> None:
@@ -81,7 +83,8 @@ class BatchStats:
         return {"rows": self.rows, "errors": self.errors, "prompt_tokens": self.prompt_tokens,
                 "output_tokens": self.output_tokens, "elapsed_s": self.elapsed_s,
                 "errors_by_code": dict(self.errors_by_code),
-                "ttft": self.ttft.to_state(), "tpot": self.tpot.to_state()}
+                "ttft": self.ttft.to_state(), "tpot": self.tpot.to_state(),
+                "spec_proposed": self.spec_proposed, "spec_accepted": self.spec_accepted}
 
     @classmethod
     def from_state(cls, d: dict) -> "BatchStats":
@@ -89,7 +92,8 @@ class BatchStats:
                    prompt_tokens=int(d.get("prompt_tokens", 0)), output_tokens=int(d.get("output_tokens", 0)),
                    elapsed_s=float(d.get("elapsed_s", 0.0)),
                    errors_by_code={str(k): int(v) for k, v in d.get("errors_by_code", {}).items()},
-                   ttft=LogHistogram.from_state(d.get("ttft")), tpot=LogHistogram.from_state(d.get("tpot")))
+                   ttft=LogHistogram.from_state(d.get("ttft")), tpot=LogHistogram.from_state(d.get("tpot")),
+                   spec_proposed=int(d.get("spec_proposed", 0)), spec_accepted=int(d.get("spec_accepted", 0)))
 
     def copy(self) -> "BatchStats":
         return BatchStats.from_state(self.to_state())
@@ -113,6 +117,11 @@ class BatchStats:
             "output_tokens_per_s": round(self.output_tokens / t, 3) if t > 0 else None,
             "ttft_s": pct(self.ttft),
             "tpot_s": pct(self.tpot),
+            "speculative": {
+                "proposed_tokens": self.spec_proposed,
+                "accepted_tokens": self.spec_accepted,
+                "acceptance_rate": round(self.spec_accepted / self.spec_proposed, 4) if self.spec_proposed else None,
+            },
         }
 
 

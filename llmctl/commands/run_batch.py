@@ -14,6 +14,7 @@ from typing import Optional
 import typer
 
 from llmctl.commands._options import Device, Dtype, Model, Quiet
+from llmctl.engine.config import AUTO_SPEC_MAX_BATCH, speculative_settings
 
 EPILOG = """\b
 Examples:
@@ -39,6 +40,13 @@ uninterrupted one.
 Resume: a file OUTPUT.llmctl-state.json is kept beside the output. After Ctrl-C, kill -9 or a
 power loss, rerun the same command: it continues where it stopped, every row exactly once.
 A rerun with another model or other sampling settings is refused unless --overwrite.
+
+\b
+Speculative decoding: --speculative ngram proposes tokens by looking the last few up in the
+prompt (good when outputs copy from it); --draft MODEL lets a small model with the same tokenizer
+propose them. Greedy outputs are identical with or without it. It pays for a few sequences at a
+time, not a large batch: auto stops speculating while more than --speculative-max-batch run. The
+summary reports the acceptance rate.
 
 \b
 Exit codes: 0 done; 2 usage or input error; 3 aborted by --max-errors (written rows are kept);
@@ -106,6 +114,10 @@ class RichUI:
         t.add_row("throughput", f"{s['requests_per_s'] or 0:,.2f} requests/s, {s['output_tokens_per_s'] or 0:,.1f} output tokens/s")
         for name in ("ttft_s", "tpot_s"):
             t.add_row(name[:4].upper(), "  ".join(f"{k} {ms(v)}" for k, v in s[name].items()))
+        spec = s["speculative"]
+        if spec["proposed_tokens"]:
+            t.add_row("speculative", f"{spec['accepted_tokens']:,} of {spec['proposed_tokens']:,} draft tokens accepted "
+                                     f"({100 * spec['acceptance_rate']:.1f}%)")
         t.add_row("elapsed", f"{s['elapsed_s']:.1f} s")
         self.console.print(t)
 
@@ -163,6 +175,10 @@ def register(app: typer.Typer) -> None:
         max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", help="Token budget per engine step."),
         max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="Sequences decoded together at most."),
         max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context length (default: the model's).", show_default=False),
+        speculative: str = typer.Option("off", "--speculative", help="off, ngram (prompt lookup), draft (needs --draft) or auto (draft when --draft is given, else ngram; only while at most --speculative-max-batch sequences run)."),
+        draft: Optional[str] = typer.Option(None, "--draft", help="Smaller model with the same tokenizer that proposes tokens (implies --speculative draft unless auto).", show_default=False),
+        num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", min=1, help="Tokens proposed per step."),
+        speculative_max_batch: Optional[int] = typer.Option(None, "--speculative-max-batch", min=1, help=f"Speculate only while at most N sequences run (default: {AUTO_SPEC_MAX_BATCH} with auto, no limit otherwise).", show_default=False),
         max_in_flight: Optional[int] = typer.Option(None, "--max-in-flight", min=1, help="Rows handed to the engine at once (default 2 x --max-num-seqs); the reorder buffer holds at most 4x this.", show_default=False),
     ) -> None:
         """Generate a completion for every row of INPUT and write one output row per input row."""
@@ -180,7 +196,8 @@ def register(app: typer.Typer) -> None:
             engine=dict(block_size=block_size,
                         kv_cache_memory=None if kv_cache_memory == "auto" else parse_bytes(kv_cache_memory),
                         enable_prefix_caching=not no_prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
-                        max_num_seqs=max_num_seqs, max_model_len=max_model_len),
+                        max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                        **speculative_settings(speculative, draft, num_speculative_tokens, speculative_max_batch)),
             max_in_flight=max_in_flight,
         )
         ui = RichUI(quiet)

@@ -24,6 +24,31 @@ def parse_bytes(text: str) -> int:
 
 DEFAULT_KV_CAP = 2 * 1024**3
 
+# `--speculative auto` speculates only while at most this many sequences run: above it the batch
+# already fills the memory-bound decode step, and verifying drafts costs more than it saves
+# (crossover measured by benchmarks/bench_speculative.py; see BENCHMARKS.md).
+AUTO_SPEC_MAX_BATCH = 4
+
+SPECULATIVE_MODES = ("off", "ngram", "draft", "auto")
+
+
+def speculative_settings(mode: str, draft: str | None, num_tokens: int, max_batch: int | None) -> dict:
+    """EngineConfig fields for the --speculative/--draft/... options of the commands."""
+    if mode not in SPECULATIVE_MODES:
+        raise UsageError(f"--speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}")
+    if mode == "off" and draft:
+        mode = "draft"  # --draft alone asks for it
+    if mode == "off":
+        return {}
+    if mode == "auto":
+        method, max_batch = ("draft" if draft else "ngram"), (max_batch or AUTO_SPEC_MAX_BATCH)
+    else:
+        method = mode
+    if method == "ngram" and draft:
+        raise UsageError("--draft is for --speculative draft or auto, not ngram")
+    return dict(speculative=method, draft_model=draft, num_speculative_tokens=num_tokens,
+                speculative_max_batch=max_batch)
+
 
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
