@@ -5,7 +5,9 @@ the layout of PyTorch's int4 kernel (`aten._convert_weight_to_int4pack_for_cpu`)
 with `aten._weight_int4pack_mm_for_cpu` for small batches (decode); above `SMALL_BATCH_TOKENS`
 tokens (prefill), the weight is dequantized to the compute dtype for that call and a dense
 matmul runs, which is faster there. Other weights (8-bit, odd widths, CUDA) are kept as packed
-codes (two 4-bit codes per byte, or one int8) and dequantized per call.
+codes (two 4-bit codes per byte, or one int8) and dequantized per call, except on CUDA at or below
+`TRITON_MAX_TOKENS` rows, where the Triton dequantize-GEMM in `llmctl/kernels/triton_quant.py`
+reads the packed codes directly (see `_use_triton`).
 
 The int4 kernel computes w = (q - 8) * scale + zero_f per group, so our (q - z) * s is passed as
 scale = s, zero_f = (8 - z) * s. Its packed layout depends on the CPU build PyTorch dispatches to
@@ -61,10 +63,25 @@ def _unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
     return torch.stack([p & 15, p >> 4], dim=-1).reshape(p.shape[0], -1)
 
 
+def _use_triton(device: torch.device, rows: int, group_size: int) -> bool:
+    """Whether a forward on `device` with `rows` rows of x runs the Triton dequantize-GEMM (which
+    needs a power-of-two group size >= 16; per-channel groups of odd width dequantize instead)."""
+    if device.type != "cuda" or rows > QuantLinear.TRITON_MAX_TOKENS:
+        return False
+    if group_size < 16 or group_size & (group_size - 1):
+        return False
+    from llmctl.kernels import triton_quant
+
+    return triton_quant.available()
+
+
 class QuantLinear(nn.Module):
     """y = x W^T (+ b) with W = (q - z) * s stored packed; a drop-in for nn.Linear in our model."""
 
     SMALL_BATCH_TOKENS = 32  # int4 kernel at or below this many rows of x, dequantize + dense above
+    # CUDA: Triton dequantize-GEMM at or below this many rows (decode), dequantize + cuBLAS above
+    # (prefill). A guess from the usual crossover, not yet measured on a GPU.
+    TRITON_MAX_TOKENS = 64
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int):
         super().__init__()
@@ -136,6 +153,10 @@ class QuantLinear(nn.Module):
         if self.use_int4_kernel and x2.shape[0] <= self.SMALL_BATCH_TOKENS:
             sz = self.scale_zeros if self.scale_zeros.dtype == x2.dtype else self.scale_zeros.to(x2.dtype)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.qweight, self.group_size, sz)
+        elif not self.use_int4_kernel and _use_triton(x2.device, x2.shape[0], self.group_size):
+            from llmctl.kernels.triton_quant import quant_matmul_triton
+
+            y = quant_matmul_triton(x2, self.qweight, self.scales, self.zeros, self.bits, self.group_size)
         else:
             y = F.linear(x2, self.dequantize(x2.dtype))
         if self.bias is not None:
