@@ -50,13 +50,26 @@ def _download(repo_id: str) -> Path:
         ) from None
 
 
+def cpu_has_fast_bf16() -> bool:
+    """True where oneDNN has native bf16 matmuls (AVX-512 BF16 or AMX). Without them (AVX2-only
+    CPUs) PyTorch's bf16 and fp16 matmuls run several times slower than float32 ones."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True  # cannot tell: keep the checkpoint's dtype
+
+
 def resolve_dtype(dtype: str, config: ModelConfig, device: str):
+    """--dtype to a torch dtype. auto: the checkpoint's dtype, except on the CPU, where half precision
+    becomes bfloat16 (fast CPU half matmuls are rare), or float32 when the CPU has no native bf16."""
     import torch
 
     if dtype == "auto":
         wanted = _DTYPES.get(str(config.torch_dtype or "float32").replace("torch.", ""), "float32")
-        if wanted == "float16" and device == "cpu":
-            wanted = "bfloat16"  # CPU half matmuls are slow; bf16 has the same size
+        if wanted in ("float16", "bfloat16") and device == "cpu":
+            wanted = "bfloat16" if cpu_has_fast_bf16() else "float32"
         return getattr(torch, wanted)
     if dtype not in _DTYPES:
         raise UsageError(f"unknown --dtype {dtype!r}; use auto, bfloat16, float16 or float32")
