@@ -15,7 +15,7 @@ if __name__ == "__main__":  # vLLM starts worker processes: everything under the
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_gib", 4)))
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=spec["model"], dtype="bfloat16", skip_tokenizer_init=True, max_model_len=spec["max_model_len"],
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), skip_tokenizer_init=True, max_model_len=spec["max_model_len"],
               max_num_seqs=spec.get("max_num_seqs", 256), enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     params = [SamplingParams(max_tokens=o, min_tokens=o, temperature=0, ignore_eos=True, detokenize=False) for o in spec["outputs"]]
