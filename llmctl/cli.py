@@ -58,12 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # click raises this for --help in some paths
         return int(e.code or 0)
     except Exception as e:  # click usage errors and the like
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
+        # typer may bundle its own copy of click: match the exception classes by name.
+        names = {c.__name__ for c in type(e).__mro__}
+        if "ClickException" in names and hasattr(e, "show"):
             e.show()
-            return e.exit_code
-        if isinstance(e, click.exceptions.Abort):
+            return getattr(e, "exit_code", 2)
+        if "Abort" in names:
             print("llmctl: aborted", file=sys.stderr)
             return 130
         if os.environ.get("LLMCTL_DEBUG"):

@@ -39,3 +39,11 @@ def test_help_does_not_import_torch():
 def test_version(capsys):
     assert main(["--version"]) == 0
     assert "llmctl" in capsys.readouterr().out
+
+
+def test_click_usage_errors_exit_2_without_a_traceback(capsys):
+    from llmctl.cli import main
+
+    assert main(["run-batch", "in.jsonl", "--no-such-option"]) == 2
+    assert main(["no-such-command"]) == 2
+    assert "internal error" not in capsys.readouterr().err
