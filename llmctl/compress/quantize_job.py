@@ -93,14 +93,20 @@ def _fingerprint(args: QuantizeArgs, model_path: Path) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _prepare_output(out: Path, overwrite: bool) -> None:
+def prepare_output_folder(out: Path, overwrite: bool, tmp_dir: str) -> None:
+    """Create the output folder -o; refuse a file, or a non-empty folder (other than our resume
+    folder `tmp_dir`) unless overwrite. Shared by quantize and sparsify."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"-o {out} is a file; give a folder")
     if out.is_dir():
-        others = [p.name for p in out.iterdir() if p.name != TMP_DIR]
+        others = [p.name for p in out.iterdir() if p.name != tmp_dir]
         if others and not overwrite:
             raise UsageError(f"output folder {out} is not empty; choose another -o or pass --overwrite")
     out.mkdir(parents=True, exist_ok=True)
+
+
+def _prepare_output(out: Path, overwrite: bool) -> None:
+    prepare_output_folder(out, overwrite, TMP_DIR)
 
 
 def _quantized_linears(model, ignored) -> list[tuple[str, int]]:

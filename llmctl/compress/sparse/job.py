@@ -97,13 +97,9 @@ def _fingerprint(args: SparsifyArgs, model_path: Path) -> str:
 
 
 def _prepare_output(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"-o {out} is a file; give a folder")
-    if out.is_dir():
-        others = [p.name for p in out.iterdir() if p.name != TMP_DIR]
-        if others and not overwrite:
-            raise UsageError(f"output folder {out} is not empty; choose another -o or pass --overwrite")
-    out.mkdir(parents=True, exist_ok=True)
+    from llmctl.compress.quantize_job import prepare_output_folder
+
+    prepare_output_folder(out, overwrite, TMP_DIR)
 
 
 def _perplexity(model, heldout: torch.Tensor | None) -> float | None:
