@@ -1,7 +1,8 @@
 """Offline throughput: llmctl's engine against transformers `generate` with static padded batches.
 
 Workload (issue 2): prompts of 32-512 random tokens, 64-256 output tokens each (ignore_eos), on a
-randomly initialised model of a shared/configs shape in bf16. Both run in this process, same threads,
+randomly initialised model of a shared/configs shape in bf16 (--dtype float32 on CPUs without
+native bf16, where bf16 matmuls run several times slower than fp32). Both run in this process, same threads,
 on the same device (--device cpu, the default, or cuda). Also the shared-prefix workload: a common
 400-token system prompt, prefill time with prefix caching on against off.
 
@@ -48,10 +49,10 @@ def model_folder(config: str) -> Path:
     return out
 
 
-def run_llmctl(folder, prompts, outs, device: str = "cpu", **engine_kwargs) -> dict:
+def run_llmctl(folder, prompts, outs, device: str = "cpu", dtype: str = "bfloat16", **engine_kwargs) -> dict:
     from llmctl import LLM, SamplingParams
 
-    llm = LLM(str(folder), dtype="bfloat16", device=device, **engine_kwargs)
+    llm = LLM(str(folder), dtype=dtype, device=device, **engine_kwargs)
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in outs]
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     _sync(device)
@@ -66,10 +67,10 @@ def run_llmctl(folder, prompts, outs, device: str = "cpu", **engine_kwargs) -> d
             "preemptions": llm.engine.scheduler.num_preemptions}
 
 
-def run_transformers(folder, prompts, outs, batch_size: int, device: str = "cpu") -> dict:
+def run_transformers(folder, prompts, outs, batch_size: int, device: str = "cpu", dtype: str = "bfloat16") -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype)).to(device).eval()
     model.generation_config.eos_token_id = None
     pad = 0
     if device != "cpu":  # warm-up (CUDA context, kernels), as run_llmctl does
@@ -93,7 +94,7 @@ def run_transformers(folder, prompts, outs, batch_size: int, device: str = "cpu"
     return {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt, "batch_size": batch_size}
 
 
-def shared_prefix(folder, n: int, vocab: int, device: str = "cpu") -> dict:
+def shared_prefix(folder, n: int, vocab: int, device: str = "cpu", dtype: str = "bfloat16") -> dict:
     """Prefill time of n prompts = 400-token common prefix + 16-48 own tokens, one output token each."""
     from llmctl import LLM, SamplingParams
 
@@ -102,7 +103,7 @@ def shared_prefix(folder, n: int, vocab: int, device: str = "cpu") -> dict:
     prompts = [system + torch.randint(10, vocab, (int(torch.randint(16, 49, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
     res = {}
     for caching in (False, True):
-        llm = LLM(str(folder), dtype="bfloat16", device=device, enable_prefix_caching=caching)
+        llm = LLM(str(folder), dtype=dtype, device=device, enable_prefix_caching=caching)
         llm.generate([system[:8]], SamplingParams(max_tokens=1))
         _sync(device)
         t0 = time.perf_counter()
@@ -117,6 +118,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="smollm2-135m", help="a shared/configs name, or a path to a config.json")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both engines run (default: cpu)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hf-batch-size", type=int, default=32)
@@ -132,20 +134,20 @@ def main() -> None:
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     prompts, outs = workload(args.num_prompts, vocab=vocab)
     # machine: this CPU's peaks (skipped with --device cuda, where they say nothing about the run)
-    report = {"environment": environment(), "machine": measure_machine() if args.device == "cpu" else None,
-              "config": args.config, "device": args.device, "num_prompts": args.num_prompts,
+    report = {"environment": environment(), "machine": measure_machine(args.dtype) if args.device == "cpu" else None,
+              "config": args.config, "device": args.device, "dtype": args.dtype, "num_prompts": args.num_prompts,
               "prompt_tokens": sum(map(len, prompts)), "requested_output_tokens": sum(outs)}
     if args.device == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
-    report["llmctl"] = run_llmctl(folder, prompts, outs, device=args.device, max_num_seqs=args.max_num_seqs,
+    report["llmctl"] = run_llmctl(folder, prompts, outs, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                                   kv_cache_memory=4 * 1024**3)
     print(json.dumps(report["llmctl"]), flush=True)
     if not args.skip_transformers:
-        report["transformers"] = run_transformers(folder, prompts, outs, args.hf_batch_size, args.device)
+        report["transformers"] = run_transformers(folder, prompts, outs, args.hf_batch_size, args.device, args.dtype)
         report["speedup_vs_transformers"] = report["llmctl"]["output_tok_s"] / report["transformers"]["output_tok_s"]
         print(json.dumps(report["transformers"]), flush=True)
     if args.prefix_prompts:
-        report["shared_prefix_prefill"] = shared_prefix(folder, args.prefix_prompts, vocab, args.device)
+        report["shared_prefix_prefill"] = shared_prefix(folder, args.prefix_prompts, vocab, args.device, args.dtype)
     print(json.dumps(report, indent=2))
     if args.json:
         with open(args.json, "w") as f:

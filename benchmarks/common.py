@@ -38,17 +38,20 @@ def workload(n: int, prompt_range=(32, 512), output_range=(64, 256), vocab: int 
     return prompts, outs
 
 
-def measure_machine(seconds: float = 1.0) -> dict:
-    """This machine's bf16 matmul peak (GFLOP/s) and memory read bandwidth (GB/s), measured now."""
-    a = torch.randn(2048, 2048, dtype=torch.bfloat16)
-    b = torch.randn(2048, 2048, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
+def measure_machine(dtype: str = "bfloat16", seconds: float = 1.0) -> dict:
+    """This machine's matmul peak in `dtype` (GFLOP/s) and memory read bandwidth (GB/s), measured now.
+
+    The peak is what torch reaches on a 1024x1024 @ 1024x1024 matmul: the ceiling MFU is quoted
+    against. (1024, not 2048: on CPUs without native bf16 one 2048 bf16 matmul takes seconds.)
+    """
+    a = torch.randn(1024, 1024, dtype=getattr(torch, dtype))
+    b = torch.randn(1024, 1024, dtype=getattr(torch, dtype))
+    a @ b
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         a @ b
         n += 1
-    flops = 2 * 2048**3 * n / (time.perf_counter() - t0)
+    flops = 2 * 1024**3 * n / (time.perf_counter() - t0)
     x = torch.ones(256 * 1024**2 // 4, dtype=torch.float32)  # 256 MiB, far beyond the caches
     x.sum()
     n, t0 = 0, time.perf_counter()
@@ -56,7 +59,7 @@ def measure_machine(seconds: float = 1.0) -> dict:
         x.sum()
         n += 1
     bw = x.numel() * 4 * n / (time.perf_counter() - t0)
-    return {"bf16_matmul_gflops": flops / 1e9, "memory_read_gbs": bw / 1e9}
+    return {"matmul_dtype": dtype, "matmul_gflops": flops / 1e9, "memory_read_gbs": bw / 1e9}
 
 
 def environment() -> dict:
@@ -69,3 +72,31 @@ def environment() -> dict:
     except OSError:
         pass
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu, "date": time.strftime("%Y-%m-%d")}
+
+
+def workload_flops(folder: Path, prompts, outs) -> float:
+    """Useful forward FLOPs of a workload: the decoder's linears on every prompt and output token,
+    attention (Q.K^T and P.V) over each token's context, and lm_head only where a token is sampled
+    (one per output token), which is what an engine that skips prompt logits computes."""
+    from llmctl.profiling.estimate import linear_shapes
+    from llmctl.runtime.config import ModelConfig
+
+    c = ModelConfig.from_file(Path(folder) / "config.json")
+    per_token = 2 * c.num_layers * sum(o * i for o, i in linear_shapes(c))
+    attn_per_ctx = 4 * c.num_layers * c.q_size  # FLOPs per (query token, key token) pair
+    total = 0.0
+    for p, o in zip(prompts, outs):
+        n = len(p) + o - 1  # tokens that go through the decoder (the last sampled one never does)
+        total += per_token * n + attn_per_ctx * n * (n + 1) / 2 + 2 * c.vocab_size * c.hidden_size * o
+    return total
+
+
+def decode_bytes_per_token(folder: Path, dtype: str, context: int) -> int:
+    """Bytes one batch-1 decode step must read: every weight (embeddings once: one row is read from
+    the embedding table, lm_head reads it all) plus the KV cache of `context` tokens."""
+    from llmctl.profiling.estimate import kv_bytes_per_token, weight_bytes
+    from llmctl.runtime.config import ModelConfig
+
+    c = ModelConfig.from_file(Path(folder) / "config.json")
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+    return weight_bytes(c, short).total + context * kv_bytes_per_token(c, short)

@@ -106,6 +106,30 @@ def test_semi_structured_decisions_follow_the_timer(tmp_path, monkeypatch):
     assert ss.accelerate_from_config(model, raw, timer=timer) == []  # only 2:4 has sparse tensor cores
 
 
+def test_loader_sends_2of4_checkpoints_through_the_semi_structured_path(tmp_path, monkeypatch):
+    """load_model (so LLM and run-batch) tries the sparse path on a saved 2:4 checkpoint; dense ones skip it."""
+    import llmctl.compress.sparse.semi_structured as ss
+
+    src = make_random_model(tmp_path / "src", "llama", hidden_size=64, intermediate_size=128)
+    model, config = load_model(src, "float16", "cpu")
+    assert not hasattr(model, "semi_structured")
+    pattern = parse_pattern("2:4", None)
+    res = sparsify_model(model, SparsifySettings(pattern, "magnitude"))
+    meta = sparsity_config(pattern, "magnitude", {l.name: l.sparsity for l in res.lines}, [], 0.5)
+    out = save_dense_model(model, config.raw, src, tmp_path / "out", {"sparsity_config": meta})
+
+    on_cpu, _ = load_model(out, "float16", "cpu")  # the real CPU answer: all dense, reason given
+    assert len(on_cpu.semi_structured) == len(res.targets.names)
+    assert not any(d.converted for d in on_cpu.semi_structured) and "CPU" in on_cpu.semi_structured[0].reason
+
+    monkeypatch.setattr(ss, "semi_structured_support", lambda device: (True, ""))
+    monkeypatch.setattr(torch.sparse, "to_sparse_semi_structured", lambda w: w.clone())
+    monkeypatch.setattr(ss, "time_dense_vs_sparse", lambda w, tokens: (3.0, 1.0) if w.shape[0] == 128 else (1.0, 1.0))
+    faked, _ = load_model(out, "float16", "cpu")
+    converted = {d.name for d in faked.semi_structured if d.converted}
+    assert converted == {n for n in res.targets.names if n.endswith(("gate_proj", "up_proj"))}
+
+
 def test_gpu_benchmark_entry_point_skips_without_cuda(capsys):
     import json as _json
 
