@@ -163,3 +163,22 @@ def test_calibration_readers_and_default(tmp_path):
     assert ids.shape == (3, 10) and ids[0, 0] == 0 and ids[-1, 0] == 90 and not warnings
     calib = load_calibration(None, tok, num_samples=4, seq_len=64)
     assert "built-in" in calib.warnings[0] and calib.input_ids.shape == (4, 64) and calib.heldout.numel() > 64
+
+
+def test_built_in_calibration_warning_only_where_data_is_calibrated_on(tmp_path):
+    """Without --calib the built-in text is used; RTN reads only weights, so only GPTQ gets the warning."""
+    from llmctl.compress.calib_data import DEFAULT_WARNING
+    from llmctl.runtime.loader import resolve_model_path
+
+    DEMO = resolve_model_path(None)  # the embedded demo model (it has a tokenizer for the built-in text)
+
+    warnings = {}
+    for method in ("--rtn", "--gptq"):
+        report = tmp_path / f"{method[2:]}.json"
+        rc = main(["quantize", str(DEMO), "-o", str(tmp_path / method[2:]), method, "--group-size", "32",
+                   "--num-samples", "2", "--seq-len", "32", "--report-json", str(report), "--quiet"])
+        assert rc == 0
+        r = json.loads(report.read_text())
+        warnings[method] = r["warnings"]
+        assert r["perplexity_before"] > 1 and "windows of 256" in r["perplexity_method"]
+    assert DEFAULT_WARNING not in warnings["--rtn"] and DEFAULT_WARNING in warnings["--gptq"]

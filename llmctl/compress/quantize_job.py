@@ -18,6 +18,7 @@ import torch
 
 from llmctl.compress.formats import FORMATS
 from llmctl.errors import UsageError
+from llmctl.runtime.evaluate import HELDOUT_MAX_TOKENS, HELDOUT_METHOD, heldout_perplexity
 
 METHODS = ("awq", "gptq", "rtn")
 TMP_DIR = ".llmctl-quantize-tmp"
@@ -25,7 +26,6 @@ COPIED_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
     "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
 )
-EVAL_MAX_TOKENS = 65536
 
 
 @dataclass
@@ -81,6 +81,7 @@ class QuantizeReport:
     layers: list[dict]
     resumed_layers: int = 0
     warnings: list[str] = field(default_factory=list)
+    perplexity_method: str = HELDOUT_METHOD
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -150,14 +151,6 @@ def _method(args: QuantizeArgs, spec):
     return rtn_method(spec)
 
 
-def _perplexity(model, heldout: torch.Tensor | None, seq_len: int) -> float | None:
-    from llmctl.runtime.evaluate import perplexity
-
-    if heldout is None or heldout.numel() < 2:
-        return None
-    return perplexity(model, heldout[:EVAL_MAX_TOKENS], seq_len=seq_len, stride=seq_len).perplexity
-
-
 def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
@@ -199,7 +192,7 @@ def run_quantize(
     progress: Callable[[int, int], None] | None = None,
     warn: Callable[[str], None] = lambda msg: None,
 ) -> QuantizeReport:
-    from llmctl.compress.calib_data import load_calibration
+    from llmctl.compress.calib_data import DEFAULT_WARNING, load_calibration
     from llmctl.compress.driver import calibrate_layers, make_ignore
     from llmctl.compress.quant.spec import QuantSpec
     from llmctl.runtime.loader import load_runtime, resolve_device, resolve_dtype
@@ -227,10 +220,11 @@ def run_quantize(
         eval_data=Path(args.eval_data) if args.eval_data else None,
         separator=rt.eos_token_ids[0] if rt.eos_token_ids else None,
     )
+    if args.method == "rtn":  # RTN reads only the weights: the data only scores perplexity
+        calib.warnings = [w for w in calib.warnings if w != DEFAULT_WARNING]
     for w in calib.warnings:
         warn(w)
-    eval_len = min(args.seq_len, rt.config.max_position_embeddings)
-    ppl_before = _perplexity(model, calib.heldout, eval_len)
+    ppl_before = heldout_perplexity(model, calib.heldout)
 
     result = calibrate_layers(
         model, calib.input_ids, _method(args, spec), device=device, ignore=ignored,
@@ -238,7 +232,7 @@ def run_quantize(
     )
     if result.resumed_layers:
         warn(f"resumed after layer {result.resumed_layers} of an interrupted run in {out / TMP_DIR}")
-    ppl_after = _perplexity(model, calib.heldout, eval_len)
+    ppl_after = heldout_perplexity(model, calib.heldout)
     _write_output(out, rt.model_path, model, result.records, spec, args, out_dtype)
     shutil.rmtree(out / TMP_DIR, ignore_errors=True)
     layers = [result.records[n].to_dict() for n, _ in targets]
@@ -247,7 +241,7 @@ def run_quantize(
         format=args.format, output=str(out), wall_time_s=round(time.perf_counter() - t0, 3),
         size_before_bytes=_size(rt.model_path), size_after_bytes=_size(out),
         perplexity_before=ppl_before, perplexity_after=ppl_after,
-        eval_tokens=0 if calib.heldout is None else min(calib.heldout.numel(), EVAL_MAX_TOKENS),
+        eval_tokens=0 if calib.heldout is None else min(calib.heldout.numel(), HELDOUT_MAX_TOKENS),
         calibration={"source": calib.source, "num_samples": int(calib.input_ids.shape[0]),
                      "seq_len": int(calib.input_ids.shape[1])},
         layers=layers, resumed_layers=result.resumed_layers, warnings=calib.warnings,

@@ -144,3 +144,18 @@ METHOD = ("sliding window (Hugging Face strided perplexity): windows [begin, min
           "stride, ...; each scores tokens [max(previous end, begin + 1), end) given the window's earlier tokens; "
           "perplexity = exp(mean NLL over scored tokens); KL = mean over scored tokens of "
           "sum_v p_ref(v) (log p_ref(v) - log p_model(v)), in nats")
+
+
+HELDOUT_WINDOW = 256  # tokens per window, capped by the model's context
+HELDOUT_MAX_TOKENS = 65536
+HELDOUT_METHOD = f"llmctl.runtime.evaluate.perplexity, non-overlapping windows of {HELDOUT_WINDOW} tokens"
+
+
+def heldout_perplexity(model: Any, heldout: Any | None) -> float | None:
+    """The before/after perplexity quantize and sparsify report: the first HELDOUT_MAX_TOKENS held-out
+    tokens in non-overlapping HELDOUT_WINDOW windows, the same for both commands so their numbers
+    compare. None when there is nothing to score."""
+    if heldout is None or heldout.numel() < 2:
+        return None
+    window = min(HELDOUT_WINDOW, model.config.max_position_embeddings)
+    return perplexity(model, heldout[:HELDOUT_MAX_TOKENS], seq_len=window, stride=window).perplexity

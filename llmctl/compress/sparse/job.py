@@ -21,10 +21,9 @@ import torch
 from llmctl.compress.sparse.masks import parse_pattern
 from llmctl.compress.sparse.prune import METHODS, needs_calibration
 from llmctl.errors import UsageError
+from llmctl.runtime.evaluate import HELDOUT_MAX_TOKENS, HELDOUT_METHOD, heldout_perplexity
 
 TMP_DIR = ".llmctl-sparsify-tmp"
-EVAL_MAX_TOKENS = 65536
-EVAL_SEQ_LEN = 256
 SPEED_NOTE = (
     "dense checkpoint with zeros: no speedup on the CPU; on NVIDIA Ampere+ GPUs 2:4 matmuls can run "
     "through PyTorch semi-structured sparsity (up to 2x per compatible matmul, ~1.1x end to end "
@@ -102,16 +101,6 @@ def _prepare_output(out: Path, overwrite: bool) -> None:
     prepare_output_folder(out, overwrite, TMP_DIR)
 
 
-def _perplexity(model, heldout: torch.Tensor | None) -> float | None:
-    """Held-out perplexity over non-overlapping windows (the eval command's function)."""
-    from llmctl.runtime.evaluate import perplexity
-
-    if heldout is None or heldout.numel() < 2:
-        return None
-    window = min(EVAL_SEQ_LEN, model.config.max_position_embeddings)
-    return perplexity(model, heldout[:EVAL_MAX_TOKENS], seq_len=window, stride=window).perplexity
-
-
 def _decoder_sparsity(model) -> float:
     zeros = total = 0
     for name, module in model.named_modules():
@@ -123,7 +112,7 @@ def _decoder_sparsity(model) -> float:
 
 def _load_data(args: SparsifyArgs, rt) -> tuple[Any, torch.Tensor | None, list[str]]:
     """(calibration set or None, held-out token ids or None, warnings) for this run."""
-    from llmctl.compress.calib_data import load_calibration, read_token_stream
+    from llmctl.compress.calib_data import DEFAULT_WARNING, load_calibration, read_token_stream
 
     if needs_calibration(args.method) or (args.evaluate and args.eval_data is None):
         calib = load_calibration(
@@ -132,7 +121,7 @@ def _load_data(args: SparsifyArgs, rt) -> tuple[Any, torch.Tensor | None, list[s
             separator=rt.eos_token_ids[0] if rt.eos_token_ids else None,
         )
         # magnitude pruning only evaluates on this data: the "calibrating on built-in text" warning does not apply
-        warnings = [w for w in calib.warnings if needs_calibration(args.method) or "calibrating" not in w]
+        warnings = [w for w in calib.warnings if needs_calibration(args.method) or w != DEFAULT_WARNING]
         return calib, calib.heldout, warnings
     if args.evaluate:
         return None, torch.tensor(read_token_stream(Path(args.eval_data), rt), dtype=torch.long), []
@@ -176,7 +165,7 @@ def run_sparsify(
     warnings += data_warnings
     for w in warnings:
         warn(w)
-    ppl_before = _perplexity(model, heldout) if args.evaluate else None
+    ppl_before = heldout_perplexity(model, heldout) if args.evaluate else None
 
     result = sparsify_model(
         model, settings, calib.input_ids if calib is not None else None, progress,
@@ -185,7 +174,7 @@ def run_sparsify(
     lines = result.lines
     if result.resumed_layers:
         warn(f"resumed after layer {result.resumed_layers} of an interrupted run in {out / TMP_DIR}")
-    ppl_after = _perplexity(model, heldout) if args.evaluate else None
+    ppl_after = heldout_perplexity(model, heldout) if args.evaluate else None
 
     pruned = sum(line.sparsity * line.shape[0] * line.shape[1] for line in lines)
     weights = sum(line.shape[0] * line.shape[1] for line in lines)
@@ -197,8 +186,8 @@ def run_sparsify(
         method=args.method, pattern=pattern.label(), output=str(out), wall_time_s=round(time.perf_counter() - t0, 3),
         global_sparsity=round(global_sparsity, 6), model_sparsity=round(_decoder_sparsity(model), 6),
         perplexity_before=ppl_before, perplexity_after=ppl_after,
-        eval_tokens=0 if heldout is None or not args.evaluate else min(heldout.numel(), EVAL_MAX_TOKENS),
-        perplexity_method=f"llmctl.runtime.evaluate.perplexity, non-overlapping windows of {EVAL_SEQ_LEN} tokens",
+        eval_tokens=0 if heldout is None or not args.evaluate else min(heldout.numel(), HELDOUT_MAX_TOKENS),
+        perplexity_method=HELDOUT_METHOD,
         calibration=None if calib is None or not needs_calibration(args.method) else {
             "source": calib.source, "num_samples": int(calib.input_ids.shape[0]), "seq_len": int(calib.input_ids.shape[1])},
         layers=[line.to_dict() for line in lines], skipped=targets.skipped, resumed_layers=result.resumed_layers, warnings=warnings,
