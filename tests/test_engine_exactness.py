@@ -32,7 +32,7 @@ def hf_greedy(path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
 def random_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     shared = torch.randint(3, vocab, (32,), generator=g).tolist()
-    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 5, 17, 40)]
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 9, 26)]  # 9 prompts: runs of similar-length decodes
     prompts += [shared + [7, 8, 9], shared + torch.randint(3, vocab, (20,), generator=g).tolist(), shared[:]]
     return prompts
 

@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="triton is a Linux x86_64 dependency of llm
 SCRIPT = textwrap.dedent(
     """
     import torch
-    from llmctl.kernels.attention import block_slots, decode_attention, write_kv
+    from llmctl.kernels.attention import decode_attention, write_kv
     from llmctl.kernels.triton_attention import decode_attention_triton, write_kv_triton
 
     torch.manual_seed(0)
@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(
         tables = torch.tensor([[3, 7, 1, 0], [2, 5, 9, 11], [4, 0, 0, 0]])
         lens = torch.tensor([3 * bs - 1, 4 * bs, 1])
         q = torch.randn(3, heads, d)
-        ref = decode_attention(q, kc, vc, block_slots(tables, bs), lens, d ** -0.5)
+        ref = decode_attention(q, kc, vc, tables, lens, d ** -0.5, bs)
         out = decode_attention_triton(q, kc, vc, tables, lens, d ** -0.5, bs)
         err = (ref - out).abs().max().item()
         assert err < 1e-5, (heads, kvh, d, bs, err)

@@ -12,8 +12,11 @@ import torch
 from llmctl.engine.config import DEFAULT_KV_CAP, EngineConfig
 from llmctl.engine.scheduler import ScheduledBatch
 from llmctl.engine.sequence import Sequence
-from llmctl.kernels.attention import PagedAttentionMetadata, PrefillChunk
+from llmctl.kernels.attention import GatherWorkspace, PagedAttentionMetadata, PrefillChunk, length_groups
 from llmctl.runtime.config import ModelConfig
+
+
+MIN_GROUPED_DECODES = 8  # below this, one padded decode-attention call costs less than several
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -37,10 +40,20 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_layers)
         ]
+        self.workspace = GatherWorkspace()
 
     @property
     def kv_cache_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
+
+    @staticmethod
+    def _decodes_longest_first(batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+        """The batch's (sequence, new tokens), one-token decodes first sorted by context length,
+        longest first, so that decode attention can pad each run of similar lengths separately."""
+        pairs = list(zip(batch.seqs, batch.num_new_tokens))
+        nd = sum(1 for _, n in pairs if n == 1)
+        decodes = sorted((p for p in pairs if p[1] == 1), key=lambda p: -p[0].num_computed_tokens)
+        return decodes + [p for p in pairs if p[1] != 1] if nd else pairs
 
     def prepare(self, batch: ScheduledBatch):
         """Returns (input_ids, positions, meta, logits_indices, sampling sequences)."""
@@ -53,7 +66,7 @@ class ModelRunner:
         prefills: list[PrefillChunk] = []
         logits_idx: list[int] = []
         sampling: list[Sequence] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq, n in self._decodes_longest_first(batch):
             start = seq.num_computed_tokens
             table = seq.block_table
             offset = len(ids)
@@ -79,7 +92,9 @@ class ModelRunner:
             dec_lens_t = torch.tensor(dec_lens, dtype=torch.long, device=dev)
         else:
             dec_tables_t = dec_lens_t = None
-        meta = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), nd, dec_tables_t, dec_lens_t, prefills, bs)
+        groups = length_groups(dec_lens, bs) if nd >= MIN_GROUPED_DECODES else None
+        meta = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), nd, dec_tables_t, dec_lens_t,
+                                      prefills, bs, groups, self.workspace)
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(pos, dtype=torch.long, device=dev),

@@ -153,7 +153,14 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        head = self.lm_head
+        if hidden.dim() == 2 and hidden.dtype == torch.float32 and hidden.device.type == "cpu" \
+                and type(head) is nn.Linear and head.bias is None and type(head.weight.data) is torch.Tensor:
+            # W [V, H] @ hidden^T [H, N], then transposed back: with a tall vocab matrix the CPU BLAS
+            # measured 1.25x (N=1) to 1.5x (N=64) faster this way round (SmolLM2 shape, fp32).
+            return torch.mm(head.weight, hidden.T).T.contiguous()
+        return head(hidden).float()
 
     def forward_cached(self, input_ids: torch.Tensor, start: int, cache: list | None):
         """Tokens [S] at positions start.. after a dense per-layer cache (None: empty).
