@@ -148,10 +148,11 @@ def weight_bytes_per_decode_step(model) -> int:
     return total
 
 
-def decode_bench(folder: Path, prompt_len: int, tokens: int, repeats: int, bandwidth_gbs: float) -> dict:
+def decode_bench(folder: Path, prompt_len: int, tokens: int, repeats: int, bandwidth_gbs: float,
+                 dtype: str = "bfloat16") -> dict:
     from llmctl import LLM, SamplingParams  # load_runtime + LLMEngine
 
-    llm = LLM(str(folder), dtype="bfloat16", device="cpu", max_num_seqs=1, enable_prefix_caching=False)
+    llm = LLM(str(folder), dtype=dtype, device="cpu", max_num_seqs=1, enable_prefix_caching=False)
     vocab = llm.runtime.config.vocab_size
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
@@ -177,17 +178,20 @@ def decode_section(args, machine: dict, stub: Path) -> dict:
     int4 = rtn_int4_folder(base, group, stub, args.threads)
     out = {"config": args.config, "group_size": group, "group_note": note, "prompt_len": args.prompt_len,
            "decode_tokens": args.decode_tokens, "repeats": args.repeats}
-    for name, folder in (("bf16", base), ("int4", int4)):
-        out[name] = decode_bench(folder, args.prompt_len, args.decode_tokens, args.repeats, machine["memory_read_gbs"])
-        r = out[name]
-        print(f"{name}: TTFT {r['ttft_s'] * 1e3:.1f} ms, decode {r['decode_tok_s']:.1f} tok/s, "
-              f"{r['weight_bytes_per_step'] / 1e6:.1f} MB/step, MBU {r['mbu']:.0%}", flush=True)
-    u = out["int4"]
-    print(f"int4 kernel: {u['int4_kernel_linears']}/{u['quant_linears']} linears {u['by_projection']} "
-          f"(layout row block {u['int4_block_rows']})", flush=True)
-    out["decode_speedup"] = out["int4"]["decode_tok_s"] / out["bf16"]["decode_tok_s"]
-    out["ttft_ratio_int4_over_bf16"] = out["int4"]["ttft_s"] / out["bf16"]["ttft_s"]
-    print(f"int4 / bf16 decode speedup {out['decode_speedup']:.2f}x, TTFT ratio {out['ttft_ratio_int4_over_bf16']:.2f}", flush=True)
+    for dtype in args.dtypes.split(","):
+        short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}[dtype]
+        for name, folder in ((short, base), (f"int4_{short}", int4)):
+            out[name] = decode_bench(folder, args.prompt_len, args.decode_tokens, args.repeats,
+                                     machine["memory_read_gbs"], dtype)
+            r = out[name]
+            print(f"{name}: TTFT {r['ttft_s'] * 1e3:.1f} ms, decode {r['decode_tok_s']:.1f} tok/s, "
+                  f"{r['weight_bytes_per_step'] / 1e6:.1f} MB/step, MBU {r['mbu']:.0%}", flush=True)
+        u = out[f"int4_{short}"]
+        print(f"int4 kernel: {u['int4_kernel_linears']}/{u['quant_linears']} linears {u['by_projection']} "
+              f"(layout row block {u['int4_block_rows']})", flush=True)
+        speed = out[f"decode_speedup_int4_over_{short}"] = u["decode_tok_s"] / out[short]["decode_tok_s"]
+        ttft = out[f"ttft_ratio_int4_over_{short}"] = u["ttft_s"] / out[short]["ttft_s"]
+        print(f"int4 / {short} decode speedup {speed:.2f}x, TTFT ratio {ttft:.2f} (activations in {dtype})", flush=True)
     return out
 
 
@@ -277,6 +281,8 @@ def main() -> None:
     ap.add_argument("--config", default="smollm2-135m", help="shared/configs shape for the decode test")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--group-size", type=int, default=128, help="wanted; the largest size <= it that llmctl accepts is used")
+    ap.add_argument("--dtypes", default="bfloat16,float32",
+                    help="activation dtypes: the dense model and the int4 model are each decoded in every one")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3, help="batch-1 requests per model (medians reported)")
