@@ -26,8 +26,9 @@ DEFAULT_KV_CAP = 2 * 1024**3
 
 # `--speculative auto` speculates only while at most this many sequences run: above it the batch
 # already fills the memory-bound decode step, and verifying drafts costs more than it saves
-# (crossover measured by benchmarks/bench_speculative.py; see BENCHMARKS.md).
-AUTO_SPEC_MAX_BATCH = 4
+# Measured by benchmarks/bench_speculative.py (BENCHMARKS.md, float32, 1 thread, tinyshakespeare-5m):
+# n-gram lookup K=4 paid 1.39x alone and 1.10x at batch 2, not at batch 4 (0.98x).
+AUTO_SPEC_MAX_BATCH = 2
 
 SPECULATIVE_MODES = ("off", "ngram", "draft", "auto")
 
