@@ -26,6 +26,10 @@ def _unpacked(out_f, in_f, bits=4, gs=32, seed=0):
     return UnpackedLinear(codes, scales, zeros, torch.arange(in_f, dtype=torch.int32) // gs, bits, gs)
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
 @pytest.mark.parametrize("out_f,bits,kernel", [(128, 4, True), (48, 4, False), (64, 8, False)])
 def test_quant_linear_matches_dequantized_matmul(out_f, bits, kernel):
     u = _unpacked(out_f, 96, bits)
@@ -35,7 +39,11 @@ def test_quant_linear_matches_dequantized_matmul(out_f, bits, kernel):
     w = u.dequantize()
     for tokens in (1, 5, 100):  # kernel for small batches, dequantize + matmul above SMALL_BATCH_TOKENS
         x = torch.randn(tokens, 96)
-        torch.testing.assert_close(q(x), x @ w.t(), rtol=1e-4, atol=1e-4)
+        y, ref = q(x), x @ w.t()
+        if kernel and tokens <= q.SMALL_BATCH_TOKENS:  # float32 rows go through the kernel in bf16
+            assert y.dtype == torch.float32 and 1e-5 < _rel(y, ref) < 1e-2
+        else:
+            torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
     x = torch.randn(2, 3, 96, dtype=torch.bfloat16)
     assert q(x).shape == (2, 3, out_f) and q(x).dtype == torch.bfloat16
 
@@ -106,7 +114,10 @@ def test_quantize_cli_writes_a_folder_the_loader_runs_packed(tiny_dir, tmp_path,
     for length in (8, 48):  # int4 kernel path (<= 32 tokens) and dequantize path
         ids = torch.randint(0, 97, (1, length), generator=torch.Generator().manual_seed(length))
         a = model.forward_dense(ids)
-        torch.testing.assert_close(a, ref.forward_dense(ids), rtol=1e-4, atol=1e-4)
+        if length <= QuantLinear.SMALL_BATCH_TOKENS:  # the int4 kernel rounds float32 rows to bf16
+            assert _rel(a, ref.forward_dense(ids)) < 1e-2
+        else:
+            torch.testing.assert_close(a, ref.forward_dense(ids), rtol=1e-4, atol=1e-4)
         b = orig.forward_dense(ids)
         assert float((a - b).norm() / b.norm()) < 0.5  # 4-bit of random weights: near, not equal
 
@@ -134,7 +145,10 @@ def test_transformers_loads_our_compressed_tensors_output_with_matching_logits(t
         ids = torch.randint(0, 97, (1, length), generator=torch.Generator().manual_seed(length))
         with torch.no_grad():
             ref = hf(ids).logits.float()
-        torch.testing.assert_close(ours.forward_dense(ids), ref, rtol=1e-3, atol=1e-3)
+        if length <= QuantLinear.SMALL_BATCH_TOKENS:  # the int4 kernel rounds float32 rows to bf16
+            assert _rel(ours.forward_dense(ids), ref) < 1e-2
+        else:
+            torch.testing.assert_close(ours.forward_dense(ids), ref, rtol=1e-3, atol=1e-3)
 
 
 class _Tok:
