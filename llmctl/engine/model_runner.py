@@ -51,9 +51,8 @@ class ModelRunner:
         """The batch's (sequence, new tokens), one-token decodes first sorted by context length,
         longest first, so that decode attention can pad each run of similar lengths separately."""
         pairs = list(zip(batch.seqs, batch.num_new_tokens))
-        nd = sum(1 for _, n in pairs if n == 1)
         decodes = sorted((p for p in pairs if p[1] == 1), key=lambda p: -p[0].num_computed_tokens)
-        return decodes + [p for p in pairs if p[1] != 1] if nd else pairs
+        return decodes + [p for p in pairs if p[1] != 1]
 
     def prepare(self, batch: ScheduledBatch):
         """Returns (input_ids, positions, meta, logits_indices, sampling sequences)."""
