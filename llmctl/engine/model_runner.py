@@ -93,7 +93,7 @@ class ModelRunner:
             dec_tables_t = dec_lens_t = None
         groups = length_groups(dec_lens, bs) if nd >= MIN_GROUPED_DECODES else None
         meta = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), nd, dec_tables_t, dec_lens_t,
-                                      prefills, bs, groups, self.workspace)
+                                      prefills, bs, groups, self.workspace, max(dec_lens, default=0))
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(pos, dtype=torch.long, device=dev),

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmctl.kernels import cpu_native
+
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """k, v [T, kv_heads, D] into the flat slots [T] of the caches."""
@@ -130,10 +132,10 @@ class PagedAttentionMetadata:
     """Where each packed token's K/V goes and what it attends to. Decodes come first in the batch."""
 
     __slots__ = ("slot_mapping", "num_decodes", "decode_block_tables", "decode_context_lens", "prefills",
-                 "block_size", "decode_groups", "workspace")
+                 "block_size", "decode_groups", "workspace", "decode_max_len")
 
     def __init__(self, slot_mapping, num_decodes, decode_block_tables, decode_context_lens, prefills, block_size,
-                 decode_groups=None, workspace: GatherWorkspace | None = None):
+                 decode_groups=None, workspace: GatherWorkspace | None = None, decode_max_len: int = 0):
         self.slot_mapping = slot_mapping  # [T] int64
         self.num_decodes = num_decodes  # tokens [0, num_decodes) are one-token decodes
         self.decode_block_tables = decode_block_tables  # [num_decodes, max_blocks] int64 or None
@@ -143,6 +145,7 @@ class PagedAttentionMetadata:
         # (start, end, blocks) runs of decodes sorted longest first (see length_groups); None: one run
         self.decode_groups = decode_groups
         self.workspace = workspace
+        self.decode_max_len = decode_max_len  # max(decode_context_lens) as a Python int; 0: not given
 
 
 def _triton_kernels(t: torch.Tensor):
@@ -160,6 +163,8 @@ def _decode(q, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float, tri
     if triton is not None:
         return triton[1](q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, meta.block_size)
     tables, lens, bs = meta.decode_block_tables, meta.decode_context_lens, meta.block_size
+    if meta.decode_max_len and cpu_native.supports(q, k_cache):  # reads the blocks in place: no gather
+        return cpu_native.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, bs, meta.decode_max_len)
     if not meta.decode_groups or len(meta.decode_groups) == 1:
         return decode_attention(q, k_cache, v_cache, tables, lens, scale, bs, meta.workspace)
     out = torch.empty_like(q)

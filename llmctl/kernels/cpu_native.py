@@ -1,0 +1,132 @@
+"""Native CPU kernels: C sources beside this file, compiled on first use with the system C compiler
+and called through ctypes on tensors' data pointers.
+
+Owns: building (once per source, compiler and CPU; cached under ~/.cache/llmctl/kernels or
+$LLMCTL_CACHE_DIR), loading, and the tensor-level wrapper `paged_decode_attention`. Everything
+here is optional: with no compiler, a failed build, or LLMCTL_NATIVE_KERNELS=0, `library()` is None
+and the callers use the plain-PyTorch references in attention.py, which the tests compare against.
+No torch headers are involved, so a build takes about a second and needs only `cc`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
+# -ffast-math at compile time only: it lets the reductions vectorise and expf use the vector libm;
+# not at link time, where it would add crtfastmath and flush denormals for the whole process.
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+LINK_FLAGS = ["-shared", "-fopenmp"]
+LIBS = ["-lmvec", "-lm"]
+
+
+def enabled() -> bool:
+    return os.environ.get("LLMCTL_NATIVE_KERNELS", "1") not in ("0", "false", "no")
+
+
+def _cpu_fingerprint() -> str:
+    """-march=native code is only valid on CPUs with the same instruction sets."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("LLMCTL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "llmctl")
+    return Path(root) / "kernels"
+
+
+def build(source: Path = SOURCE, out_dir: Path | None = None) -> Path:
+    """Compile `source` into a shared library (or reuse the cached one); returns its path.
+    Raises RuntimeError naming the compiler's complaint."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([source.read_text(), version, *COMPILE_FLAGS, *LINK_FLAGS, *LIBS,
+                                    platform.machine(), _cpu_fingerprint()]).encode()).hexdigest()[:16]
+    out_dir = out_dir or _cache_dir()
+    target = out_dir / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
+        for cmd in ([cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)], [cc, *LINK_FLAGS, str(obj), "-o", str(lib), *LIBS]):
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"`{' '.join(cmd)}` failed: {res.stderr.strip()[-500:]}")
+        os.replace(lib, target)  # atomic: concurrent processes may build the same key
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, built on first call; None when disabled or the build fails (warned once)."""
+    if not enabled():
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (RuntimeError, OSError) as e:
+        warnings.warn(f"native CPU kernels unavailable, using the PyTorch reference: {e}", RuntimeWarning, stacklevel=2)
+        return None
+    args = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 4 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                                                         ctypes.c_int64, ctypes.c_int]
+    for name in ("paged_decode_f32", "paged_decode_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    return lib
+
+
+_KERNELS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether paged_decode_attention can serve these tensors (CPU, fp32/bf16 cache, D % 16 == 0)."""
+    return q.device.type == "cpu" and k_cache.dtype in _KERNELS and q.shape[-1] % 16 == 0 and library() is not None
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, heads, D]
+    k_cache: torch.Tensor,  # [kv_heads, slots, D], float32 or bfloat16, contiguous
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int64
+    context_lens: torch.Tensor,  # [B] int64, 1 <= len <= max_blocks * block_size
+    scale: float,
+    block_size: int,
+    max_len: int,  # max(context_lens), known to the caller without a tensor read
+) -> torch.Tensor:
+    """The same contract as attention.decode_attention, without gathering K/V; returns [B, heads, D]
+    in q's dtype. Call only where `supports(q, k_cache)`."""
+    b, heads, d = q.shape
+    kvh, slots, _ = k_cache.shape
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype):
+        raise ValueError("paged_decode_attention needs contiguous K/V caches of one dtype")
+    if heads % kvh or d % 16 or max_len > block_tables.shape[1] * block_size:  # the kernel trusts these
+        raise ValueError(f"paged_decode_attention: {heads} heads of {d} over {kvh} KV heads, max_len {max_len} "
+                         f"for {block_tables.shape[1]} blocks of {block_size}")
+    qf = q.to(torch.float32).contiguous()
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    out = torch.empty_like(qf)
+    fn = getattr(library(), _KERNELS[k_cache.dtype])
+    failed = fn(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+                b, heads, kvh, d, slots, tables.shape[1], block_size, scale, max_len, torch.get_num_threads())
+    if failed:
+        raise MemoryError("paged_decode_attention: out of memory for its score buffers")
+    return out.to(q.dtype)

@@ -1,0 +1,145 @@
+/* Paged decode attention for the CPU: one query token per sequence, K/V read in place from the
+ * paged cache through the block table (no gathered copy). Compiled on first use by
+ * llmctl/kernels/cpu_native.py; the plain-PyTorch reference is decode_attention in attention.py.
+ *
+ * Layouts (all contiguous):
+ *   q            [B, H, D]            float32
+ *   k/v cache    [KVH, slots, D]      float32, or bfloat16 passed as its uint16 bits
+ *   block_tables [B, max_blocks]      int64, slot = block * bs + offset
+ *   context_lens [B]                  int64, tokens in cache including the new one
+ *   out          [B, H, D]            float32
+ * D must be a multiple of 16 (checked by the caller).
+ * Work item = (sequence, KV head): its G = H / KVH query heads share every K/V row read, so the
+ * cache is streamed once per step. Two passes over the context, each reading whole blocks of
+ * bs * D contiguous values: scores into a per-thread buffer [G, len], softmax, weighted sum of V.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* 8 floats: GCC/Clang vector extensions, so the loops below are SIMD on any target (AVX2 here). */
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+static inline v8f load8(const void *p, int64_t i, const int bf16) {
+    if (bf16) {  /* bfloat16 is the top half of a float32 */
+        v8u u = __builtin_convertvector(*(const v8h *)((const uint16_t *)p + i), v8u) << 16;
+        return (v8f)u;
+    }
+    return *(const v8f *)((const float *)p + i);
+}
+
+static inline float hsum(v8f v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+static inline size_t elem(const int bf16) { return bf16 ? 2 : 4; }
+
+/* Blocks sit anywhere in the cache and the hardware prefetchers stop at page boundaries (an fp32
+ * block of 16 x 64 is exactly one page), so each token row fetches the same row of the next block. */
+static inline void prefetch_row(const char *p, size_t row) {
+    for (size_t o = 0; o < row; o += 64) __builtin_prefetch(p + o, 0, 0);
+}
+
+/* One (sequence, KV head). q, out: its G query rows [G, D]; k, v: this KV head's slot 0.
+ * Inlined with D a constant for the common head sizes, so the loops over D unroll into registers. */
+static inline __attribute__((always_inline)) void item(
+    const float *q, const char *k, const char *v, const int64_t *table, int64_t len, float *out,
+    int G, const int D, int bs, float scale, float *s, const int bf16) {
+    const size_t row = elem(bf16) * (size_t)D;
+    for (int64_t start = 0; start < len; start += bs) {
+        const int64_t n = len - start < bs ? len - start : bs;
+        const char *kb = k + (size_t)table[start / bs] * bs * row;
+        const char *next = start + bs < len ? k + (size_t)table[start / bs + 1] * bs * row : NULL;
+        for (int64_t t = 0; t < n; ++t) {
+            const void *kr = kb + t * row;
+            if (next) prefetch_row(next + t * row, row);
+            for (int g = 0; g < G; ++g) {
+                const float *qg = q + (int64_t)g * D;
+                v8f a0 = {0}, a1 = {0};  /* two chains: the FMA latency, not the loads, bounds one */
+                for (int d = 0; d < D; d += 16) {
+                    a0 += *(const v8f *)(qg + d) * load8(kr, d, bf16);
+                    a1 += *(const v8f *)(qg + d + 8) * load8(kr, d + 8, bf16);
+                }
+                s[(int64_t)g * len + start + t] = hsum(a0 + a1) * scale;
+            }
+        }
+    }
+    for (int g = 0; g < G; ++g) {  /* softmax of row g in place; its entries are all finite */
+        float *sg = s + (int64_t)g * len, m = sg[0], sum = 0.f;
+        for (int64_t t = 1; t < len; ++t) m = sg[t] > m ? sg[t] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+            sg[t] = expf(sg[t] - m);
+            sum += sg[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+    }
+    for (int g = 0; g < G; ++g) {
+        float *og = out + (int64_t)g * D;
+        const float *pg = s + (int64_t)g * len;
+        for (int c = 0; c < D; c += 64) {  /* 8 register accumulators per 64 columns */
+            const int w = D - c < 64 ? D - c : 64;
+            v8f acc[8] = {{0}};
+            for (int64_t start = 0; start < len; start += bs) {
+                const int64_t n = len - start < bs ? len - start : bs;
+                const char *vb = v + (size_t)table[start / bs] * bs * row + elem(bf16) * c;
+                const char *next = g == 0 && start + bs < len ? v + (size_t)table[start / bs + 1] * bs * row : NULL;
+                for (int64_t t = 0; t < n; ++t) {
+                    if (next && c == 0) prefetch_row(next + t * row, row);
+                    const float p = pg[start + t];
+                    const void *vr = vb + t * row;
+                    for (int j = 0; j < w / 8; ++j) acc[j] += p * load8(vr, 8 * j, bf16);
+                }
+            }
+            for (int j = 0; j < w / 8; ++j) *(v8f *)(og + c + 8 * j) = acc[j];
+        }
+    }
+}
+
+/* Returns 0, or 1 when a scratch buffer could not be allocated (out is then incomplete). */
+static inline __attribute__((always_inline)) int run(
+    const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens, float *out,
+    int B, int H, int KVH, int D, int64_t slots, int max_blocks, int bs, float scale, int64_t max_len,
+    int threads, const int bf16) {
+    const int G = H / KVH;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *s = (float *)malloc(sizeof(float) * (size_t)G * (size_t)(max_len > 0 ? max_len : 1));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < (int64_t)B * KVH; ++it) {
+            if (s == NULL) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            const int64_t b = it / KVH, h = it % KVH, r = (b * H + h * G) * D;
+            const size_t head = (size_t)h * slots * D * elem(bf16);
+            const char *k = (const char *)kc + head, *v = (const char *)vc + head;
+            if (D == 64)
+                item(q + r, k, v, tables + b * max_blocks, lens[b], out + r, G, 64, bs, scale, s, bf16);
+            else if (D == 128)
+                item(q + r, k, v, tables + b * max_blocks, lens[b], out + r, G, 128, bs, scale, s, bf16);
+            else
+                item(q + r, k, v, tables + b * max_blocks, lens[b], out + r, G, D, bs, scale, s, bf16);
+        }
+        free(s);
+    }
+    return failed;
+}
+
+int paged_decode_f32(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
+                     float *out, int B, int H, int KVH, int D, int64_t slots, int max_blocks, int bs, float scale,
+                     int64_t max_len, int threads) {
+    return run(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale, max_len, threads, 0);
+}
+
+int paged_decode_bf16(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
+                      float *out, int B, int H, int KVH, int D, int64_t slots, int max_blocks, int bs, float scale,
+                      int64_t max_len, int threads) {
+    return run(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale, max_len, threads, 1);
+}

@@ -1,0 +1,109 @@
+"""The native CPU paged decode-attention kernel against the plain-PyTorch reference."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from llmctl import LLM, SamplingParams
+from llmctl.kernels import cpu_native
+from llmctl.kernels.attention import decode_attention
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="needs a C compiler to build the native kernel")
+
+
+def _case(heads, kvh, d, bs, lens, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-n // bs) for n in lens)
+    num_blocks = len(lens) * width + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(lens), width, dtype=torch.long)  # padding: block 0, as the runner pads
+    used = 0
+    for i, n in enumerate(lens):
+        need = -(-n // bs)
+        tables[i, :need] = perm[used:used + need]
+        used += need
+    kc = torch.randn(kvh, num_blocks * bs, d, generator=g).to(dtype)
+    vc = torch.randn(kvh, num_blocks * bs, d, generator=g).to(dtype)
+    q = torch.randn(len(lens), heads, d, generator=g).to(dtype)
+    return q, kc, vc, tables, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("heads,kvh,d", [(9, 3, 64), (4, 4, 128), (8, 2, 32), (6, 1, 48)])
+@pytest.mark.parametrize("bs", [16, 5])
+def test_native_decode_equals_reference_float32(heads, kvh, d, bs):
+    lens = [1, bs, bs + 1, 3 * bs, 37, 2]  # one token, exactly one block, a block boundary, ...
+    q, kc, vc, tables, lt = _case(heads, kvh, d, bs, lens, torch.float32)
+    assert cpu_native.supports(q, kc)
+    ref = decode_attention(q, kc, vc, tables, lt, d**-0.5, bs)
+    out = cpu_native.paged_decode_attention(q, kc, vc, tables, lt, d**-0.5, bs, max(lens))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_native_decode_bfloat16_cache_matches_float32_math():
+    q, kc, vc, tables, lt = _case(8, 2, 64, 16, [40, 3, 17, 64], torch.bfloat16)
+    ref = decode_attention(q.float(), kc.float(), vc.float(), tables, lt, 0.125, 16)
+    out = cpu_native.paged_decode_attention(q, kc, vc, tables, lt, 0.125, 16, 64)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)  # only the output's bf16 rounding
+
+
+def test_native_decode_threads_agree():
+    q, kc, vc, tables, lt = _case(9, 3, 64, 16, [300, 17, 129, 64, 1, 250], torch.float32, seed=3)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_native.paged_decode_attention(q, kc, vc, tables, lt, 0.125, 16, 300)
+        torch.set_num_threads(2)
+        two = cpu_native.paged_decode_attention(q, kc, vc, tables, lt, 0.125, 16, 300)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)  # each (sequence, KV head) is computed whole by one thread
+
+
+def test_unsupported_inputs_are_refused():
+    q, kc, _, tables, lt = _case(4, 2, 24, 4, [5, 3], torch.float32)
+    assert not cpu_native.supports(q, kc)  # head size 24: not a multiple of 16
+    assert not cpu_native.supports(q.half(), kc.half())
+    q, kc, vc, tables, lt = _case(4, 2, 32, 4, [5, 3], torch.float32)
+    with pytest.raises(ValueError, match="max_len"):  # longer than the block table: would read past it
+        cpu_native.paged_decode_attention(q, kc, vc, tables, lt, 0.1, 4, 9)
+
+
+def test_build_is_cached_and_reports_compiler_errors(tmp_path):
+    first = cpu_native.build(out_dir=tmp_path)
+    assert cpu_native.build(out_dir=tmp_path) == first and len(list(tmp_path.glob("*.so"))) == 1
+    bad = tmp_path / "bad.c"
+    bad.write_text("int broken( {\n")
+    with pytest.raises(RuntimeError, match="failed"):
+        cpu_native.build(bad, out_dir=tmp_path)
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("LLMCTL_NATIVE_KERNELS", "0")
+    cpu_native.library.cache_clear()
+    try:
+        assert cpu_native.library() is None
+        q, kc, *_ = _case(4, 2, 32, 4, [5], torch.float32)
+        assert not cpu_native.supports(q, kc)
+    finally:
+        monkeypatch.delenv("LLMCTL_NATIVE_KERNELS")
+        cpu_native.library.cache_clear()
+    assert cpu_native.library() is not None
+
+
+def test_engine_greedy_output_same_with_native_and_reference(shakespeare_model, monkeypatch):
+    prompts = [[int(t) for t in torch.randint(0, 60, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (3, 40, 17, 90, 8, 25, 61, 5, 33)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    calls = []
+    native = cpu_native.paged_decode_attention
+    monkeypatch.setattr(cpu_native, "paged_decode_attention", lambda *a: calls.append(1) or native(*a))
+    with_native = [o.output_token_ids for o in LLM(str(shakespeare_model), dtype="float32").generate(prompts, params)]
+    assert calls, "the engine did not use the native kernel"
+    monkeypatch.setattr(cpu_native, "supports", lambda q, k: False)
+    reference = [o.output_token_ids for o in LLM(str(shakespeare_model), dtype="float32").generate(prompts, params)]
+    assert with_native == reference
