@@ -1,4 +1,4 @@
-"""The native CPU paged decode-attention kernel against the plain-PyTorch reference."""
+"""The native CPU kernels (paged decode attention, linear) against their plain-PyTorch references."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_build_is_cached_and_reports_compiler_errors(tmp_path):
     bad = tmp_path / "bad.c"
     bad.write_text("int broken( {\n")
     with pytest.raises(RuntimeError, match="failed"):
-        cpu_native.build(bad, out_dir=tmp_path)
+        cpu_native.build((bad,), out_dir=tmp_path)
 
 
 def test_disabled_by_environment(monkeypatch):
@@ -99,12 +99,15 @@ def test_engine_greedy_output_same_with_native_and_reference(shakespeare_model, 
     prompts = [[int(t) for t in torch.randint(0, 60, (n,), generator=torch.Generator().manual_seed(n))]
                for n in (3, 40, 17, 90, 8, 25, 61, 5, 33)]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    calls = []
-    native = cpu_native.paged_decode_attention
+    calls, linears = [], []
+    native, native_linear = cpu_native.paged_decode_attention, cpu_native.linear
     monkeypatch.setattr(cpu_native, "paged_decode_attention", lambda *a: calls.append(1) or native(*a))
+    monkeypatch.setattr(cpu_native, "linear", lambda *a: linears.append(a[0].shape[0]) or native_linear(*a))
     with_native = [o.output_token_ids for o in LLM(str(shakespeare_model), dtype="float32").generate(prompts, params)]
-    assert calls, "the engine did not use the native kernel"
+    assert calls, "the engine did not use the native attention kernel"
+    assert linears and max(linears) <= len(prompts), "decode steps' linears go through the native kernel"
     monkeypatch.setattr(cpu_native, "supports", lambda q, k: False)
+    monkeypatch.setattr(cpu_native, "use_linear", lambda x, w: False)
     reference = [o.output_token_ids for o in LLM(str(shakespeare_model), dtype="float32").generate(prompts, params)]
     assert with_native == reference
 
@@ -123,3 +126,67 @@ def test_packed_lm_head_gives_the_same_logits(tmp_path):
     torch.testing.assert_close(model.compute_logits(hidden), plain, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(model.compute_logits(hidden[:1]), plain[:1], rtol=1e-4, atol=1e-4)
     assert pack_weight(model.lm_head.weight.to(torch.bfloat16)) is None  # float32 only
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 13, 8), (1, 64, 96), (2, 70, 24), (3, 4, 64), (5, 130, 40), (16, 96, 200),
+                                   (50, 33, 16), (100, 65, 72)])
+def test_linear_matches_f_linear(dtype, m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    for bias in (None, b):
+        out = cpu_native.linear(x, w, bias)
+        ref = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+        assert out.dtype == dtype and out.shape == (m, n)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the output is rounded to bf16
+        torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol * 4)
+
+
+def test_linear_threads_and_leading_dims():
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 7, 48, generator=g), torch.randn(90, 48, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_native.linear(x, w)
+        torch.set_num_threads(2)
+        two = cpu_native.linear(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert one.shape == (2, 7, 90)
+    assert torch.equal(one, two)  # each output element is summed by one thread, in one order
+    torch.testing.assert_close(one, x @ w.T, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cpu_native.linear(x[:, :0], w), x[:, :0] @ w.T)  # no rows
+
+
+def test_use_linear_refuses_what_it_cannot_serve():
+    x, w = torch.randn(4, 64), torch.randn(32, 64)
+    assert cpu_native.use_linear(x, w)
+    assert not cpu_native.use_linear(x.double(), w.double())
+    assert not cpu_native.use_linear(x, w.bfloat16())  # dtypes differ
+    assert not cpu_native.use_linear(torch.randn(4, 60), torch.randn(32, 60))  # K % 8
+    wg = w.clone().requires_grad_()
+    assert not cpu_native.use_linear(x, wg)  # training needs autograd
+    with torch.no_grad():
+        assert cpu_native.use_linear(x, wg)
+    many = torch.randn(cpu_native.LINEAR_F32_ROWS_PER_THREAD * torch.get_num_threads() + 1, 64)
+    assert not cpu_native.use_linear(many, w)  # float32 at many rows: the BLAS is faster
+    assert cpu_native.use_linear(many.bfloat16(), w.bfloat16())  # bf16: the BLAS fallback is slower
+
+
+def test_model_linear_is_native_only_where_it_should_be(monkeypatch):
+    from llmctl.models.llama import Linear
+
+    layer = Linear(64, 24)
+    x = torch.randn(3, 64)
+    calls = []
+    native = cpu_native.linear
+    monkeypatch.setattr(cpu_native, "linear", lambda *a: calls.append(1) or native(*a))
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert calls == [1]
+    y = layer(x)  # with gradients: F.linear, and backward works
+    y.sum().backward()
+    assert calls == [1] and layer.weight.grad is not None

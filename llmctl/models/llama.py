@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmctl.kernels import cpu_native
 from llmctl.kernels.attention import PagedAttentionMetadata, paged_attention
 from llmctl.kernels.cpu_linear import pack_weight, packed_linear
 from llmctl.models.rope import RotaryEmbedding
@@ -21,6 +22,18 @@ from llmctl.runtime.config import ModelConfig
 # From this many rows the packed vocabulary projection wins (1.3-2x at 16-256 rows, SmolLM2 and
 # Qwen2.5-0.5B shapes, 1 thread); at 1 row the plain weight read is ~15% faster (memory-bound).
 PACKED_HEAD_MIN_ROWS = 8
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose CPU inference goes through the native kernel where it measured faster than
+    F.linear (few rows in float32, any rows in bfloat16: kernels/cpu_linear.c); everything else, and
+    anything with gradients, is plain F.linear. A subclass, so hooks and isinstance checks still see
+    an nn.Linear and checkpoints keep their names."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_native.use_linear(x, self.weight):
+            return cpu_native.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -46,11 +59,11 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
         self.scale = d**-0.5
         bias = config.attention_bias
-        self.q_proj = nn.Linear(h, config.q_size, bias=bias)
-        self.k_proj = nn.Linear(h, config.kv_size, bias=bias)
-        self.v_proj = nn.Linear(h, config.kv_size, bias=bias)
+        self.q_proj = Linear(h, config.q_size, bias=bias)
+        self.k_proj = Linear(h, config.kv_size, bias=bias)
+        self.v_proj = Linear(h, config.kv_size, bias=bias)
         # qwen2 has biases on q/k/v only; llama and qwen3 put `attention_bias` on o_proj too.
-        self.o_proj = nn.Linear(config.q_size, h, bias=bias and config.model_type != "qwen2")
+        self.o_proj = Linear(config.q_size, h, bias=bias and config.model_type != "qwen2")
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
@@ -101,9 +114,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         h, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, f, bias=False)
-        self.up_proj = nn.Linear(h, f, bias=False)
-        self.down_proj = nn.Linear(f, h, bias=False)
+        self.gate_proj = Linear(h, f, bias=False)
+        self.up_proj = Linear(h, f, bias=False)
+        self.down_proj = Linear(f, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
@@ -149,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.rotary = RotaryEmbedding(config)
         self.model = LlamaModel(config, self.rotary)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.packed_head: torch.Tensor | None = None  # see pack_lm_head
@@ -166,9 +179,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def _plain_head(self) -> bool:
-        """lm_head is a bias-free nn.Linear over a plain tensor (not quantized, not a sparse subclass)."""
+        """lm_head is our bias-free Linear over a plain tensor (not quantized, not a sparse subclass)."""
         head = self.lm_head
-        return type(head) is nn.Linear and head.bias is None and type(head.weight.data) is torch.Tensor
+        return type(head) is Linear and head.bias is None and type(head.weight.data) is torch.Tensor
 
     def pack_lm_head(self) -> bool:
         """Keep a oneDNN-packed copy of the vocabulary projection for batched logits (inference on the
@@ -179,14 +192,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
-        head = self.lm_head
-        if hidden.dim() == 2 and hidden.dtype == torch.float32 and hidden.device.type == "cpu" and self._plain_head():
-            if self.packed_head is not None and hidden.shape[0] >= PACKED_HEAD_MIN_ROWS:
-                return packed_linear(hidden, self.packed_head)
-            # W [V, H] @ hidden^T [H, N], then transposed back: with a tall vocab matrix the CPU BLAS
-            # measured 1.25x (N=1) to 1.5x (N=64) faster this way round (SmolLM2 shape, fp32).
-            return torch.mm(head.weight, hidden.T).T.contiguous()
-        return head(hidden).float()
+        if (self.packed_head is not None and hidden.dim() == 2 and hidden.shape[0] >= PACKED_HEAD_MIN_ROWS
+                and hidden.dtype == torch.float32 and hidden.device.type == "cpu" and self._plain_head()):
+            return packed_linear(hidden, self.packed_head)
+        return self.lm_head(hidden).float()
 
     def forward_cached(self, input_ids: torch.Tensor, start: int, cache: list | None):
         """Tokens [S] at positions start.. after a dense per-layer cache (None: empty).
