@@ -103,23 +103,17 @@ static inline __attribute__((always_inline)) void item(
     }
 }
 
-static inline __attribute__((always_inline)) void run(
-    const float *x, int64_t ldx, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
-    int threads, const int bf16) {
+void linear(const float *x, int64_t ldx, const void *w, const float *bias, float *y, int64_t M, int64_t N,
+            int64_t K, int bf16, int threads) {
     const int64_t items = (N + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t it = 0; it < items; ++it) {
         const int64_t n0 = it * ROWS_PER_ITEM, n1 = n0 + ROWS_PER_ITEM < N ? n0 + ROWS_PER_ITEM : N;
-        item(x, ldx, (const char *)w, bias, y, M, N, K, n0, n1, bf16);
+        /* The dtype branch sits inside the parallel loop: GCC outlines the loop body before inlining,
+         * so a constant passed from outside would reach it as a variable, branching in the k loop. */
+        if (bf16)
+            item(x, ldx, (const char *)w, bias, y, M, N, K, n0, n1, 1);
+        else
+            item(x, ldx, (const char *)w, bias, y, M, N, K, n0, n1, 0);
     }
-}
-
-void linear_f32(const float *x, int64_t ldx, const void *w, const float *bias, float *y, int64_t M, int64_t N,
-                int64_t K, int threads) {
-    run(x, ldx, w, bias, y, M, N, K, threads, 0);
-}
-
-void linear_bf16(const float *x, int64_t ldx, const void *w, const float *bias, float *y, int64_t M, int64_t N,
-                 int64_t K, int threads) {
-    run(x, ldx, w, bias, y, M, N, K, threads, 1);
 }

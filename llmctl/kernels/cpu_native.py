@@ -92,11 +92,9 @@ def library() -> ctypes.CDLL | None:
     for name in ("paged_decode_f32", "paged_decode_bf16"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
-    for name in ("linear_f32", "linear_bf16"):
-        fn = getattr(lib, name)
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-        fn.restype = None
+    lib.linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.linear.restype = None
     return lib
 
 
@@ -139,7 +137,7 @@ def paged_decode_attention(
     return out.to(q.dtype)
 
 
-_LINEAR = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
+_LINEAR = (torch.float32, torch.bfloat16)
 # float32: rows per thread up to which the kernel beat F.linear (MKL) on every SmolLM2-135M and
 # Qwen2.5-0.5B decoder shape, weights cold in cache (1 thread: 1.1-2.2x at 1-16 rows, 0.8-1.0x at
 # 32-64; 2 threads: 1.3-3x up to 32 rows). bfloat16 weights: always, F.linear's bf16 path on a CPU
@@ -172,6 +170,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     b = None if bias is None else bias.detach().to(torch.float32).contiguous()
     out = torch.empty(xf.shape[0], n, dtype=torch.float32)
     if xf.shape[0]:
-        getattr(library(), _LINEAR[w.dtype])(xf.data_ptr(), k, w.data_ptr(), None if b is None else b.data_ptr(),
-                                             out.data_ptr(), xf.shape[0], n, k, torch.get_num_threads())
+        library().linear(xf.data_ptr(), k, w.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
+                         xf.shape[0], n, k, int(w.dtype == torch.bfloat16), torch.get_num_threads())
     return out.view(*lead, n).to(x.dtype)

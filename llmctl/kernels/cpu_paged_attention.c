@@ -101,7 +101,7 @@ static inline __attribute__((always_inline)) void item(
 }
 
 /* Returns 0, or 1 when a scratch buffer could not be allocated (out is then incomplete). */
-static inline __attribute__((always_inline)) int run(
+static int run(
     const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens, float *out,
     int B, int H, int KVH, int D, int64_t slots, int max_blocks, int bs, float scale, int64_t max_len,
     int threads, const int bf16) {
@@ -120,12 +120,15 @@ static inline __attribute__((always_inline)) int run(
             const int64_t b = it / KVH, h = it % KVH, r = (b * H + h * G) * D;
             const size_t head = (size_t)h * slots * D * elem(bf16);
             const char *k = (const char *)kc + head, *v = (const char *)vc + head;
-            if (D == 64)
-                item(q + r, k, v, tables + b * max_blocks, lens[b], out + r, G, 64, bs, scale, s, bf16);
-            else if (D == 128)
-                item(q + r, k, v, tables + b * max_blocks, lens[b], out + r, G, 128, bs, scale, s, bf16);
-            else
-                item(q + r, k, v, tables + b * max_blocks, lens[b], out + r, G, D, bs, scale, s, bf16);
+            /* Every specialisation is chosen here, inside the loop: GCC outlines the parallel region
+             * before inlining, so a constant passed into run() would reach item() as a variable. */
+            const int64_t *tb = tables + b * max_blocks;
+            if (bf16 && D == 64) item(q + r, k, v, tb, lens[b], out + r, G, 64, bs, scale, s, 1);
+            else if (bf16 && D == 128) item(q + r, k, v, tb, lens[b], out + r, G, 128, bs, scale, s, 1);
+            else if (bf16) item(q + r, k, v, tb, lens[b], out + r, G, D, bs, scale, s, 1);
+            else if (D == 64) item(q + r, k, v, tb, lens[b], out + r, G, 64, bs, scale, s, 0);
+            else if (D == 128) item(q + r, k, v, tb, lens[b], out + r, G, 128, bs, scale, s, 0);
+            else item(q + r, k, v, tb, lens[b], out + r, G, D, bs, scale, s, 0);
         }
         free(s);
     }
