@@ -28,6 +28,13 @@ static inline v8r load8(const void *p, int64_t i, const int bf16) {
     return *(const v8f *)((const float *)p + i);
 }
 
+/* The hardware prefetchers lose track of several rows at once, each a few KB long, so the first
+ * pass over a tile's w rows stalls on memory; each tile fetches the next tile's rows ahead. */
+static inline void prefetch_rows(const char *const *pf, int rows, int64_t byte) {
+    if (pf && !(byte & 63))
+        for (int j = 0; j < rows; ++j) __builtin_prefetch(pf[j] + byte, 0, 0);
+}
+
 static inline float hsum(v8r v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
@@ -35,12 +42,13 @@ static inline float hsum(v8r v) {
 /* 3 rows of x by 4 rows of w, accumulators named one by one: GCC keeps arrays of vectors in
  * memory here. Tails repeat a row pointer; only rows i < mv and columns j < nv are stored. */
 static inline __attribute__((always_inline)) void tile3x4(
-    const float *x0, const float *x1, const float *x2, const char *const *w, int64_t K,
+    const float *x0, const float *x1, const float *x2, const char *const *w, const char *const *pf, int64_t K,
     float *y, int64_t ldy, const float *bias, int mv, int nv, const int bf16) {
     v8r a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0},
         a20 = {0}, a21 = {0}, a22 = {0}, a23 = {0};
     const char *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3];
     for (int64_t k = 0; k < K; k += 8) {
+        prefetch_rows(pf, 4, k * (bf16 ? 2 : 4));
         const v8r b0 = load8(w0, k, bf16), b1 = load8(w1, k, bf16), b2 = load8(w2, k, bf16),
                   b3 = load8(w3, k, bf16);
         v8r x = *(const v8f *)(x0 + k);
@@ -59,10 +67,12 @@ static inline __attribute__((always_inline)) void tile3x4(
 
 /* 1 row of x by 8 rows of w: 8 independent accumulators hide the FMA latency. */
 static inline __attribute__((always_inline)) void tile1x8(
-    const float *x0, const char *const *w, int64_t K, float *y, const float *bias, int nv, const int bf16) {
+    const float *x0, const char *const *w, const char *const *pf, int64_t K, float *y, const float *bias, int nv,
+    const int bf16) {
     v8r a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
     const char *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3], *w4 = w[4], *w5 = w[5], *w6 = w[6], *w7 = w[7];
     for (int64_t k = 0; k < K; k += 8) {
+        prefetch_rows(pf, 8, k * (bf16 ? 2 : 4));
         const v8r x = *(const v8f *)(x0 + k);
         a0 += x * load8(w0, k, bf16); a1 += x * load8(w1, k, bf16);
         a2 += x * load8(w2, k, bf16); a3 += x * load8(w3, k, bf16);
@@ -86,18 +96,23 @@ static inline __attribute__((always_inline)) void item(
         const int64_t me = mb + M_BLOCK < M ? mb + M_BLOCK : M;
         for (int64_t n = n0; n < n1; n += nr) {
             const int nv = n1 - n < nr ? (int)(n1 - n) : nr;
-            const char *wr[8];
-            for (int j = 0; j < 8; ++j) wr[j] = w + (size_t)(n + (j < nv ? j : nv - 1)) * row;
+            const char *wr[8], *pf[8];
+            const int64_t nn = n + nr < n1 ? n + nr : n0;  /* the next tile, or the first again */
+            const int pv = n1 - nn < nr ? (int)(n1 - nn) : nr;
+            for (int j = 0; j < 8; ++j) {
+                wr[j] = w + (size_t)(n + (j < nv ? j : nv - 1)) * row;
+                pf[j] = w + (size_t)(nn + (j < pv ? j : pv - 1)) * row;
+            }
             const float *bn = bias ? bias + n : NULL;
             if (M == 1) {
-                tile1x8(x, wr, K, y + n, bn, nv, bf16);
+                tile1x8(x, wr, pf, K, y + n, bn, nv, bf16);
                 continue;
             }
             for (int64_t m = mb; m < me; m += 3) {
                 const int mv = me - m < 3 ? (int)(me - m) : 3;
                 const float *xm = x + m * ldx;
-                tile3x4(xm, xm + (mv > 1 ? ldx : 0), xm + (mv > 2 ? 2 * ldx : 0), wr, K, y + m * N + n, N, bn,
-                        mv, nv, bf16);
+                tile3x4(xm, xm + (mv > 1 ? ldx : 0), xm + (mv > 2 ? 2 * ldx : 0), wr, m == mb ? pf : NULL, K,
+                        y + m * N + n, N, bn, mv, nv, bf16);
             }
         }
     }
