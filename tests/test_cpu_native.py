@@ -113,15 +113,15 @@ def test_engine_greedy_output_same_with_native_and_reference(shakespeare_model, 
 
 
 def test_packed_lm_head_gives_the_same_logits(tmp_path):
-    from llmctl.kernels.cpu_linear import pack_weight
-    from llmctl.models.llama import PACKED_HEAD_MIN_ROWS
+    from llmctl.kernels.onednn_linear import pack_weight
     from tests.conftest import make_random_model
 
     llm = LLM(str(make_random_model(tmp_path, "llama", seed=5)), dtype="float32", device="cpu")
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))  # builds the engine
     model = llm.runtime.model
     assert model.packed_head is not None, "the CPU float32 engine packs its vocabulary projection"
-    hidden = torch.randn(PACKED_HEAD_MIN_ROWS + 3, model.config.hidden_size)
+    many = cpu_native.LINEAR_F32_ROWS_PER_THREAD * torch.get_num_threads() + 3  # beyond the native kernel's rows
+    hidden = torch.randn(many, model.config.hidden_size)
     plain = hidden @ model.lm_head.weight.T
     torch.testing.assert_close(model.compute_logits(hidden), plain, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(model.compute_logits(hidden[:1]), plain[:1], rtol=1e-4, atol=1e-4)

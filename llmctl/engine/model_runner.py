@@ -28,7 +28,7 @@ class ModelRunner:
     def __init__(self, model, config: ModelConfig, engine_config: EngineConfig, device: str, dtype: torch.dtype):
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         if device == "cpu" and dtype == torch.float32 and hasattr(model, "pack_lm_head"):
-            model.pack_lm_head()  # batched logits through oneDNN's packed layout (kernels/cpu_linear.py)
+            model.pack_lm_head()  # batched logits through oneDNN's packed layout (kernels/onednn_linear.py)
         self.block_size = engine_config.block_size
         self.bytes_per_block = kv_bytes_per_token(config, dtype) * self.block_size
         budget = engine_config.kv_cache_memory

@@ -28,8 +28,16 @@ static inline v8r load8(const void *p, int64_t i, const int bf16) {
     return *(const v8f *)((const float *)p + i);
 }
 
-/* The hardware prefetchers lose track of several rows at once, each a few KB long, so the first
- * pass over a tile's w rows stalls on memory; each tile fetches the next tile's rows ahead. */
+/* The hardware prefetchers lose track of several rows at once, each a few KB long, so a first
+ * pass over w rows would stall on memory. Instead each tile fetches part of the next 4 rows while
+ * it computes: bytes [off, end) of each, one cache line every `every` steps of its k loop, so the
+ * rows arrive spread over all the tiles that use the current ones. */
+typedef struct {
+    const char *const *rows;  /* the next tile's 4 rows, or NULL */
+    int64_t off, end;
+    int every;
+} prefetch_plan;
+
 static inline void prefetch_rows(const char *const *pf, int rows, int64_t byte) {
     if (pf && !(byte & 63))
         for (int j = 0; j < rows; ++j) __builtin_prefetch(pf[j] + byte, 0, 0);
@@ -42,13 +50,20 @@ static inline float hsum(v8r v) {
 /* 3 rows of x by 4 rows of w, accumulators named one by one: GCC keeps arrays of vectors in
  * memory here. Tails repeat a row pointer; only rows i < mv and columns j < nv are stored. */
 static inline __attribute__((always_inline)) void tile3x4(
-    const float *x0, const float *x1, const float *x2, const char *const *w, const char *const *pf, int64_t K,
+    const float *x0, const float *x1, const float *x2, const char *const *w, prefetch_plan pf, int64_t K,
     float *y, int64_t ldy, const float *bias, int mv, int nv, const int bf16) {
     v8r a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0},
         a20 = {0}, a21 = {0}, a22 = {0}, a23 = {0};
     const char *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3];
+    int countdown = pf.every;
     for (int64_t k = 0; k < K; k += 8) {
-        prefetch_rows(pf, 4, k * (bf16 ? 2 : 4));
+        if (pf.rows && --countdown == 0) {
+            countdown = pf.every;
+            if (pf.off < pf.end) {
+                for (int j = 0; j < 4; ++j) __builtin_prefetch(pf.rows[j] + pf.off, 0, 0);
+                pf.off += 64;
+            }
+        }
         const v8r b0 = load8(w0, k, bf16), b1 = load8(w1, k, bf16), b2 = load8(w2, k, bf16),
                   b3 = load8(w3, k, bf16);
         v8r x = *(const v8f *)(x0 + k);
@@ -108,10 +123,15 @@ static inline __attribute__((always_inline)) void item(
                 tile1x8(x, wr, pf, K, y + n, bn, nv, bf16);
                 continue;
             }
-            for (int64_t m = mb; m < me; m += 3) {
+            const int64_t tiles = (me - mb + 2) / 3;
+            for (int64_t m = mb, t = 0; m < me; m += 3, ++t) {
                 const int mv = me - m < 3 ? (int)(me - m) : 3;
                 const float *xm = x + m * ldx;
-                tile3x4(xm, xm + (mv > 1 ? ldx : 0), xm + (mv > 2 ? 2 * ldx : 0), wr, m == mb ? pf : NULL, K,
+                prefetch_plan plan = {pf, (int64_t)(row * t / tiles) & ~63, (int64_t)(row * (t + 1) / tiles), 1};
+                if (t == tiles - 1) plan.end = (int64_t)row;
+                const int64_t lines = (plan.end - plan.off + 63) / 64, steps = K / 8;
+                plan.every = lines > 0 && steps > lines ? (int)(steps / lines) : 1;
+                tile3x4(xm, xm + (mv > 1 ? ldx : 0), xm + (mv > 2 ? 2 * ldx : 0), wr, plan, K,
                         y + m * N + n, N, bn, mv, nv, bf16);
             }
         }

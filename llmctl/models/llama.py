@@ -14,14 +14,9 @@ from torch import nn
 
 from llmctl.kernels import cpu_native
 from llmctl.kernels.attention import PagedAttentionMetadata, paged_attention
-from llmctl.kernels.cpu_linear import pack_weight, packed_linear
+from llmctl.kernels.onednn_linear import pack_weight, packed_linear
 from llmctl.models.rope import RotaryEmbedding
 from llmctl.runtime.config import ModelConfig
-
-
-# From this many rows the packed vocabulary projection wins (1.3-2x at 16-256 rows, SmolLM2 and
-# Qwen2.5-0.5B shapes, 1 thread); at 1 row the plain weight read is ~15% faster (memory-bound).
-PACKED_HEAD_MIN_ROWS = 8
 
 
 class Linear(nn.Linear):
@@ -192,8 +187,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
-        if (self.packed_head is not None and hidden.dim() == 2 and hidden.shape[0] >= PACKED_HEAD_MIN_ROWS
-                and hidden.dtype == torch.float32 and hidden.device.type == "cpu" and self._plain_head()):
+        # Few rows: the native kernel inside lm_head (1.1-1.3x the packed weight at 4-16 rows, both
+        # shapes, 1 thread); more rows: the packed weight (1.2-1.5x F.linear at 16-64 rows).
+        if (self.packed_head is not None and hidden.dim() == 2 and hidden.dtype == torch.float32
+                and hidden.device.type == "cpu" and self._plain_head()
+                and not cpu_native.use_linear(hidden, self.lm_head.weight)):
             return packed_linear(hidden, self.packed_head)
         return self.lm_head(hidden).float()
 
