@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="float32 on CPUs without native bf16 (AVX2), where bf16 matmuls are several times slower")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--repeats", type=int, default=1, help="alternated runs of each engine; medians are reported")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -95,14 +96,22 @@ def main() -> None:
     report = {"environment": environment(), "machine": machine, "config": args.config, "dtype": args.dtype,
               "num_prompts": args.num_prompts, "prompt_tokens": sum(map(len, prompts)), "output_len": args.output_len}
     python = os.environ.get("VLLM_PYTHON", "/work/venvs/vllm/bin/python")
-    report["vllm_cpu"] = run_vllm(python, folder, prompts, outs, args.threads, args.dtype)
-    print(json.dumps({"vllm_cpu": report["vllm_cpu"]}), flush=True)
-    report["llmctl"] = run_llmctl(folder, prompts, outs, dtype=args.dtype, max_num_seqs=256)
+    # Repeats alternate the engines (vLLM, llmctl, vLLM, llmctl, ...): on a VM whose speed drifts
+    # with its host's load, the median of alternated runs is a fairer ratio than one run each.
+    runs = {"vllm_cpu": [], "llmctl": []}
+    for _ in range(args.repeats):
+        runs["vllm_cpu"].append(run_vllm(python, folder, prompts, outs, args.threads, args.dtype))
+        print(json.dumps({"vllm_cpu": runs["vllm_cpu"][-1]}), flush=True)
+        runs["llmctl"].append(run_llmctl(folder, prompts, outs, dtype=args.dtype, max_num_seqs=256))
+        print(json.dumps({"llmctl": runs["llmctl"][-1]}), flush=True)
     flops = workload_flops(folder, prompts, outs)
-    report["llmctl"]["mfu"] = flops / report["llmctl"]["seconds"] / (machine["matmul_gflops"] * 1e9)
-    report["vllm_cpu"]["mfu"] = flops / report["vllm_cpu"]["seconds"] / (machine["matmul_gflops"] * 1e9)
+    for name, results in runs.items():
+        median = sorted(results, key=lambda r: r["seconds"])[(len(results) - 1) // 2]  # the lower median
+        report[name] = dict(median, mfu=flops / median["seconds"] / (machine["matmul_gflops"] * 1e9))
+        if len(results) > 1:
+            report[name]["all_seconds"] = [r["seconds"] for r in results]
+    report["paired_ratios"] = [v["seconds"] / m["seconds"] for v, m in zip(runs["vllm_cpu"], runs["llmctl"])]
     report["llmctl_batch1"] = batch1_decode(folder, args.dtype, machine, vocab)
-    print(json.dumps({"llmctl": report["llmctl"]}), flush=True)
     report["llmctl_run_batch"] = run_llmctl_cli(folder, prompts, outs, args.dtype)
     print(json.dumps({"llmctl_run_batch": report["llmctl_run_batch"]}), flush=True)
     report["llmctl_over_vllm"] = report["llmctl"]["output_tok_s"] / report["vllm_cpu"]["output_tok_s"]
