@@ -130,6 +130,7 @@ def test_packed_lm_head_gives_the_same_logits(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k", [(1, 13, 8), (1, 64, 96), (2, 70, 24), (3, 4, 64), (5, 130, 40), (16, 96, 200),
+                                   (4, 20, 16), (7, 9, 32), (49, 12, 24),
                                    (50, 33, 16), (100, 65, 72)])
 def test_linear_matches_f_linear(dtype, m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)

@@ -47,11 +47,11 @@ static inline float hsum(v8r v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/* 3 rows of x by 4 rows of w, accumulators named one by one: GCC keeps arrays of vectors in
- * memory here. Tails repeat a row pointer; only rows i < mv and columns j < nv are stored. */
+/* mv (2 or 3, a constant) rows of x by 4 rows of w, accumulators named one by one: GCC keeps
+ * arrays of vectors in memory here. Tails repeat a row pointer; only i < sv, j < nv are stored. */
 static inline __attribute__((always_inline)) void tile3x4(
     const float *x0, const float *x1, const float *x2, const char *const *w, prefetch_plan pf, int64_t K,
-    float *y, int64_t ldy, const float *bias, int mv, int nv, const int bf16) {
+    float *y, int64_t ldy, const float *bias, const int mv, int sv, int nv, const int bf16) {
     v8r a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0},
         a20 = {0}, a21 = {0}, a22 = {0}, a23 = {0};
     const char *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3];
@@ -70,13 +70,15 @@ static inline __attribute__((always_inline)) void tile3x4(
         a00 += x * b0; a01 += x * b1; a02 += x * b2; a03 += x * b3;
         x = *(const v8f *)(x1 + k);
         a10 += x * b0; a11 += x * b1; a12 += x * b2; a13 += x * b3;
-        x = *(const v8f *)(x2 + k);
-        a20 += x * b0; a21 += x * b1; a22 += x * b2; a23 += x * b3;
+        if (mv > 2) {  /* a constant: two-row tiles leave out the third row's work */
+            x = *(const v8f *)(x2 + k);
+            a20 += x * b0; a21 += x * b1; a22 += x * b2; a23 += x * b3;
+        }
     }
     const float r[3][4] = {{hsum(a00), hsum(a01), hsum(a02), hsum(a03)},
                            {hsum(a10), hsum(a11), hsum(a12), hsum(a13)},
                            {hsum(a20), hsum(a21), hsum(a22), hsum(a23)}};
-    for (int i = 0; i < mv; ++i)
+    for (int i = 0; i < sv; ++i)
         for (int j = 0; j < nv; ++j) y[i * ldy + j] = r[i][j] + (bias ? bias[j] : 0.f);
 }
 
@@ -123,16 +125,20 @@ static inline __attribute__((always_inline)) void item(
                 tile1x8(x, wr, pf, K, y + n, bn, nv, bf16);
                 continue;
             }
-            const int64_t tiles = (me - mb + 2) / 3;
-            for (int64_t m = mb, t = 0; m < me; m += 3, ++t) {
-                const int mv = me - m < 3 ? (int)(me - m) : 3;
+            /* Rows in tiles of 3, ending 2 + 2 where 3s would leave 1 (16 = 3 * 4 + 2 + 2): a
+             * one-row tile has too few accumulators to hide the FMA latency. */
+            const int64_t rows = me - mb, tiles = (rows + 2) / 3, threes = rows % 3 == 1 ? tiles - 2 : rows / 3;
+            for (int64_t m = mb, t = 0; m < me; ++t) {
+                const int mv = t < threes ? 3 : (int)(me - m < 2 ? me - m : 2);
                 const float *xm = x + m * ldx;
                 prefetch_plan plan = {pf, (int64_t)(row * t / tiles) & ~63, (int64_t)(row * (t + 1) / tiles), 1};
                 if (t == tiles - 1) plan.end = (int64_t)row;
                 const int64_t lines = (plan.end - plan.off + 63) / 64, steps = K / 8;
                 plan.every = lines > 0 && steps > lines ? (int)(steps / lines) : 1;
-                tile3x4(xm, xm + (mv > 1 ? ldx : 0), xm + (mv > 2 ? 2 * ldx : 0), wr, plan, K,
-                        y + m * N + n, N, bn, mv, nv, bf16);
+                float *ym = y + m * N + n;
+                if (mv == 3) tile3x4(xm, xm + ldx, xm + 2 * ldx, wr, plan, K, ym, N, bn, 3, 3, nv, bf16);
+                else tile3x4(xm, xm + (mv > 1 ? ldx : 0), xm, wr, plan, K, ym, N, bn, 2, mv, nv, bf16);
+                m += mv;
             }
         }
     }

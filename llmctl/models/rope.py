@@ -50,7 +50,21 @@ class RotaryEmbedding(torch.nn.Module):
         """positions [...]; q [..., heads, D], k [..., kv_heads, D] with the same leading shape."""
         cos = self.cos[positions].to(q.dtype).unsqueeze(-2)  # [..., 1, D]
         sin = self.sin[positions].to(q.dtype).unsqueeze(-2)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return _rotate_in_place(q, cos, sin), _rotate_in_place(k, cos, sin)
+
+
+def _rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, written into x with half-width temporaries (inference: x is
+    a fresh projection output). The tables repeat their first half, so half of each is enough."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[..., :half], sin[..., :half]
+    x1_sin = x1 * s
+    x1.mul_(c).sub_(x2 * s)
+    x2.mul_(c).add_(x1_sin)
+    return x
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
