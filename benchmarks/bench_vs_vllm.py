@@ -51,14 +51,18 @@ def run_llmctl_cli(folder: Path, prompts, outs, dtype: str) -> dict:
         inp, out = Path(d) / "in.jsonl", Path(d) / "out.jsonl"
         inp.write_text("".join(json.dumps({"id": i, "prompt_token_ids": p, "max_tokens": o}) + "\n"
                                for i, (p, o) in enumerate(zip(prompts, outs))))
+        summary = Path(d) / "summary.json"
         t0 = time.perf_counter()
         rc = cli(["run-batch", str(inp), "-o", str(out), "--model", str(folder), "--dtype", dtype,
-                  "--device", "cpu", "--ignore-eos", "--max-num-seqs", "256", "-q"])
+                  "--device", "cpu", "--ignore-eos", "--max-num-seqs", "256", "-q", "--summary-json", str(summary)])
         dt = time.perf_counter() - t0  # includes loading the model, which the others do before timing
         if rc != 0:
             raise RuntimeError(f"llmctl run-batch exited {rc}")
         n = sum(json.loads(line)["usage"]["completion_tokens"] for line in out.read_text().splitlines())
-    return {"seconds_including_model_load": dt, "output_tokens": n, "output_tok_s": n / dt}
+        job = json.loads(summary.read_text())
+    # The job's own clock starts after the model is loaded, as vLLM's and run_llmctl's timings do.
+    return {"seconds_including_model_load": dt, "output_tokens": n, "output_tok_s_including_load": n / dt,
+            "job_seconds": job["elapsed_s"], "output_tok_s": n / job["elapsed_s"]}
 
 
 def batch1_decode(folder: Path, dtype: str, machine: dict, vocab: int, prompt_len: int = 128, out_len: int = 256) -> dict:
@@ -86,6 +90,7 @@ def main() -> None:
                     help="float32 on CPUs without native bf16 (AVX2), where bf16 matmuls are several times slower")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--repeats", type=int, default=1, help="alternated runs of each engine; medians are reported")
+    ap.add_argument("--cli-only", action="store_true", help="only the `llmctl run-batch` leg (no peers)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -95,6 +100,12 @@ def main() -> None:
     machine = measure_machine(args.dtype)
     report = {"environment": environment(), "machine": machine, "config": args.config, "dtype": args.dtype,
               "num_prompts": args.num_prompts, "prompt_tokens": sum(map(len, prompts)), "output_len": args.output_len}
+    if args.cli_only:
+        report["llmctl_run_batch"] = run_llmctl_cli(folder, prompts, outs, args.dtype)
+        print(json.dumps(report, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+        return
     python = os.environ.get("VLLM_PYTHON", "/work/venvs/vllm/bin/python")
     # Repeats alternate the engines (vLLM, llmctl, vLLM, llmctl, ...): on a VM whose speed drifts
     # with its host's load, the median of alternated runs is a fairer ratio than one run each.
