@@ -12,21 +12,7 @@
  * One row of x (matrix-vector, memory-bound) uses a 1 x 8 tile instead. K must be a multiple of 8
  * (checked by the caller); x and y are float32, contiguous rows (x with row stride ldx).
  */
-#include <stddef.h>
-#include <stdint.h>
-
-typedef float v8r __attribute__((vector_size(32)));               /* in registers */
-typedef float v8f __attribute__((vector_size(32), aligned(4)));   /* loads from any float */
-typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-
-static inline v8r load8(const void *p, int64_t i, const int bf16) {
-    if (bf16) {  /* bfloat16 is the top half of a float32 */
-        v8u u = __builtin_convertvector(*(const v8h *)((const uint16_t *)p + i), v8u) << 16;
-        return (v8r)u;
-    }
-    return *(const v8f *)((const float *)p + i);
-}
+#include "cpu_vec.h"
 
 /* The hardware prefetchers lose track of several rows at once, each a few KB long, so a first
  * pass over w rows would stall on memory. Instead each tile fetches part of the next 4 rows while
@@ -43,9 +29,6 @@ static inline void prefetch_rows(const char *const *pf, int rows, int64_t byte) 
         for (int j = 0; j < rows; ++j) __builtin_prefetch(pf[j] + byte, 0, 0);
 }
 
-static inline float hsum(v8r v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
 
 /* mv (2 or 3, a constant) rows of x by 4 rows of w, accumulators named one by one: GCC keeps
  * arrays of vectors in memory here. Tails repeat a row pointer; only i < sv, j < nv are stored. */

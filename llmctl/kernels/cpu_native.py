@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 SOURCES = (Path(__file__).with_name("cpu_paged_attention.c"), Path(__file__).with_name("cpu_linear.c"))
+HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by the sources: part of the cache key
 # -ffast-math at compile time only: it lets the reductions vectorise and expf use the vector libm;
 # not at link time, where it would add crtfastmath and flush denormals for the whole process.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
@@ -59,7 +60,7 @@ def build(sources: tuple[Path, ...] = SOURCES, out_dir: Path | None = None) -> P
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in sources), version, *COMPILE_FLAGS, *LINK_FLAGS, *LIBS,
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in (*sources, *HEADERS)), version, *COMPILE_FLAGS, *LINK_FLAGS, *LIBS,
                                     platform.machine(), _cpu_fingerprint()]).encode()).hexdigest()[:16]
     out_dir = out_dir or _cache_dir()
     target = out_dir / f"llmctl_kernels-{key}.so"

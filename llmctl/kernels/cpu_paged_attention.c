@@ -18,22 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* 8 floats: GCC/Clang vector extensions, so the loops below are SIMD on any target (AVX2 here). */
-typedef float v8f __attribute__((vector_size(32), aligned(4)));
-typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-
-static inline v8f load8(const void *p, int64_t i, const int bf16) {
-    if (bf16) {  /* bfloat16 is the top half of a float32 */
-        v8u u = __builtin_convertvector(*(const v8h *)((const uint16_t *)p + i), v8u) << 16;
-        return (v8f)u;
-    }
-    return *(const v8f *)((const float *)p + i);
-}
-
-static inline float hsum(v8f v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
+#include "cpu_vec.h"
 
 static inline size_t elem(const int bf16) { return bf16 ? 2 : 4; }
 
