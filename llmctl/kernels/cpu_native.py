@@ -60,7 +60,8 @@ def build(sources: tuple[Path, ...] = SOURCES, out_dir: Path | None = None) -> P
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in (*sources, *HEADERS)), version, *COMPILE_FLAGS, *LINK_FLAGS, *LIBS,
+    texts = [s.read_text() for s in (*sources, *HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, version, *COMPILE_FLAGS, *LINK_FLAGS, *LIBS,
                                     platform.machine(), _cpu_fingerprint()]).encode()).hexdigest()[:16]
     out_dir = out_dir or _cache_dir()
     target = out_dir / f"llmctl_kernels-{key}.so"
