@@ -3,9 +3,9 @@
  * llmctl/kernels/cpu_native.py; the reference is torch.nn.functional.linear.
  *
  * Why: a decode step multiplies a few rows (one per running sequence) by every weight once. The
- * BLAS behind F.linear is tuned for large M and, measured on an AVX2 CPU at 1-16 rows, runs at
- * 8-45 GFLOP/s where this kernel runs at 11-55 (2 threads: up to 3x); its bfloat16 path is a slow
- * fallback there (about 10 GFLOP/s at any M), against 30-38 here.
+ * BLAS behind F.linear is tuned for large M: measured on an AVX2 CPU, 1 thread, weights cold in
+ * cache, at 16 rows it runs at 36-44 GFLOP/s where this kernel runs at 42-58, at 4 rows 12-17
+ * against 18-33; its bfloat16 path is a slow fallback there (about 10 GFLOP/s), against 30-38.
  *
  * How: each register tile of 3 rows of x by 4 rows of w keeps 12 vector accumulators of 8 partial
  * dot products along K, so w is read once, as 4 sequential streams, while x is reused from cache.
@@ -15,20 +15,31 @@
 #include "cpu_vec.h"
 
 /* The hardware prefetchers lose track of several rows at once, each a few KB long, so a first
- * pass over w rows would stall on memory. Instead each tile fetches part of the next 4 rows while
- * it computes: bytes [off, end) of each, one cache line every `every` steps of its k loop, so the
- * rows arrive spread over all the tiles that use the current ones. */
+ * pass over w rows would stall on memory. Instead each tile fetches part of the next tile's rows
+ * while it computes: bytes [off, end) of each, one cache line every `every` steps of its k loop, so
+ * the rows arrive spread over all the tiles that use the current ones. */
 typedef struct {
-    const char *const *rows;  /* the next tile's 4 rows, or NULL */
+    const char *const *rows;  /* the next tile's rows */
     int64_t off, end;
-    int every;
+    int every, countdown;
 } prefetch_plan;
 
-static inline void prefetch_rows(const char *const *pf, int rows, int64_t byte) {
-    if (pf && !(byte & 63))
-        for (int j = 0; j < rows; ++j) __builtin_prefetch(pf[j] + byte, 0, 0);
+static inline prefetch_plan plan_prefetch(const char *const *rows, int64_t off, int64_t end, int64_t K) {
+    const int64_t lines = (end - off + 63) / 64, steps = K / 8;
+    const int every = lines > 0 && steps > lines ? (int)(steps / lines) : 1;
+    return (prefetch_plan){rows, off, end, every, every};
 }
 
+/* Called once per k step: the next line of each of `n` rows when its turn comes. */
+static inline __attribute__((always_inline)) void prefetch_step(prefetch_plan *pf, const int n) {
+    if (--pf->countdown == 0) {
+        pf->countdown = pf->every;
+        if (pf->off < pf->end) {
+            for (int j = 0; j < n; ++j) __builtin_prefetch(pf->rows[j] + pf->off, 0, 0);
+            pf->off += 64;
+        }
+    }
+}
 
 /* mv (2 or 3, a constant) rows of x by 4 rows of w, accumulators named one by one: GCC keeps
  * arrays of vectors in memory here. Tails repeat a row pointer; only i < sv, j < nv are stored. */
@@ -38,15 +49,8 @@ static inline __attribute__((always_inline)) void tile3x4(
     v8r a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0},
         a20 = {0}, a21 = {0}, a22 = {0}, a23 = {0};
     const char *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3];
-    int countdown = pf.every;
     for (int64_t k = 0; k < K; k += 8) {
-        if (pf.rows && --countdown == 0) {
-            countdown = pf.every;
-            if (pf.off < pf.end) {
-                for (int j = 0; j < 4; ++j) __builtin_prefetch(pf.rows[j] + pf.off, 0, 0);
-                pf.off += 64;
-            }
-        }
+        prefetch_step(&pf, 4);
         const v8r b0 = load8(w0, k, bf16), b1 = load8(w1, k, bf16), b2 = load8(w2, k, bf16),
                   b3 = load8(w3, k, bf16);
         v8r x = *(const v8f *)(x0 + k);
@@ -67,12 +71,12 @@ static inline __attribute__((always_inline)) void tile3x4(
 
 /* 1 row of x by 8 rows of w: 8 independent accumulators hide the FMA latency. */
 static inline __attribute__((always_inline)) void tile1x8(
-    const float *x0, const char *const *w, const char *const *pf, int64_t K, float *y, const float *bias, int nv,
+    const float *x0, const char *const *w, prefetch_plan pf, int64_t K, float *y, const float *bias, int nv,
     const int bf16) {
     v8r a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
     const char *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3], *w4 = w[4], *w5 = w[5], *w6 = w[6], *w7 = w[7];
     for (int64_t k = 0; k < K; k += 8) {
-        prefetch_rows(pf, 8, k * (bf16 ? 2 : 4));
+        prefetch_step(&pf, 8);
         const v8r x = *(const v8f *)(x0 + k);
         a0 += x * load8(w0, k, bf16); a1 += x * load8(w1, k, bf16);
         a2 += x * load8(w2, k, bf16); a3 += x * load8(w3, k, bf16);
@@ -105,7 +109,7 @@ static inline __attribute__((always_inline)) void item(
             }
             const float *bn = bias ? bias + n : NULL;
             if (M == 1) {
-                tile1x8(x, wr, pf, K, y + n, bn, nv, bf16);
+                tile1x8(x, wr, plan_prefetch(pf, 0, (int64_t)row, K), K, y + n, bn, nv, bf16);
                 continue;
             }
             /* Rows in tiles of 3, ending 2 + 2 where 3s would leave 1 (16 = 3 * 4 + 2 + 2): a
@@ -114,10 +118,8 @@ static inline __attribute__((always_inline)) void item(
             for (int64_t m = mb, t = 0; m < me; ++t) {
                 const int mv = t < threes ? 3 : (int)(me - m < 2 ? me - m : 2);
                 const float *xm = x + m * ldx;
-                prefetch_plan plan = {pf, (int64_t)(row * t / tiles) & ~63, (int64_t)(row * (t + 1) / tiles), 1};
-                if (t == tiles - 1) plan.end = (int64_t)row;
-                const int64_t lines = (plan.end - plan.off + 63) / 64, steps = K / 8;
-                plan.every = lines > 0 && steps > lines ? (int)(steps / lines) : 1;
+                const int64_t end = t == tiles - 1 ? (int64_t)row : (int64_t)(row * (t + 1) / tiles);
+                const prefetch_plan plan = plan_prefetch(pf, (int64_t)(row * t / tiles) & ~63, end, K);
                 float *ym = y + m * N + n;
                 if (mv == 3) tile3x4(xm, xm + ldx, xm + 2 * ldx, wr, plan, K, ym, N, bn, 3, 3, nv, bf16);
                 else tile3x4(xm, xm + (mv > 1 ? ldx : 0), xm, wr, plan, K, ym, N, bn, 2, mv, nv, bf16);
