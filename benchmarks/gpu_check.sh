@@ -67,9 +67,11 @@ EOF
 if [ "$TINY" = 1 ]; then
     BENCH_ARGS=(--config "$OUT_DIR/configs/tiny-llama.json" --num-prompts 8 --prefix-prompts 4 --hf-batch-size 4)
     SPARSE_ARGS=(--shapes 256x256 --tokens 1,16 --iters 5 --model-config "$OUT_DIR/configs/tiny-llama.json" --batch-seq 1x16)
+    GRAPH_ARGS=(--config "$OUT_DIR/configs/tiny-llama.json" --batches 1,4 --output-len 16)
 else
     BENCH_ARGS=(--config "$OUT_DIR/configs/smollm2-135m.json" --num-prompts 256 --prefix-prompts 64 --hf-batch-size 32)
     SPARSE_ARGS=(--iters 20 --model-config "$OUT_DIR/configs/qwen2.5-0.5b.json" --batch-seq 1x128,8x512)
+    GRAPH_ARGS=(--config "$OUT_DIR/configs/smollm2-135m.json" --batches 1,8,64 --output-len 128)
 fi
 
 # --- the steps ------------------------------------------------------------------------------------
@@ -265,6 +267,14 @@ EOF
     set +e
 }
 
+step_cuda_graphs() {
+    # Decode steps replayed as captured CUDA graphs: the test compares their tokens with eager steps
+    # (it runs on CUDA here; on CPUs only its static-buffer half runs), then the benchmark times
+    # decode with graphs against --enforce-eager at batch 1, 8 and 64.
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py || return 1
+    "$PY" benchmarks/bench_cuda_graphs.py "${GRAPH_ARGS[@]}" --json "$OUT_DIR/cuda-graphs.json"
+}
+
 step_throughput() {
     # llmctl's engine against transformers `generate` (static padded batches), both on $DEVICE, bf16,
     # random weights of SmolLM2-135M's shape; prints JSON and writes $OUT_DIR/throughput.json.
@@ -286,6 +296,7 @@ STEPS=(  "env                 60            step_env"
          "install             150           step_install"
          "triton-native       90            step_triton_native"
          "exactness-cuda      120           step_exactness_cuda"
+         "cuda-graphs         90            step_cuda_graphs"
          "throughput          200           step_throughput"
          "sparse-2of4         120           step_sparse_2of4"
          "compress-smoke      150           step_compress_smoke"

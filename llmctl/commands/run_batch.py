@@ -179,6 +179,7 @@ def register(app: typer.Typer) -> None:
         draft: Optional[str] = typer.Option(None, "--draft", help="Smaller model with the same tokenizer that proposes tokens (implies --speculative draft unless auto).", show_default=False),
         num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", min=1, help="Tokens proposed per step."),
         speculative_max_batch: Optional[int] = typer.Option(None, "--speculative-max-batch", min=1, help=f"Speculate only while at most N sequences run (default: {AUTO_SPEC_MAX_BATCH} with auto, no limit otherwise).", show_default=False),
+        enforce_eager: bool = typer.Option(False, "--enforce-eager", help="CUDA: run every step eagerly instead of replaying decode steps as captured CUDA graphs."),
         max_in_flight: Optional[int] = typer.Option(None, "--max-in-flight", min=1, help="Rows handed to the engine at once (default 2 x --max-num-seqs); the reorder buffer holds at most 4x this.", show_default=False),
     ) -> None:
         """Generate a completion for every row of INPUT and write one output row per input row."""
@@ -196,7 +197,7 @@ def register(app: typer.Typer) -> None:
             engine=dict(block_size=block_size,
                         kv_cache_memory=None if kv_cache_memory == "auto" else parse_bytes(kv_cache_memory),
                         enable_prefix_caching=not no_prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
-                        max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                        max_num_seqs=max_num_seqs, max_model_len=max_model_len, cuda_graphs=not enforce_eager,
                         **speculative_settings(speculative, draft, num_speculative_tokens, speculative_max_batch)),
             max_in_flight=max_in_flight,
         )

@@ -73,6 +73,7 @@ class EngineConfig:
     draft_model: str | None = None  # folder of a smaller model with the same tokenizer
     num_speculative_tokens: int = 4
     speculative_max_batch: int | None = None  # speculate only while at most this many run; None: always
+    cuda_graphs: bool = True  # on CUDA with Triton: decode-only steps replay captured graphs (cuda_graphs.py)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -35,6 +35,18 @@ def _make_proposer(cfg: EngineConfig, runtime):
     return None
 
 
+def _graphs_supported(device: str) -> bool:
+    """CUDA graphs need a CUDA device and the Triton decode kernels: the PyTorch reference pads
+    every block table to its full width, which a graph would fix at the longest possible context."""
+    if not str(device).startswith("cuda"):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @dataclass
 class EngineStats:
     steps: int = 0
@@ -70,6 +82,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(runtime.eos_token_ids)
         self.stats = EngineStats()
         self.proposer = _make_proposer(cfg, runtime)
+        if cfg.cuda_graphs and _graphs_supported(runtime.device):
+            self.runner.enable_decode_graphs(cfg.max_num_seqs, self.capacity)
 
     @property
     def num_kv_blocks(self) -> int:

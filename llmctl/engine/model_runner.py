@@ -7,9 +7,12 @@ the indices of the tokens whose logits are needed (the last token of each sequen
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from llmctl.engine.config import DEFAULT_KV_CAP, EngineConfig
+from llmctl.engine.cuda_graphs import DecodeGraphs, graph_sizes
 from llmctl.engine.scheduler import ScheduledBatch
 from llmctl.engine.sequence import Sequence
 from llmctl.kernels.attention import GatherWorkspace, PagedAttentionMetadata, PrefillChunk, length_groups
@@ -17,6 +20,20 @@ from llmctl.runtime.config import ModelConfig
 
 
 MIN_GROUPED_DECODES = 8  # below this, one padded decode-attention call costs less than several
+
+
+@dataclass
+class StepInputs:
+    """One step as Python lists, in packed order (one-token decodes first, longest context first)."""
+
+    ids: list[int] = field(default_factory=list)  # [T] token ids
+    positions: list[int] = field(default_factory=list)  # [T]
+    slots: list[int] = field(default_factory=list)  # [T] KV slot of each token
+    dec_tables: list[list[int]] = field(default_factory=list)  # block table of each one-token decode
+    dec_lens: list[int] = field(default_factory=list)  # its context length, the new token included
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    logits_idx: list[int] = field(default_factory=list)  # packed rows whose logits are sampled
+    sampling: list[Sequence] = field(default_factory=list)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -37,12 +54,23 @@ class ModelRunner:
             per_seq = -(-max_len // self.block_size) * self.bytes_per_block
             budget = min(DEFAULT_KV_CAP, engine_config.max_num_seqs * per_seq)
         self.num_blocks = budget // self.bytes_per_block
-        shape = (config.num_kv_heads, self.num_blocks * self.block_size, config.head_dim)  # head-major
+        # One block more than the block manager hands out: padded rows of a captured decode step
+        # (cuda_graphs.py) write there.
+        self.scratch_block = self.num_blocks
+        shape = (config.num_kv_heads, (self.num_blocks + 1) * self.block_size, config.head_dim)  # head-major
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_layers)
         ]
         self.workspace = GatherWorkspace()
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, use_graphs: bool = True) -> None:
+        """Serve decode-only steps of up to min(max_num_seqs, 256) sequences from static buffers,
+        through CUDA graphs (`use_graphs`, CUDA only) or eagerly (the same arithmetic, for tests)."""
+        max_blocks = min(-(-max_model_len // self.block_size), self.num_blocks)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, graph_sizes(max_num_seqs), max_blocks,
+                                   self.scratch_block, self.block_size, self.device, use_graphs)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -56,60 +84,65 @@ class ModelRunner:
         decodes = sorted((p for p in pairs if p[1] == 1), key=lambda p: -p[0].num_computed_tokens)
         return decodes + [p for p in pairs if p[1] != 1]
 
-    def prepare(self, batch: ScheduledBatch):
-        """Returns (input_ids, positions, meta, logits_indices, sampling sequences)."""
+    def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        """The step as Python lists: packed ids, positions and slots, one-token decodes first."""
         bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        dec_tables: list[list[int]] = []
-        dec_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
-        logits_idx: list[int] = []
-        sampling: list[Sequence] = []
+        st = StepInputs()
         for seq, n in self._decodes_longest_first(batch):
             start = seq.num_computed_tokens
             table = seq.block_table
-            offset = len(ids)
-            ids.extend(seq.step_token_ids(start, n))
-            pos.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            offset = len(st.ids)
+            st.ids.extend(seq.step_token_ids(start, n))
+            st.positions.extend(range(start, start + n))
+            st.slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if n == 1:
-                dec_tables.append(table)
-                dec_lens.append(start + 1)
+                st.dec_tables.append(table)
+                st.dec_lens.append(start + 1)
             else:
                 seq_slots = [table[p // bs] * bs + p % bs for p in range(start + n)]
-                prefills.append(PrefillChunk(offset, n, start, torch.tensor(seq_slots, dtype=torch.long, device=self.device)))
+                st.prefills.append(PrefillChunk(offset, n, start, torch.tensor(seq_slots, dtype=torch.long, device=self.device)))
             k = len(seq.spec_token_ids)
             if start + n == seq.num_tokens + k:  # caught up: logits for the last token and each draft
-                logits_idx.extend(range(offset + n - 1 - k, offset + n))
-                sampling.append(seq)
-        dev = self.device
-        nd = len(dec_tables)
+                st.logits_idx.extend(range(offset + n - 1 - k, offset + n))
+                st.sampling.append(seq)
+        return st
+
+    def prepare(self, batch: ScheduledBatch):
+        """Returns (input_ids, positions, meta, logits_indices, sampling sequences)."""
+        return self._tensors(self._step_inputs(batch))
+
+    def _tensors(self, st: StepInputs):
+        dev, bs = self.device, self.block_size
+        nd = len(st.dec_tables)
         if nd:
-            width = max(len(t) for t in dec_tables)
-            padded = [t + [0] * (width - len(t)) for t in dec_tables]  # padding is masked out
+            width = max(len(t) for t in st.dec_tables)
+            padded = [t + [0] * (width - len(t)) for t in st.dec_tables]  # padding is masked out
             dec_tables_t = torch.tensor(padded, dtype=torch.long, device=dev)
-            dec_lens_t = torch.tensor(dec_lens, dtype=torch.long, device=dev)
+            dec_lens_t = torch.tensor(st.dec_lens, dtype=torch.long, device=dev)
         else:
             dec_tables_t = dec_lens_t = None
-        groups = length_groups(dec_lens, bs) if nd >= MIN_GROUPED_DECODES else None
-        meta = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), nd, dec_tables_t, dec_lens_t,
-                                      prefills, bs, groups, self.workspace, max(dec_lens, default=0))
+        groups = length_groups(st.dec_lens, bs) if nd >= MIN_GROUPED_DECODES else None
+        meta = PagedAttentionMetadata(torch.tensor(st.slots, dtype=torch.long, device=dev), nd, dec_tables_t, dec_lens_t,
+                                      st.prefills, bs, groups, self.workspace, max(st.dec_lens, default=0))
         return (
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(pos, dtype=torch.long, device=dev),
+            torch.tensor(st.ids, dtype=torch.long, device=dev),
+            torch.tensor(st.positions, dtype=torch.long, device=dev),
             meta,
-            torch.tensor(logits_idx, dtype=torch.long, device=dev),
-            sampling,
+            torch.tensor(st.logits_idx, dtype=torch.long, device=dev),
+            st.sampling,
         )
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one step; returns float32 logits on the CPU, 1 + len(spec_token_ids) rows per sampling
         sequence, in order, and those sequences."""
-        input_ids, positions, meta, logits_idx, sampling = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        st = self._step_inputs(batch)
+        if self.graphs is not None and not st.prefills and self.graphs.fits(len(st.ids), max(map(len, st.dec_tables))):
+            hidden = self.graphs.run(st.ids, st.positions, st.slots, st.dec_tables, st.dec_lens)
+            logits_idx, sampling = torch.tensor(st.logits_idx, dtype=torch.long, device=self.device), st.sampling
+        else:
+            input_ids, positions, meta, logits_idx, sampling = self._tensors(st)
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
         if not sampling:
             return torch.empty(0, self.config.vocab_size), sampling
         return self.model.compute_logits(hidden[logits_idx]).cpu(), sampling
