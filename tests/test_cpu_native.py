@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmctl import LLM, SamplingParams
-from llmctl.kernels import cpu_native
+from llmctl.kernels import cpu_bf16, cpu_native
 from llmctl.kernels.attention import decode_attention
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -120,7 +120,7 @@ def test_packed_lm_head_gives_the_same_logits(tmp_path):
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))  # builds the engine
     model = llm.runtime.model
     assert model.packed_head is not None, "the CPU float32 engine packs its vocabulary projection"
-    many = cpu_native.LINEAR_F32_ROWS_PER_THREAD * torch.get_num_threads() + 3  # beyond the native kernel's rows
+    many = cpu_native.LINEAR_ROWS_PER_THREAD * torch.get_num_threads() + 3  # beyond the native kernel's rows
     hidden = torch.randn(many, model.config.hidden_size)
     plain = hidden @ model.lm_head.weight.T
     torch.testing.assert_close(model.compute_logits(hidden), plain, rtol=1e-4, atol=1e-4)
@@ -162,7 +162,7 @@ def test_linear_threads_and_leading_dims():
     torch.testing.assert_close(cpu_native.linear(x[:, :0], w), x[:, :0] @ w.T)  # no rows
 
 
-def test_use_linear_refuses_what_it_cannot_serve():
+def test_use_linear_refuses_what_it_cannot_serve(monkeypatch):
     x, w = torch.randn(4, 64), torch.randn(32, 64)
     assert cpu_native.use_linear(x, w)
     assert not cpu_native.use_linear(x.double(), w.double())
@@ -172,9 +172,14 @@ def test_use_linear_refuses_what_it_cannot_serve():
     assert not cpu_native.use_linear(x, wg)  # training needs autograd
     with torch.no_grad():
         assert cpu_native.use_linear(x, wg)
-    many = torch.randn(cpu_native.LINEAR_F32_ROWS_PER_THREAD * torch.get_num_threads() + 1, 64)
-    assert not cpu_native.use_linear(many, w)  # float32 at many rows: the BLAS is faster
-    assert cpu_native.use_linear(many.bfloat16(), w.bfloat16())  # bf16: the BLAS fallback is slower
+    many = torch.randn(cpu_native.LINEAR_ROWS_PER_THREAD * torch.get_num_threads() + 1, 64)
+    assert not cpu_native.use_linear(many, w)  # many rows: the BLAS is faster
+    assert not cpu_native.use_linear(many.bfloat16(), w.bfloat16())  # bf16 too (widened slabs)
+    few = x.bfloat16(), w.bfloat16()
+    monkeypatch.setattr(cpu_bf16, "native_bf16", lambda: False)
+    assert cpu_native.use_linear(*few)
+    monkeypatch.setattr(cpu_bf16, "native_bf16", lambda: True)  # oneDNN's bf16 matmul is fast there
+    assert not cpu_native.use_linear(*few)
 
 
 def test_model_linear_is_native_only_where_it_should_be(monkeypatch):

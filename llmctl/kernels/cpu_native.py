@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from llmctl.kernels import cpu_bf16
+
 SOURCES = (Path(__file__).with_name("cpu_paged_attention.c"), Path(__file__).with_name("cpu_linear.c"))
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by the sources: part of the cache key
 # -ffast-math at compile time only: it lets the reductions vectorise and expf use the vector libm;
@@ -142,22 +144,26 @@ def paged_decode_attention(
 _LINEAR = (torch.float32, torch.bfloat16)
 # float32: rows per thread up to which the kernel beat F.linear (MKL) on every SmolLM2-135M and
 # Qwen2.5-0.5B decoder shape, weights cold in cache (1 thread: 1.1-2.2x at 1-16 rows, 0.8-1.0x at
-# 32-64; 2 threads: 1.3-3x up to 32 rows). bfloat16 weights: always, F.linear's bf16 path on a CPU
-# without native bf16 is a slow fallback (measured 3-4x slower at any row count).
-LINEAR_F32_ROWS_PER_THREAD = 16
+# 32-64; 2 threads: 1.3-3x up to 32 rows). bfloat16, on a CPU without native bf16 (where F.linear's
+# bf16 path is a slow fallback, 3-4x slower at any row count): up to the same count; above it
+# cpu_bf16.upcast_linear (float32 BLAS on widened slabs) measured 1.2-2.2x the kernel at 32-2048
+# rows, 1 thread. With native bf16 (AVX512-BF16, AMX) F.linear serves every bf16 row count.
+LINEAR_ROWS_PER_THREAD = 16
 
 
 def use_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` should serve x @ weight^T: inference on the CPU, a plain float32/bfloat16
-    weight (not a quantized or sparse tensor subclass) matching x's dtype, K % 8 == 0, and few
-    enough rows for float32."""
+    weight (not a quantized or sparse tensor subclass) matching x's dtype, K % 8 == 0, few rows,
+    and for bfloat16 a CPU without native bf16."""
     if x.device.type != "cpu" or weight.dtype not in _LINEAR or x.dtype != weight.dtype:
         return False
     if type(weight.data) is not torch.Tensor or weight.dim() != 2 or weight.shape[1] % 8:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False
-    if weight.dtype == torch.float32 and x.numel() > weight.shape[1] * LINEAR_F32_ROWS_PER_THREAD * torch.get_num_threads():
+    if x.numel() > weight.shape[1] * LINEAR_ROWS_PER_THREAD * torch.get_num_threads():
+        return False
+    if weight.dtype == torch.bfloat16 and cpu_bf16.native_bf16():
         return False
     return library() is not None
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmctl.kernels import cpu_native
+from llmctl.kernels import cpu_bf16, cpu_native
 from llmctl.kernels.attention import PagedAttentionMetadata, paged_attention
 from llmctl.kernels.onednn_linear import pack_weight, packed_linear
 from llmctl.models.rope import RotaryEmbedding
@@ -20,14 +20,17 @@ from llmctl.runtime.config import ModelConfig
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose CPU inference goes through the native kernel where it measured faster than
-    F.linear (few rows in float32, any rows in bfloat16: kernels/cpu_linear.c); everything else, and
-    anything with gradients, is plain F.linear. A subclass, so hooks and isinstance checks still see
-    an nn.Linear and checkpoints keep their names."""
+    """nn.Linear whose CPU inference goes where it measured faster than F.linear: few rows through
+    the native kernel (kernels/cpu_linear.c), and on CPUs without native bf16 many bf16 rows through
+    the float32 BLAS on widened weight slabs (kernels/cpu_bf16.py); everything else, and anything
+    with gradients, is plain F.linear. A subclass, so hooks and isinstance checks still see an
+    nn.Linear and checkpoints keep their names."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_native.use_linear(x, self.weight):
             return cpu_native.linear(x, self.weight, self.bias)
+        if cpu_bf16.use_upcast(x, self.weight):
+            return cpu_bf16.upcast_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
