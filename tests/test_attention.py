@@ -45,3 +45,26 @@ def test_grouped_decode_attention_equals_naive_attention():
     first = ws.get(1, kc)[0]
     torch.testing.assert_close(_decode(q, kc, vc, meta, 0.3, None), ref, rtol=1e-5, atol=1e-5)
     assert ws.get(1, kc)[0].data_ptr() == first.data_ptr()  # the buffers are reused, not reallocated
+
+
+def test_chunk_attention_after_cached_prefix_lower_right_bias_equals_explicit_mask():
+    """The CausalBias route (CUDA's flash path; materialised on the CPU) against the explicit mask,
+    and both against attention written out by hand, with grouped KV heads."""
+    from llmctl.kernels.attention import chunk_attention, write_kv
+
+    torch.manual_seed(0)
+    heads, kvh, d, prefix, tq = 6, 2, 16, 11, 5
+    kc, vc = torch.zeros(kvh, 64, d), torch.zeros(kvh, 64, d)
+    slots = torch.randperm(64)[: prefix + tq]
+    k_all, v_all = torch.randn(prefix + tq, kvh, d), torch.randn(prefix + tq, kvh, d)
+    write_kv(kc, vc, k_all, v_all, slots)
+    q = torch.randn(tq, heads, d)
+    args = (q, k_all[prefix:], v_all[prefix:], kc, vc, slots, prefix, d**-0.5)
+    explicit = chunk_attention(*args, lower_right=False)
+    bias = chunk_attention(*args, lower_right=True)
+    torch.testing.assert_close(bias, explicit)
+    for t in range(tq):  # query t sees positions 0 .. prefix + t
+        kk = k_all[: prefix + t + 1].repeat_interleave(heads // kvh, dim=1)  # [L, heads, D]
+        vv = v_all[: prefix + t + 1].repeat_interleave(heads // kvh, dim=1)
+        p = torch.softmax(torch.einsum("hd,lhd->hl", q[t], kk) * d**-0.5, dim=-1)
+        torch.testing.assert_close(explicit[t], torch.einsum("hl,lhd->hd", p, vv), rtol=1e-5, atol=1e-5)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from llmctl.kernels import cpu_native
 
@@ -101,18 +102,30 @@ def chunk_attention(
     slots: torch.Tensor,  # [>= num_computed + Tq] slot ids of the sequence's positions
     num_computed: int,
     scale: float,
+    lower_right: bool | None = None,
 ) -> torch.Tensor:
-    """Causal attention of one chunk over its cached prefix and itself; returns [Tq, heads, D]."""
+    """Causal attention of one chunk over its cached prefix and itself; returns [Tq, heads, D].
+
+    A chunk with nothing cached before it is plain causal attention (SDPA's flash backend on CUDA).
+    After a cached prefix the mask is causal aligned to the bottom right; `lower_right` (default: on
+    CUDA) says so with PyTorch's CausalBias, which SDPA dispatches to its flash kernel there, instead
+    of a materialised [Tq, total] mask that only the slower backends take."""
     tq = q.shape[0]
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, Tq, D]
     if num_computed == 0:  # nothing cached before: plain causal attention on the new K/V
         k = k_new.transpose(0, 1).unsqueeze(0)
         v = v_new.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+    total = num_computed + tq
+    k = k_cache.index_select(1, slots[:total]).unsqueeze(0)  # [1, kv_heads, total, D]
+    v = v_cache.index_select(1, slots[:total]).unsqueeze(0)
+    if q.is_cuda if lower_right is None else lower_right:
+        group = q.shape[1] // k.shape[1]
+        if group > 1:  # CausalBias's flash route takes equal head counts only
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=causal_lower_right(tq, total), scale=scale)
     else:
-        total = num_computed + tq
-        k = k_cache.index_select(1, slots[:total]).unsqueeze(0)  # [1, kv_heads, total, D]
-        v = v_cache.index_select(1, slots[:total]).unsqueeze(0)
         qpos = torch.arange(num_computed, total, device=q.device)
         mask = torch.arange(total, device=q.device)[None, :] <= qpos[:, None]  # [Tq, total]
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
