@@ -74,3 +74,24 @@ def test_captured_graphs_match_eager_on_cuda(llama):
     out, graphs = _generate(llama, "cuda", "float32", "graph", prompts, greedy, max_num_seqs=7)
     assert out == ref
     assert graphs.graphs and graphs.replays > 0
+
+
+def test_graphs_only_for_cuda_models_of_plain_weights():
+    from types import SimpleNamespace
+
+    from llmctl.engine.llm_engine import _graphs_supported
+
+    class Wrapped(torch.Tensor):  # stands in for the 2:4 SparseSemiStructuredTensor subclass
+        pass
+
+    plain = torch.nn.Linear(4, 4)
+    sparse = torch.nn.Linear(4, 4)
+    sparse.weight = torch.nn.Parameter(torch.randn(4, 4).as_subclass(Wrapped), requires_grad=False)
+    assert not _graphs_supported(SimpleNamespace(device="cpu", model=plain))
+    assert not _graphs_supported(SimpleNamespace(device="cuda", model=sparse))
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        assert not _graphs_supported(SimpleNamespace(device="cuda:0", model=plain))
+    else:
+        assert _graphs_supported(SimpleNamespace(device="cuda:0", model=plain))

@@ -7,6 +7,8 @@ callers (run-batch, profile, the Python API) feed it token ids and read `Request
 from __future__ import annotations
 
 import time
+
+import torch
 from dataclasses import dataclass
 
 from llmctl.engine.block_manager import BlockManager
@@ -35,10 +37,13 @@ def _make_proposer(cfg: EngineConfig, runtime):
     return None
 
 
-def _graphs_supported(device: str) -> bool:
-    """CUDA graphs need a CUDA device and the Triton decode kernels: the PyTorch reference pads
-    every block table to its full width, which a graph would fix at the longest possible context."""
-    if not str(device).startswith("cuda"):
+def _graphs_supported(runtime) -> bool:
+    """CUDA graphs need a CUDA device and the Triton decode kernels (the PyTorch reference pads
+    every block table to its full width, which a graph would fix at the longest possible context),
+    and plain weight tensors: 2:4 sparse weights (a tensor subclass over cuSPARSELt) stay eager."""
+    if not str(runtime.device).startswith("cuda"):
+        return False
+    if any(type(p.data) is not torch.Tensor for p in runtime.model.parameters()):
         return False
     try:
         import triton  # noqa: F401
@@ -82,7 +87,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(runtime.eos_token_ids)
         self.stats = EngineStats()
         self.proposer = _make_proposer(cfg, runtime)
-        if cfg.cuda_graphs and _graphs_supported(runtime.device):
+        if cfg.cuda_graphs and _graphs_supported(runtime):
             self.runner.enable_decode_graphs(cfg.max_num_seqs, self.capacity)
 
     @property
