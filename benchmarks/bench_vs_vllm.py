@@ -35,7 +35,7 @@ def run_vllm(python: str, folder: Path, prompts, outs, threads: int, dtype: str)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     res = subprocess.run([python, str(Path(__file__).with_name("vllm_worker.py")), f.name],
-                         capture_output=True, text=True, timeout=3600)
+                         capture_output=True, text=True, timeout=7200)
     for line in res.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])

@@ -13,6 +13,9 @@ if __name__ == "__main__":  # vLLM starts worker processes: everything under the
     threads = spec["threads"]
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_gib", 4)))
+    # One step may take longer than vLLM's default 300 s here: a 2048-token bf16 prefill of the
+    # Qwen2.5-0.5B shape on one core of a CPU without bf16 units did, and vLLM killed its engine.
+    os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "7200")
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), skip_tokenizer_init=True, max_model_len=spec["max_model_len"],
