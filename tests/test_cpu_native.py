@@ -145,20 +145,22 @@ def test_linear_matches_f_linear(dtype, m, n, k):
         torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol * 4)
 
 
-def test_linear_threads_and_leading_dims():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_threads_and_leading_dims(dtype):
     g = torch.Generator().manual_seed(3)
-    x, w = torch.randn(2, 7, 48, generator=g), torch.randn(90, 48, generator=g)
+    x, w = torch.randn(2, 7, 48, generator=g).to(dtype), torch.randn(90, 48, generator=g).to(dtype)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = cpu_native.linear(x, w)
         torch.set_num_threads(2)
-        two = cpu_native.linear(x, w)
+        two = cpu_native.linear(x, w)  # bf16: each thread widens weight rows into its own buffer
     finally:
         torch.set_num_threads(threads)
     assert one.shape == (2, 7, 90)
     assert torch.equal(one, two)  # each output element is summed by one thread, in one order
-    torch.testing.assert_close(one, x @ w.T, rtol=1e-4, atol=1e-4)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(one.float(), x.float() @ w.float().T, rtol=tol, atol=tol * 4)
     torch.testing.assert_close(cpu_native.linear(x[:, :0], w), x[:, :0] @ w.T)  # no rows
 
 
