@@ -3,10 +3,11 @@
 Owns: the rule for when such a CPU lacks bf16 units (`native_bf16`) and `upcast_linear`, which
 serves bf16 matmuls of many rows there: it widens the weight to float32 one slab of rows at a time
 (a slab stays in cache) and multiplies with the float32 BLAS. PyTorch's own bf16 matmul on these
-CPUs ran about 10 GFLOP/s at the engine's shapes, the C kernel (cpu_linear.c, which widens in
-registers) 35-40 at any row count; this path 55-85 from 32 rows up, 1 thread (benchmarks: the
-linear kernel notes in BENCHMARKS.md). Few rows stay on the C kernel, where widening a whole slab
-per call costs more than the BLAS saves.
+CPUs ran about 10 GFLOP/s at the engine's shapes; the C kernel (cpu_linear.c, which widens each
+tile of weight rows into a small float32 buffer) 37-50 at 16 rows and 55-60 at 32; this path
+55-85 from 32 rows up, rising with the row count (1 thread, Qwen2.5-0.5B and SmolLM2 shapes).
+Up to 16 rows per thread stay on the C kernel, where widening a whole slab per call costs more
+than the BLAS saves.
 """
 
 from __future__ import annotations
