@@ -51,14 +51,12 @@ def _download(repo_id: str) -> Path:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """True where oneDNN has native bf16 matmuls (AVX-512 BF16 or AMX). Without them (AVX2-only
-    CPUs) PyTorch's bf16 and fp16 matmuls run several times slower than float32 ones."""
-    import torch
+    """True where the CPU has bf16 units (AVX-512 BF16 or AMX), so oneDNN's bf16 matmuls are fast.
+    Without them PyTorch's bf16 and fp16 matmuls run several times slower than float32 ones, and
+    llmctl's own kernels take bf16 layers instead (kernels/cpu_bf16.py): one rule for both."""
+    from llmctl.kernels.cpu_bf16 import native_bf16
 
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return True  # cannot tell: keep the checkpoint's dtype
+    return native_bf16()
 
 
 def resolve_dtype(dtype: str, config: ModelConfig, device: str):
