@@ -3,6 +3,7 @@
 Owns: the KV cache tensors (sized once from the memory budget) and the per-step input building:
 packed token ids [T], positions [T], slot mapping [T], decode block tables, prefill chunks, and
 the indices of the tokens whose logits are needed (the last token of each sequence that samples).
+Decode-only steps go through `cuda_graphs.DecodeGraphs` when enabled (CUDA).
 """
 
 from __future__ import annotations
@@ -107,11 +108,8 @@ class ModelRunner:
                 st.sampling.append(seq)
         return st
 
-    def prepare(self, batch: ScheduledBatch):
-        """Returns (input_ids, positions, meta, logits_indices, sampling sequences)."""
-        return self._tensors(self._step_inputs(batch))
-
     def _tensors(self, st: StepInputs):
+        """The step's tensors: (input_ids, positions, meta, logits_indices, sampling sequences)."""
         dev, bs = self.device, self.block_size
         nd = len(st.dec_tables)
         if nd:
