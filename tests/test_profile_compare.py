@@ -121,7 +121,7 @@ def test_measure_machine_cache_respects_xdg(tmp_path, monkeypatch):
     assert machine.cache_path() == tmp_path / "xdg" / "llmctl" / "machine.json"
     assert machine.cached_peaks("cpu") is None
     peaks = machine.measure_machine("cpu", nbytes=8 * 2**20, matmul_n=128)
-    assert peaks.memory_bandwidth > 1e8 and peaks.matmul_flops_bf16 > 1e6
+    assert peaks.memory_bandwidth > 1e8 and peaks.matmul_flops_bf16 > 1e6 and peaks.matmul_flops_fp32 > 1e6
     machine.save_peaks(peaks)
     cached = machine.cached_peaks("cpu")
     assert cached == peaks and "threads=" in cached.key
@@ -143,7 +143,7 @@ def test_measure_machine_cache_respects_xdg(tmp_path, monkeypatch):
 def test_measure_machine_cli_and_estimate_uses_cached_bandwidth(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(machine, "measure_machine", lambda device: machine.MachinePeaks(
-        machine.machine_key(device), device, 5e10, 1e12, "now", {}))
+        machine.machine_key(device), device, 5e10, 1e12, 2e12, "now", {}))
     assert main(["profile", "--measure-machine", "--device", "cpu"]) == 0
     assert "50.0 GB/s" in capsys.readouterr().out
     cfg = tmp_path / "config.json"

@@ -67,7 +67,8 @@ def test_fake_engine_metrics_are_exact():
     engine = FakeEngine(prefill_s=0.5, decode_s=0.01)
     settings = sweep.SweepSettings(points=sweep.grid([1, 4], [6], [11]), repeat=3, warmup=1, vocab_size=50)
     facts = sweep.ModelFacts(weight_bytes=1000, kv_bytes_per_token=10, flops_per_token=lambda ctx: 100.0 + ctx)
-    peaks = MachinePeaks("k", "cpu", memory_bandwidth=1e6, matmul_flops_bf16=1e5, measured_at="", method={})
+    peaks = MachinePeaks("k", "cpu", memory_bandwidth=1e6, matmul_flops_bf16=1e5, matmul_flops_fp32=4e4,
+                         measured_at="", method={})
     seen = []
     records = sweep.run_sweep(engine, settings, facts, peaks, progress=lambda i, n, p: seen.append(i))
     assert seen == [0, 1, 2]
@@ -87,7 +88,12 @@ def test_fake_engine_metrics_are_exact():
         step_bytes = 1000 + b * (6 + 11 / 2) * 10
         assert rec["mbu"] == pytest.approx(step_bytes / 0.01 / 1e6)
         flops = b * (6 * (100 + 3) + 11 * (100 + 6 + 5))
-        assert rec["mfu"] == pytest.approx(flops / rec["wall_s"]["p50"] / 1e5)
+        assert rec["mfu"] == pytest.approx(flops / rec["wall_s"]["p50"] / 1e5)  # bf16 model: the larger peak
+    fp32_facts = sweep.ModelFacts(1000, 10, lambda ctx: 100.0 + ctx, dtype="fp32")
+    mbu, mfu = sweep.utilization(sweep.SweepPoint(1, 6, 11), records[0], fp32_facts, peaks)
+    assert mfu == pytest.approx(records[0]["mfu"] * 1e5 / 4e4)  # a float32 model: float32's peak
+    slow_bf16 = MachinePeaks("k", "cpu", 1e6, matmul_flops_bf16=1e3, matmul_flops_fp32=4e4, measured_at="", method={})
+    assert sweep.utilization(sweep.SweepPoint(1, 6, 11), records[0], facts, slow_bf16)[1] == pytest.approx(mfu)
     # no peaks: no utilisation figures
     rec = sweep.point_record(sweep.SweepPoint(1, 6, 11), [sweep.run_repeat(engine, sweep.SweepPoint(1, 6, 11),
                              random.Random(0), 50, "x")], (None, "unavailable"), facts, None)

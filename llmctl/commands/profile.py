@@ -81,7 +81,7 @@ def register(app: typer.Typer) -> None:
         stat: str = typer.Option("p50", "--stat", help="Statistic compared: mean, p50, p90 or p99.", rich_help_panel=COMPARE),
         dtype: str = typer.Option("auto", "--dtype", help="Sweep: auto, bfloat16, float16, float32. Estimate: bf16, fp16, fp32, int8, int4 (auto: the config's).", rich_help_panel=COMMON),
         json_path: Path = typer.Option(None, "--json", help="Write the versioned JSON record here.", rich_help_panel=COMMON, show_default=False),
-        measure_machine: bool = typer.Option(False, "--measure-machine", help="Measure this machine's memory bandwidth and bf16 matmul peak now and cache them (for MBU/MFU).", rich_help_panel=COMMON),
+        measure_machine: bool = typer.Option(False, "--measure-machine", help="Measure this machine's memory bandwidth and bf16/float32 matmul peaks now and cache them (for MBU/MFU).", rich_help_panel=COMMON),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output on stderr.", rich_help_panel=COMMON),
     ) -> None:
         targets = targets or []
@@ -145,12 +145,13 @@ def _measure(device: str, quiet: bool):
     from llmctl.profiling.machine import measure_machine, save_peaks
 
     if not quiet:
-        typer.echo(f"measuring memory bandwidth and bf16 matmul peak on {device} ...", err=True)
+        typer.echo(f"measuring memory bandwidth and bf16/float32 matmul peaks on {device} ...", err=True)
     peaks = measure_machine(device)
     path = save_peaks(peaks)
     _print_table(f"Machine peaks ({peaks.key})", [
         ("memory bandwidth", f"{peaks.memory_bandwidth / 1e9:.1f} GB/s"),
         ("bf16 matmul", f"{peaks.matmul_flops_bf16 / 1e12:.3f} TFLOP/s"),
+        ("float32 matmul", f"{peaks.matmul_flops_fp32 / 1e12:.3f} TFLOP/s"),
         ("cached in", str(path)),
     ])
     return peaks

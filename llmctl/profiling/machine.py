@@ -1,4 +1,4 @@
-"""This machine's measured peaks (memory bandwidth, bf16 matmul FLOP/s), cached per machine.
+"""This machine's measured peaks (memory bandwidth, bf16 and float32 matmul FLOP/s), cached per machine.
 
 Owns: the measurements behind `profile --measure-machine` and the cache file
 `$XDG_CACHE_HOME/llmctl/machine.json` (default `~/.cache/llmctl/machine.json`), a JSON object keyed by
@@ -18,7 +18,7 @@ from typing import Any
 
 from llmctl.profiling.environment import machine_key
 
-CACHE_SCHEMA_VERSION = 1
+CACHE_SCHEMA_VERSION = 2  # 2: float32 matmul peak added
 
 
 @dataclass(frozen=True)
@@ -27,11 +27,20 @@ class MachinePeaks:
     device: str
     memory_bandwidth: float  # bytes/s, best of read (sum) and copy (read + write bytes)
     matmul_flops_bf16: float  # FLOP/s of a square bf16 matmul, 2 n^3 per product
+    matmul_flops_fp32: float  # the same in float32
     measured_at: str
     method: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def compute_peak(self, kv_dtype: str) -> float:
+        """The matmul ceiling for a model in `kv_dtype` ("fp32", "bf16", "fp16"): float32's for
+        float32; for 16-bit dtypes the larger of the two, since a CPU without bf16 units does bf16
+        math on its float32 FMAs (llmctl's kernels do; PyTorch's bf16 matmul there is a slow path)."""
+        if kv_dtype == "fp32":
+            return self.matmul_flops_fp32
+        return max(self.matmul_flops_bf16, self.matmul_flops_fp32)
 
 
 def cache_path() -> Path:
@@ -70,12 +79,12 @@ def measure_bandwidth(device: str, nbytes: int, repeats: int = 5) -> dict[str, f
     return {"read": src.numel() * 4 / read_s, "copy": 2 * src.numel() * 4 / copy_s}
 
 
-def measure_matmul(device: str, n: int, repeats: int = 3) -> float:
-    """FLOP/s of an [n, n] x [n, n] bf16 matmul (2 n^3 FLOPs)."""
+def measure_matmul(device: str, n: int, repeats: int = 3, dtype: str = "bfloat16") -> float:
+    """FLOP/s of an [n, n] x [n, n] matmul in `dtype` (2 n^3 FLOPs)."""
     import torch
 
-    a = torch.randn(n, n, device=device).to(torch.bfloat16)
-    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+    a = torch.randn(n, n, device=device).to(getattr(torch, dtype))
+    b = torch.randn(n, n, device=device).to(getattr(torch, dtype))
     seconds = _best_time(lambda: a @ b, device, repeats)
     return 2 * n**3 / seconds
 
@@ -87,8 +96,10 @@ def measure_machine(device: str, nbytes: int | None = None, matmul_n: int | None
     matmul_n = matmul_n or (8192 if cuda else 1024)
     bw = measure_bandwidth(device, nbytes)
     flops = measure_matmul(device, matmul_n)
+    fp32 = measure_matmul(device, matmul_n, dtype="float32")
     return MachinePeaks(
         key=machine_key(device), device=device, memory_bandwidth=max(bw.values()), matmul_flops_bf16=flops,
+        matmul_flops_fp32=fp32,
         measured_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         method={"tensor_bytes": nbytes, "read_bytes_per_s": bw["read"], "copy_bytes_per_s": bw["copy"],
                 "matmul_n": matmul_n, "note": "best of repeated runs after a warm-up"},

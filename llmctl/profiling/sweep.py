@@ -47,7 +47,8 @@ FORMULAS = {
     "mbu": "(weight_bytes + batch_size x (prompt_len + gen_len / 2) x kv_bytes_per_token) / tpot_s.p50 / "
            "machine memory_bandwidth",
     "mfu": "batch_size x (prompt_len x flops_per_token(prompt_len / 2) + gen_len x flops_per_token(prompt_len + gen_len / 2)) "
-           "/ wall_s.p50 / machine matmul_flops_bf16; flops_per_token(c) = 2 x matmul weights + 4 x layers x c x q_size",
+           "/ wall_s.p50 / machine compute_peak(dtype) (float32's matmul peak for float32 models, the larger of bf16's "
+           "and float32's for 16-bit ones); flops_per_token(c) = 2 x matmul weights + 4 x layers x c x q_size",
 }
 
 
@@ -86,6 +87,7 @@ class ModelFacts:
     weight_bytes: int
     kv_bytes_per_token: int
     flops_per_token: Callable[[int], float]  # context length -> forward FLOPs of one token
+    dtype: str = "bf16"  # the model's ("fp32", "bf16", "fp16"): which matmul peak MFU divides by
 
 
 @dataclass
@@ -224,7 +226,7 @@ def utilization(point: SweepPoint, record: dict[str, Any], facts: ModelFacts | N
     if wall:
         flops = point.batch_size * (point.prompt_len * facts.flops_per_token(point.prompt_len // 2)
                                     + point.gen_len * facts.flops_per_token(point.prompt_len + point.gen_len // 2))
-        mfu = flops / wall / peaks.matmul_flops_bf16
+        mfu = flops / wall / peaks.compute_peak(facts.dtype)
     return mbu, mfu
 
 
@@ -259,4 +261,4 @@ def model_facts(model: Any, config: Any, kv_dtype: str) -> ModelFacts:
         if "rotary" not in name and id(b) not in seen:
             seen.add(id(b))
             weight_bytes += b.numel() * b.element_size()
-    return ModelFacts(weight_bytes, kv_bytes_per_token(config, kv_dtype), lambda ctx: flops_per_token(config, ctx))
+    return ModelFacts(weight_bytes, kv_bytes_per_token(config, kv_dtype), lambda ctx: flops_per_token(config, ctx), kv_dtype)
