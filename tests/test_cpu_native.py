@@ -198,3 +198,41 @@ def test_model_linear_is_native_only_where_it_should_be(monkeypatch):
     y = layer(x)  # with gradients: F.linear, and backward works
     y.sum().backward()
     assert calls == [1] and layer.weight.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 576), (7, 896), (300, 64), (2, 3, 128)])
+def test_rms_norm_matches_the_reference(dtype, shape):
+    from llmctl.models.llama import RMSNorm
+
+    g = torch.Generator().manual_seed(shape[-1])
+    norm = RMSNorm(shape[-1], 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=g))
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    ref = norm(x.clone().requires_grad_()).detach()  # with gradients: the PyTorch path
+    with torch.no_grad():
+        out = norm(x)
+        assert cpu_native.use_rms_norm(x, norm.weight)
+    assert out.shape == x.shape and out.dtype == dtype
+    if dtype == torch.bfloat16:  # normalise in float32, round, scale, round: bit for bit
+        assert torch.equal(out, ref)
+    else:  # float32: sums in another order
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_threads_and_refusals():
+    x, w = torch.randn(100, 64), torch.randn(64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_native.rms_norm(x, w, 1e-5)
+        torch.set_num_threads(2)
+        two = cpu_native.rms_norm(x, w, 1e-5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    assert not cpu_native.use_rms_norm(x.double(), w.double())
+    assert not cpu_native.use_rms_norm(x, w.bfloat16())  # dtypes differ
+    assert not cpu_native.use_rms_norm(torch.randn(4, 60), torch.randn(60))  # K % 8
+    assert not cpu_native.use_rms_norm(x, w.clone().requires_grad_())  # training needs autograd

@@ -26,7 +26,7 @@ import torch
 
 from llmctl.kernels import cpu_bf16
 
-SOURCES = (Path(__file__).with_name("cpu_paged_attention.c"), Path(__file__).with_name("cpu_linear.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_paged_attention.c", "cpu_linear.c", "cpu_norm.c"))
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by the sources: part of the cache key
 # -ffast-math at compile time only: it lets the reductions vectorise and expf use the vector libm;
 # not at link time, where it would add crtfastmath and flush denormals for the whole process.
@@ -99,6 +99,8 @@ def library() -> ctypes.CDLL | None:
     lib.linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.linear.restype = None
+    lib.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.rms_norm.restype = None
     return lib
 
 
@@ -181,3 +183,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         library().linear(xf.data_ptr(), k, w.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
                          xf.shape[0], n, k, int(w.dtype == torch.bfloat16), torch.get_num_threads())
     return out.view(*lead, n).to(x.dtype)
+
+
+def use_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rms_norm` should serve RMSNorm: inference on the CPU, x and weight both float32 or both
+    bfloat16, the last dimension a multiple of 8."""
+    if x.device.type != "cpu" or x.dtype not in _LINEAR or weight.dtype != x.dtype or x.shape[-1] % 8:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    return library() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., K] with weight [K], float32 or bfloat16 (Hugging Face's arithmetic, see
+    cpu_norm.c). Call only where `use_rms_norm(x, weight)`."""
+    k = x.shape[-1]
+    xc = x.contiguous()
+    w = weight.detach().contiguous()
+    out = torch.empty_like(xc)
+    rows = xc.numel() // k if k else 0
+    if rows:
+        library().rms_norm(xc.data_ptr(), w.data_ptr(), out.data_ptr(), rows, k, eps, int(x.dtype == torch.bfloat16),
+                           torch.get_num_threads())
+    return out

@@ -41,6 +41,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_native.use_rms_norm(x, self.weight):  # one pass in C: PyTorch takes 5+ ops, ~20 us a row
+            return cpu_native.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # the same arithmetic, fused: about 1.2-1.5x faster on the CPU
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in float32, as the reference implementation does, then scale in the model dtype.
