@@ -170,6 +170,12 @@ def test_use_linear_refuses_what_it_cannot_serve(monkeypatch):
     assert not cpu_native.use_linear(x.double(), w.double())
     assert not cpu_native.use_linear(x, w.bfloat16())  # dtypes differ
     assert not cpu_native.use_linear(torch.randn(4, 60), torch.randn(32, 60))  # K % 8
+
+    class Wrapped(torch.Tensor):  # a tensor subclass (2:4 sparse, quantized) has its own matmul
+        pass
+
+    assert not cpu_native.use_linear(x, w.as_subclass(Wrapped))
+    assert cpu_native.use_linear(x, torch.nn.Parameter(w, requires_grad=False))
     wg = w.clone().requires_grad_()
     assert not cpu_native.use_linear(x, wg)  # training needs autograd
     with torch.no_grad():

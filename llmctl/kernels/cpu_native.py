@@ -153,19 +153,23 @@ _LINEAR = (torch.float32, torch.bfloat16)
 LINEAR_ROWS_PER_THREAD = 16
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a tensor subclass (sparse, quantized) is neither
+
+
 def use_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` should serve x @ weight^T: inference on the CPU, a plain float32/bfloat16
     weight (not a quantized or sparse tensor subclass) matching x's dtype, K % 8 == 0, few rows,
-    and for bfloat16 a CPU without native bf16."""
-    if x.device.type != "cpu" or weight.dtype not in _LINEAR or x.dtype != weight.dtype:
+    and for bfloat16 a CPU without native bf16. (Called per layer per step: cheapest tests first.)"""
+    dtype = weight.dtype
+    if x.dtype is not dtype or dtype not in _LINEAR or not x.is_cpu or type(weight) not in _PLAIN:
         return False
-    if type(weight.data) is not torch.Tensor or weight.dim() != 2 or weight.shape[1] % 8:
-        return False
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if weight.dim() != 2 or weight.shape[1] % 8:
         return False
     if x.numel() > weight.shape[1] * LINEAR_ROWS_PER_THREAD * torch.get_num_threads():
         return False
-    if weight.dtype == torch.bfloat16 and cpu_bf16.native_bf16():
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    if dtype is torch.bfloat16 and cpu_bf16.native_bf16():
         return False
     return library() is not None
 
@@ -173,22 +177,31 @@ def use_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [..., K], weight [N, K] float32 or bfloat16 (contiguous), on the
     CPU; returns [..., N] in x's dtype. Call only where `use_linear(x, weight)`."""
+    # Each tensor op here costs about a microsecond and this runs ~200 times per decode step, so
+    # conversions and copies happen only where needed.
     n, k = weight.shape
-    lead = x.shape[:-1]
-    xf = x.reshape(-1, k).to(torch.float32).contiguous()
-    w = weight.detach().contiguous()
-    b = None if bias is None else bias.detach().to(torch.float32).contiguous()
-    out = torch.empty(xf.shape[0], n, dtype=torch.float32)
-    if xf.shape[0]:
-        library().linear(xf.data_ptr(), k, w.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
-                         xf.shape[0], n, k, int(w.dtype == torch.bfloat16), torch.get_num_threads())
-    return out.view(*lead, n).to(x.dtype)
+    xf = x if x.dim() == 2 else x.reshape(-1, k)
+    if xf.dtype is not torch.float32:
+        xf = xf.float()
+    if not xf.is_contiguous():
+        xf = xf.contiguous()
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    if bias is not None:
+        bias = bias.detach().float().contiguous()
+    m = xf.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        library().linear(xf.data_ptr(), k, w.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                         m, n, k, int(w.dtype is torch.bfloat16), torch.get_num_threads())
+    if x.dim() != 2:
+        out = out.view(*x.shape[:-1], n)
+    return out if x.dtype is torch.float32 else out.to(x.dtype)
 
 
 def use_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `rms_norm` should serve RMSNorm: inference on the CPU, x and weight both float32 or both
     bfloat16, the last dimension a multiple of 8."""
-    if x.device.type != "cpu" or x.dtype not in _LINEAR or weight.dtype != x.dtype or x.shape[-1] % 8:
+    if x.dtype is not weight.dtype or x.dtype not in _LINEAR or not x.is_cpu or x.shape[-1] % 8:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False
@@ -199,8 +212,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [..., K] with weight [K], float32 or bfloat16 (Hugging Face's arithmetic, see
     cpu_norm.c). Call only where `use_rms_norm(x, weight)`."""
     k = x.shape[-1]
-    xc = x.contiguous()
-    w = weight.detach().contiguous()
+    xc = x if x.is_contiguous() else x.contiguous()
+    w = weight if weight.is_contiguous() else weight.contiguous()
     out = torch.empty_like(xc)
     rows = xc.numel() // k if k else 0
     if rows:
