@@ -371,4 +371,11 @@ if "shared_prefix_prefill" in r:
     line += f"; shared-prefix prefill speedup {r['shared_prefix_prefill']['speedup']:.2f}x"
 print(line)
 EOF
+[ -f "$OUT_DIR/cuda-graphs.json" ] && "$PY" - "$OUT_DIR/cuda-graphs.json" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print("cuda graphs: " + ", ".join(f"batch {x['batch']} {x['speedup']:.2f}x ({x['eager_decode_tok_s']:.0f} -> "
+                                  f"{x['graph_decode_tok_s']:.0f} decode tok/s, same tokens: {x['same_tokens']})"
+                                  for x in r["rows"]))
+EOF
 [ "$failures" -eq 0 ]
