@@ -16,14 +16,14 @@ from tests.conftest import make_random_model
 def test_demo_model_is_the_default_and_bf16():
     from safetensors import safe_open
 
-    from llmctl.runtime.loader import cpu_has_fast_bf16
+    from llmctl.kernels.cpu_bf16 import native_bf16
 
     with safe_open(str(DEMO_MODEL_DIR / "model.safetensors"), framework="pt") as f:
         assert all(f.get_tensor(k).dtype == torch.bfloat16 for k in f.keys())  # shipped in bf16
     rt = load_runtime(None, device="cpu")
     # auto computes in bf16 where the CPU has native bf16 matmuls, in float32 where it has not
     assert rt.model_path == DEMO_MODEL_DIR
-    assert rt.dtype == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
+    assert rt.dtype == (torch.bfloat16 if native_bf16() else torch.float32)
     assert next(rt.model.parameters()).dtype == rt.dtype
     assert load_runtime(None, dtype="bfloat16", device="cpu").dtype == torch.bfloat16
     ids = rt.apply_chat_template([{"role": "user", "content": "Speak."}])

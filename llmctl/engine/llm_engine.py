@@ -7,9 +7,9 @@ callers (run-batch, profile, the Python API) feed it token ids and read `Request
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
-from dataclasses import dataclass
 
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.config import EngineConfig

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+PLAIN = (torch.Tensor, torch.nn.Parameter)  # a weight's type unless it is a subclass (sparse, quantized)
 SLAB_BYTES = 1 << 20  # float32 bytes of weight widened at a time: about the size of an L2 cache
 
 
@@ -37,7 +38,7 @@ def use_upcast(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Inference on the CPU, bf16 x and plain bf16 weight [N, K], on a CPU without native bf16."""
     if x.device.type != "cpu" or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         return False
-    if type(weight.data) is not torch.Tensor or weight.dim() != 2:
+    if type(weight) not in PLAIN or weight.dim() != 2:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False

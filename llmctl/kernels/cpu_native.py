@@ -153,15 +153,12 @@ _LINEAR = (torch.float32, torch.bfloat16)
 LINEAR_ROWS_PER_THREAD = 16
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a tensor subclass (sparse, quantized) is neither
-
-
 def use_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` should serve x @ weight^T: inference on the CPU, a plain float32/bfloat16
     weight (not a quantized or sparse tensor subclass) matching x's dtype, K % 8 == 0, few rows,
     and for bfloat16 a CPU without native bf16. (Called per layer per step: cheapest tests first.)"""
     dtype = weight.dtype
-    if x.dtype is not dtype or dtype not in _LINEAR or not x.is_cpu or type(weight) not in _PLAIN:
+    if x.dtype is not dtype or dtype not in _LINEAR or not x.is_cpu or type(weight) not in cpu_bf16.PLAIN:
         return False
     if weight.dim() != 2 or weight.shape[1] % 8:
         return False

@@ -50,24 +50,18 @@ def _download(repo_id: str) -> Path:
         ) from None
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True where the CPU has bf16 units (AVX-512 BF16 or AMX), so oneDNN's bf16 matmuls are fast.
-    Without them PyTorch's bf16 and fp16 matmuls run several times slower than float32 ones, and
-    llmctl's own kernels take bf16 layers instead (kernels/cpu_bf16.py): one rule for both."""
-    from llmctl.kernels.cpu_bf16 import native_bf16
-
-    return native_bf16()
-
-
 def resolve_dtype(dtype: str, config: ModelConfig, device: str):
     """--dtype to a torch dtype. auto: the checkpoint's dtype, except on the CPU, where half precision
-    becomes bfloat16 (fast CPU half matmuls are rare), or float32 when the CPU has no native bf16."""
+    becomes bfloat16 (fast CPU half matmuls are rare), or float32 when the CPU has no bf16 units
+    (`cpu_bf16.native_bf16`: PyTorch's bf16 matmuls there run several times slower than float32)."""
     import torch
+
+    from llmctl.kernels.cpu_bf16 import native_bf16
 
     if dtype == "auto":
         wanted = _DTYPES.get(str(config.torch_dtype or "float32").replace("torch.", ""), "float32")
         if wanted in ("float16", "bfloat16") and device == "cpu":
-            wanted = "bfloat16" if cpu_has_fast_bf16() else "float32"
+            wanted = "bfloat16" if native_bf16() else "float32"
         return getattr(torch, wanted)
     if dtype not in _DTYPES:
         raise UsageError(f"unknown --dtype {dtype!r}; use auto, bfloat16, float16 or float32")
