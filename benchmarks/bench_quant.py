@@ -91,7 +91,7 @@ def token_files() -> tuple[Path, Path, list[int]]:
 def calibration_ids(model: Path, calib: Path, stub: Path, n: int, seq_len: int) -> torch.Tensor:
     """The exact sequences `llmctl quantize --calib calib --eval-data stub` calibrates on."""
     from llmctl.compress.calib_data import load_calibration
-    from llmctl.runtime.config import ModelConfig
+    from llmctl.models.config import ModelConfig
     from llmctl.runtime.loader import read_generation_eos
 
     eos = read_generation_eos(model, ModelConfig.from_file(model / "config.json"))

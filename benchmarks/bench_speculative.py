@@ -74,9 +74,9 @@ class Engines:
             cfg = EngineConfig(speculative=method, draft_model=str(self.draft) if method == "draft" else None,
                                num_speculative_tokens=k, speculative_max_batch=None, enable_prefix_caching=False,
                                max_num_seqs=max(self.args.batch_sizes))
-            rt = load_runtime(self.args.target, dtype=self.args.dtype, device="cpu", engine_config=cfg)
-            generate(rt.engine, [[5, 6, 7, 8]], 8)  # warm-up
-            self.cache[method, k] = rt.engine
+            engine = load_runtime(self.args.target, dtype=self.args.dtype, device="cpu").start_engine(cfg)
+            generate(engine, [[5, 6, 7, 8]], 8)  # warm-up
+            self.cache[method, k] = engine
         return self.cache[method, k]
 
 

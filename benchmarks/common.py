@@ -87,7 +87,7 @@ def workload_flops(folder: Path, prompts, outs) -> float:
     attention (Q.K^T and P.V) over each token's context, and lm_head only where a token is sampled
     (one per output token), which is what an engine that skips prompt logits computes."""
     from llmctl.profiling.estimate import linear_shapes
-    from llmctl.runtime.config import ModelConfig
+    from llmctl.models.config import ModelConfig
 
     c = ModelConfig.from_file(Path(folder) / "config.json")
     per_token = 2 * c.num_layers * sum(o * i for o, i in linear_shapes(c))
@@ -103,7 +103,7 @@ def decode_bytes_per_token(folder: Path, dtype: str, context: int) -> int:
     """Bytes one batch-1 decode step must read: every weight (embeddings once: one row is read from
     the embedding table, lm_head reads it all) plus the KV cache of `context` tokens."""
     from llmctl.profiling.estimate import kv_bytes_per_token, weight_bytes
-    from llmctl.runtime.config import ModelConfig
+    from llmctl.models.config import ModelConfig
 
     c = ModelConfig.from_file(Path(folder) / "config.json")
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]

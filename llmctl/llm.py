@@ -13,11 +13,8 @@ class LLM:
     """A loaded model with its engine. Engine keywords: see `EngineConfig` (block_size, kv_cache_memory, ...)."""
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto", **engine_kwargs: Any):
-        self.runtime = load_runtime(model, dtype=dtype, device=device, engine_config=EngineConfig(**engine_kwargs))
-
-    @property
-    def engine(self):
-        return self.runtime.engine
+        self.runtime = load_runtime(model, dtype=dtype, device=device)
+        self.engine = self.runtime.start_engine(EngineConfig(**engine_kwargs))
 
     def generate(
         self,

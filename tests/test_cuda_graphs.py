@@ -77,8 +77,6 @@ def test_captured_graphs_match_eager_on_cuda(llama):
 
 
 def test_graphs_only_for_cuda_models_of_plain_weights():
-    from types import SimpleNamespace
-
     from llmctl.engine.llm_engine import _graphs_supported
 
     class Wrapped(torch.Tensor):  # stands in for the 2:4 SparseSemiStructuredTensor subclass
@@ -87,11 +85,11 @@ def test_graphs_only_for_cuda_models_of_plain_weights():
     plain = torch.nn.Linear(4, 4)
     sparse = torch.nn.Linear(4, 4)
     sparse.weight = torch.nn.Parameter(torch.randn(4, 4).as_subclass(Wrapped), requires_grad=False)
-    assert not _graphs_supported(SimpleNamespace(device="cpu", model=plain))
-    assert not _graphs_supported(SimpleNamespace(device="cuda", model=sparse))
+    assert not _graphs_supported(plain, "cpu")
+    assert not _graphs_supported(sparse, "cuda")
     try:
         import triton  # noqa: F401
     except ImportError:
-        assert not _graphs_supported(SimpleNamespace(device="cuda:0", model=plain))
+        assert not _graphs_supported(plain, "cuda:0")
     else:
-        assert _graphs_supported(SimpleNamespace(device="cuda:0", model=plain))
+        assert _graphs_supported(plain, "cuda:0")

@@ -10,7 +10,7 @@ import pytest
 from llmctl.cli import main
 from llmctl.errors import ModelLoadError, UsageError
 from llmctl.profiling import estimate as est
-from llmctl.runtime.config import ModelConfig
+from llmctl.models.config import ModelConfig
 from tests.conftest import shared_path
 
 TINY = {

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmctl.errors import ModelLoadError, RequestError
-from llmctl.runtime.config import ModelConfig
+from llmctl.models.config import ModelConfig
 from llmctl.runtime.loader import DEMO_MODEL_DIR, load_model, load_runtime, resolve_model_path
 from tests.conftest import make_random_model
 

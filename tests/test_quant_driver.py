@@ -10,7 +10,7 @@ from llmctl.compress.driver import SUBLAYER_GROUPS, calibrate_layers, make_ignor
 from llmctl.compress.quant.layer_methods import AwqMethod, LinearRecord, gptq_method, rtn_method
 from llmctl.compress.quant.spec import QuantSpec
 from llmctl.models.llama import LlamaForCausalLM
-from llmctl.runtime.config import ModelConfig
+from llmctl.models.config import ModelConfig
 
 
 def tiny_model(kv_heads=2, seed=0, hidden=64, ffn=96):

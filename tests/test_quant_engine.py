@@ -70,7 +70,7 @@ def tiny_dir(tmp_path_factory):
     from safetensors.torch import save_file
 
     from llmctl.models.llama import LlamaForCausalLM
-    from llmctl.runtime.config import ModelConfig
+    from llmctl.models.config import ModelConfig
 
     d = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)

@@ -25,10 +25,10 @@ def reference():
     from llmctl.engine.params import SamplingParams
     from llmctl.runtime.loader import load_runtime
 
-    rt = load_runtime(None, dtype="float32", device="cpu", engine_config=EngineConfig(kv_cache_memory=16 << 20))
+    rt = load_runtime(None, dtype="float32", device="cpu")
     prompts = {"romeo": rt.encode("ROMEO:"), "juliet": rt.encode("JULIET:"),
                "chat": rt.apply_chat_template([{"role": "user", "content": "Who art thou?"}])}
-    engine, got = rt.engine, {}
+    engine, got = rt.start_engine(EngineConfig(kv_cache_memory=16 << 20)), {}
     for name, ids in prompts.items():
         engine.add_request(name, ids, SamplingParams(max_tokens=4 if name != "juliet" else 2, temperature=0.0))
     while engine.has_unfinished_requests():
@@ -85,7 +85,18 @@ def test_interrupted_real_run_resumes_to_the_same_bytes(tmp_path, monkeypatch):
 
     def load_and_interrupt(*a, **k):  # the real engine, stopped by a Ctrl-C at its 3rd step
         runtime = load(*a, **k)
-        engine, step, calls = runtime.engine, runtime.engine.step, []
+        start = runtime.start_engine
+
+        def start_interrupted(cfg):
+            engine = start(cfg)
+            monkeypatch.setattr(engine, "step", interrupting(engine.step))
+            return engine
+
+        monkeypatch.setattr(runtime, "start_engine", start_interrupted)
+        return runtime
+
+    def interrupting(step):
+        calls = []
 
         def interrupting_step():
             calls.append(1)
@@ -93,8 +104,7 @@ def test_interrupted_real_run_resumes_to_the_same_bytes(tmp_path, monkeypatch):
                 raise KeyboardInterrupt
             return step()
 
-        monkeypatch.setattr(engine, "step", interrupting_step)
-        return runtime
+        return interrupting_step
 
     monkeypatch.setattr(rb, "_load_runtime", load_and_interrupt)
     assert main(["run-batch", str(inp), "-o", str(out), "--max-in-flight", "2", *ENGINE_ARGS]) == 130

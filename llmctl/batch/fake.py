@@ -32,8 +32,8 @@ class FakeRuntime:
     def __init__(self, engine: "FakeEngine | None" = None):
         self._engine = engine
 
-    @property
-    def engine(self) -> "FakeEngine":
+    def start_engine(self, engine_config=None) -> "FakeEngine":
+        """The engine given at construction (a default FakeEngine without one); settings ignored."""
         if self._engine is None:
             self._engine = FakeEngine()
         return self._engine

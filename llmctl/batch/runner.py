@@ -177,8 +177,8 @@ def _load_and_drive(opts, source, out: Path | None, state: JobState, sink, defau
     from llmctl.engine.config import EngineConfig, format_bytes
 
     engine_config = EngineConfig(**opts.engine)
-    runtime = load_runtime(opts.model, dtype=opts.dtype, device=opts.device, engine_config=engine_config)
-    engine = runtime.engine
+    runtime = load_runtime(opts.model, dtype=opts.dtype, device=opts.device)
+    engine = runtime.start_engine(engine_config)
     kv = getattr(engine, "kv_cache_bytes", None)
     if kv is not None:
         blocks, bs = getattr(engine, "num_kv_blocks", None), engine_config.block_size

@@ -279,8 +279,8 @@ def _run_sweep(target: str | None, *, batch_sizes: list[int], prompt_lens: list[
         raise UsageError(f"prompt + generation length {longest} exceeds the model's context "
                          f"({runtime.config.max_position_embeddings} tokens)")
     kv_dtype = {torch.float32: "fp32", torch.float16: "fp16"}.get(runtime.dtype, "bf16")
-    runtime.engine_config = _engine_config(runtime.config, kv_dtype, max(batch_sizes), longest, kv_cache_memory, seed)
-    engine = runtime.engine
+    engine = runtime.start_engine(
+        _engine_config(runtime.config, kv_dtype, max(batch_sizes), longest, kv_cache_memory, seed))
     dtype_name = str(runtime.dtype).replace("torch.", "")
     peaks = cached_peaks(device)
     settings = SweepSettings(points=grid(batch_sizes, prompt_lens, gen_lens), repeat=repeat, warmup=warmup, seed=seed,

@@ -122,11 +122,11 @@ class RichUI:
         self.console.print(t)
 
 
-def _load_runtime(model, dtype="auto", device="auto", engine_config=None):
+def _load_runtime(model, dtype="auto", device="auto"):
     """Indirection so tests can serve a fake engine through the real command."""
     from llmctl.runtime.loader import load_runtime
 
-    return load_runtime(model, dtype=dtype, device=device, engine_config=engine_config)
+    return load_runtime(model, dtype=dtype, device=device)
 
 
 def _sigterm_as_interrupt():

@@ -8,42 +8,30 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.config import EngineConfig
+from llmctl.engine.detokenizer import Detokenize, first_stop
 from llmctl.engine.model_runner import ModelRunner
 from llmctl.engine.params import RequestOutput, SamplingParams
 from llmctl.engine.sampler import Sampler
 from llmctl.engine.scheduler import Scheduler
 from llmctl.engine.sequence import Sequence
-from llmctl.engine.spec_decode import DraftModelProposer, NgramProposer, verify
+from llmctl.engine.spec_decode import verify
 from llmctl.errors import RequestError, UsageError
+from llmctl.models.config import ModelConfig
 
 
-def _make_proposer(cfg: EngineConfig, runtime):
-    if cfg.speculative == "ngram":
-        return NgramProposer()
-    if cfg.speculative == "draft":
-        from pathlib import Path
-
-        from llmctl.runtime.loader import load_model, resolve_model_path
-
-        draft, dcfg = load_model(Path(resolve_model_path(cfg.draft_model)), str(runtime.dtype).replace("torch.", ""), runtime.device)
-        if dcfg.vocab_size != runtime.config.vocab_size:
-            raise UsageError(f"the draft model's vocabulary ({dcfg.vocab_size}) differs from the target's ({runtime.config.vocab_size})")
-        return DraftModelProposer(draft, runtime.device)
-    return None
-
-
-def _graphs_supported(runtime) -> bool:
+def _graphs_supported(model, device: str) -> bool:
     """CUDA graphs need a CUDA device and the Triton decode kernels (the PyTorch reference pads
     every block table to its full width, which a graph would fix at the longest possible context),
     and plain weight tensors: 2:4 sparse weights (a tensor subclass over cuSPARSELt) stay eager."""
-    if not str(runtime.device).startswith("cuda"):
+    if not str(device).startswith("cuda"):
         return False
-    if any(type(p.data) is not torch.Tensor for p in runtime.model.parameters()):
+    if any(type(p.data) is not torch.Tensor for p in model.parameters()):
         return False
     try:
         import triton  # noqa: F401
@@ -70,24 +58,34 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, runtime, engine_config: EngineConfig | None = None):
+    """The engine over a loaded model. It loads nothing: whoever builds it passes the model and its
+    config, the EOS ids, a detokenize callable (token ids -> text; stop strings and output text need
+    it) and, for speculative decoding, a proposer (spec_decode.NgramProposer/DraftModelProposer)."""
+
+    def __init__(self, model, model_config: ModelConfig, engine_config: EngineConfig | None = None, *,
+                 eos_token_ids: Iterable[int] = (), detokenize: Detokenize | None = None,
+                 proposer=None, device: str | None = None, dtype: torch.dtype | None = None):
         cfg = engine_config or EngineConfig()
-        self.runtime = runtime
-        self.engine_config = cfg
-        self.runner = ModelRunner(runtime.model, runtime.config, cfg, runtime.device, runtime.dtype)
+        weight = next(model.parameters())
+        device = str(device or weight.device)
+        self.model_config, self.engine_config = model_config, cfg
+        self.runner = ModelRunner(model, model_config, cfg, device, dtype or weight.dtype)
         if self.runner.num_blocks < 1:
             raise UsageError(
-                f"--kv-cache-memory is smaller than one KV block ({self.runner.bytes_per_block} bytes at block size {cfg.block_size})"
+                f"--kv-cache-memory is smaller than one KV block ({self.runner.bytes_per_block} bytes "
+                f"at block size {cfg.block_size})"
             )
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.sampler = Sampler(cfg.seed)
-        self.max_model_len = min(cfg.max_model_len or runtime.config.max_position_embeddings, runtime.config.max_position_embeddings)
+        model_len = model_config.max_position_embeddings
+        self.max_model_len = min(cfg.max_model_len or model_len, model_len)
         self.capacity = min(self.max_model_len, self.runner.num_blocks * cfg.block_size)
-        self.eos_token_ids = frozenset(runtime.eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.detokenize: Detokenize = detokenize or (lambda ids: "")
         self.stats = EngineStats()
-        self.proposer = _make_proposer(cfg, runtime)
-        if cfg.cuda_graphs and _graphs_supported(runtime):
+        self.proposer = proposer
+        if cfg.cuda_graphs and _graphs_supported(model, device):
             self.runner.enable_decode_graphs(cfg.max_num_seqs, self.capacity)
 
     @property
@@ -100,7 +98,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises RequestError when it can never be served."""
-        vocab = self.runtime.config.vocab_size
+        vocab = self.model_config.vocab_size
         if not prompt_token_ids:
             raise RequestError("empty_prompt", "the prompt has no tokens")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt_token_ids):
@@ -214,19 +212,19 @@ class LLMEngine:
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
         if p.stop:
-            text = self.runtime.decode(seq.output_token_ids)
-            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
-            if hits:
-                seq.stop_text_end = min(hits)
+            since = seq.text.update(self.detokenize, seq.output_token_ids)
+            if first_stop(seq.text.text, p.stop, since) is not None:
+                seq.stopped_on_text = True
                 return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= seq.max_len:
             return "length"
         return None
 
     def _output(self, seq: Sequence, now: float) -> RequestOutput:
-        text = self.runtime.decode(seq.output_token_ids)
-        if seq.stop_text_end is not None:
-            text = text[: seq.stop_text_end]
+        text = self.detokenize(seq.output_token_ids)  # once per request; stops were found incrementally
+        if seq.stopped_on_text:
+            end = first_stop(text, seq.params.stop)
+            text = text if end is None else text[:end]
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],

@@ -17,7 +17,7 @@ from llmctl.engine.cuda_graphs import DecodeGraphs, graph_sizes
 from llmctl.engine.scheduler import ScheduledBatch
 from llmctl.engine.sequence import Sequence
 from llmctl.kernels.attention import GatherWorkspace, PagedAttentionMetadata, PrefillChunk, length_groups
-from llmctl.runtime.config import ModelConfig
+from llmctl.models.config import ModelConfig
 
 
 MIN_GROUPED_DECODES = 8  # below this, one padded decode-attention call costs less than several

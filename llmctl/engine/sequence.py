@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 
+from llmctl.engine.detokenizer import IncrementalText
 from llmctl.engine.params import SamplingParams
 
 
@@ -21,7 +22,7 @@ class Status(enum.Enum):
 class Sequence:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_table",
                  "block_hashes", "params", "status", "max_len", "arrival_time", "first_token_time",
-                 "finish_reason", "stop_text_end", "generator", "num_preemptions", "spec_token_ids")
+                 "finish_reason", "text", "stopped_on_text", "generator", "num_preemptions", "spec_token_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_len: int):
         self.request_id = request_id
@@ -36,7 +37,8 @@ class Sequence:
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_reason: str | None = None
-        self.stop_text_end: int | None = None  # where a matched stop string starts in the text
+        self.text = IncrementalText()  # output text so far, kept only when stop strings are set
+        self.stopped_on_text = False  # finished because a stop string appeared
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step, not yet verified

@@ -16,7 +16,7 @@ from llmctl.kernels import cpu_bf16, cpu_native
 from llmctl.kernels.attention import PagedAttentionMetadata, paged_attention
 from llmctl.kernels.onednn_linear import pack_weight, packed_linear
 from llmctl.models.rope import RotaryEmbedding
-from llmctl.runtime.config import ModelConfig
+from llmctl.models.config import ModelConfig
 
 
 class Linear(nn.Linear):

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from llmctl.runtime.config import ModelConfig
+from llmctl.models.config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:

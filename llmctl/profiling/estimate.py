@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from llmctl.errors import ModelLoadError, UsageError
-from llmctl.runtime.config import ModelConfig
+from llmctl.models.config import ModelConfig
 
 # Weight storage formats and their bits per element.
 WEIGHT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "int4": 4}

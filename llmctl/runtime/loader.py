@@ -1,19 +1,19 @@
 """Loading a model: resolve a folder or hub id, read config/tokenizer/generation config, map weights.
 
 Owns: `resolve_model_path`, `load_model` (safetensors only, memory-mapped, never pickle) and
-`load_runtime`, which bundles model, tokenizer and a lazily created engine into a `Runtime`.
+`load_runtime`, which bundles model and tokenizer into a `Runtime` that starts engines over them.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llmctl.errors import ModelLoadError, RequestError, UsageError
-from llmctl.runtime.config import ModelConfig
+from llmctl.models.config import ModelConfig
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "demo-model"
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -197,7 +197,7 @@ def load_tokenizer(path: Path):
 
 @dataclass
 class Runtime:
-    """A loaded model with its tokenizer, ready to serve; the engine is created on first use."""
+    """A loaded model with its tokenizer, ready to serve through `start_engine`."""
 
     model: Any
     config: ModelConfig
@@ -206,16 +206,30 @@ class Runtime:
     dtype: Any
     device: str
     eos_token_ids: tuple[int, ...]
-    engine_config: Any = None
-    _engine: Any = field(default=None, repr=False)
 
-    @property
-    def engine(self):
-        if self._engine is None:
-            from llmctl.engine.llm_engine import LLMEngine
+    def start_engine(self, engine_config=None):
+        """A new engine over this model (`EngineConfig` settings); loads the draft model first when
+        `speculative == "draft"`."""
+        from llmctl.engine.llm_engine import LLMEngine
 
-            self._engine = LLMEngine(self, self.engine_config)
-        return self._engine
+        return LLMEngine(self.model, self.config, engine_config, eos_token_ids=self.eos_token_ids,
+                         detokenize=self.decode, proposer=self._proposer(engine_config),
+                         device=self.device, dtype=self.dtype)
+
+    def _proposer(self, engine_config):
+        from llmctl.engine.spec_decode import DraftModelProposer, NgramProposer
+
+        mode = getattr(engine_config, "speculative", None)
+        if mode == "ngram":
+            return NgramProposer()
+        if mode != "draft":
+            return None
+        dtype = str(self.dtype).replace("torch.", "")
+        draft, dcfg = load_model(resolve_model_path(engine_config.draft_model), dtype, self.device)
+        if dcfg.vocab_size != self.config.vocab_size:
+            raise UsageError(f"the draft model's vocabulary ({dcfg.vocab_size}) differs from the "
+                             f"target's ({self.config.vocab_size})")
+        return DraftModelProposer(draft, self.device)
 
     @property
     def model_name(self) -> str:
@@ -257,7 +271,7 @@ def validate_messages(messages: Any) -> None:
             raise RequestError("invalid_type", f"messages[{i}].content must be a string")
 
 
-def load_runtime(model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto", engine_config=None) -> Runtime:
+def load_runtime(model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto") -> Runtime:
     """Load everything needed to serve `model` (None: the embedded demo model)."""
     import torch
 
@@ -273,5 +287,4 @@ def load_runtime(model: str | os.PathLike | None = None, dtype: str = "auto", de
         dtype=dtype_t if isinstance(dtype_t, torch.dtype) else torch.float32,
         device=device,
         eos_token_ids=read_generation_eos(path, config),
-        engine_config=engine_config,
     )

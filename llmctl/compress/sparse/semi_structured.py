@@ -146,7 +146,7 @@ def _bench_model(config_path: str, batch: int, seq_len: int, dtype: torch.dtype,
     from llmctl.compress.sparse.masks import parse_pattern
     from llmctl.compress.sparse.pipeline import SparsifySettings, sparsify_model
     from llmctl.models.llama import LlamaForCausalLM
-    from llmctl.runtime.config import ModelConfig
+    from llmctl.models.config import ModelConfig
 
     config = ModelConfig.from_file(config_path)
     torch.manual_seed(0)
