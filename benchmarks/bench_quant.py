@@ -76,7 +76,7 @@ def choose_group(folder: Path, wanted: int) -> tuple[int, str | None]:
 
 def token_files() -> tuple[Path, Path, list[int]]:
     """(calibration JSONL = first 90% of the text's tokens, 4-token stub JSONL, held-out last 10%)."""
-    from llmctl.runtime.loader import load_tokenizer
+    from llmctl.runtime.tokenizer import load_tokenizer
 
     ids = list(load_tokenizer(TS_MODEL).encode(TEXT.read_text()))
     cut = int(len(ids) * 0.9)
@@ -92,7 +92,7 @@ def calibration_ids(model: Path, calib: Path, stub: Path, n: int, seq_len: int) 
     """The exact sequences `llmctl quantize --calib calib --eval-data stub` calibrates on."""
     from llmctl.compress.calib_data import load_calibration
     from llmctl.models.config import ModelConfig
-    from llmctl.runtime.loader import read_generation_eos
+    from llmctl.runtime.tokenizer import read_generation_eos
 
     eos = read_generation_eos(model, ModelConfig.from_file(model / "config.json"))
     return load_calibration(calib, None, num_samples=n, seq_len=seq_len, eval_data=stub,

@@ -32,7 +32,8 @@ from make_draft import TARGET, TEXT, ensure_draft
 
 from llmctl.engine.config import AUTO_SPEC_MAX_BATCH, EngineConfig
 from llmctl.engine.params import SamplingParams
-from llmctl.runtime.loader import load_model, load_runtime
+from llmctl.runtime.loader import load_runtime
+from llmctl.runtime.weights import load_model
 
 
 def ints(text: str) -> list[int]:

@@ -8,7 +8,8 @@ import pytest
 from llmctl.engine.detokenizer import IncrementalText, first_stop
 from llmctl.engine.params import SamplingParams
 from llmctl.llm import LLM
-from llmctl.runtime.loader import DEMO_MODEL_DIR, load_tokenizer
+from llmctl.runtime.resolve import DEMO_MODEL_DIR
+from llmctl.runtime.tokenizer import load_tokenizer
 
 
 def byte_decode(ids):

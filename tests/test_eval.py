@@ -111,7 +111,7 @@ def _hf_strided_perplexity(hf_model, ids: torch.Tensor, seq_len: int, stride: in
 def test_matches_transformers_on_tinyshakespeare(shakespeare_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmctl.runtime.loader import load_model
+    from llmctl.runtime.weights import load_model
     from tests.conftest import shared_path
 
     text = shared_path("data/tinyshakespeare.txt").read_text()[-1500:]  # held-out tail

@@ -9,7 +9,9 @@ import torch
 
 from llmctl.errors import ModelLoadError, RequestError
 from llmctl.models.config import ModelConfig
-from llmctl.runtime.loader import DEMO_MODEL_DIR, load_model, load_runtime, resolve_model_path
+from llmctl.runtime.loader import load_runtime
+from llmctl.runtime.resolve import DEMO_MODEL_DIR, resolve_model_path
+from llmctl.runtime.weights import load_model
 from tests.conftest import make_random_model
 
 

@@ -32,7 +32,8 @@ def perplexities():
     from llmctl.compress.quant.layer_methods import AwqMethod, gptq_method, rtn_method
     from llmctl.compress.quant.spec import QuantSpec
     from llmctl.runtime.evaluate import perplexity
-    from llmctl.runtime.loader import load_model, load_tokenizer
+    from llmctl.runtime.tokenizer import load_tokenizer
+    from llmctl.runtime.weights import load_model
 
     model, _ = load_model(MODEL, "float32", "cpu")
     tok = load_tokenizer(MODEL)

@@ -15,7 +15,7 @@ from llmctl.compress.formats import read_quantized
 from llmctl.compress.formats.common import UnpackedLinear
 from llmctl.compress.qlinear import QuantLinear
 from llmctl.errors import UsageError
-from llmctl.runtime.loader import load_model
+from llmctl.runtime.weights import load_model
 
 
 def _unpacked(out_f, in_f, bits=4, gs=32, seed=0):
@@ -182,7 +182,7 @@ def test_calibration_readers_and_default(tmp_path):
 def test_built_in_calibration_warning_only_where_data_is_calibrated_on(tmp_path):
     """Without --calib the built-in text is used; RTN reads only weights, so only GPTQ gets the warning."""
     from llmctl.compress.calib_data import DEFAULT_WARNING
-    from llmctl.runtime.loader import resolve_model_path
+    from llmctl.runtime.resolve import resolve_model_path
 
     DEMO = resolve_model_path(None)  # the embedded demo model (it has a tokenizer for the built-in text)
 
@@ -196,3 +196,25 @@ def test_built_in_calibration_warning_only_where_data_is_calibrated_on(tmp_path)
         warnings[method] = r["warnings"]
         assert r["perplexity_before"] > 1 and "windows of 256" in r["perplexity_method"]
     assert DEFAULT_WARNING not in warnings["--rtn"] and DEFAULT_WARNING in warnings["--gptq"]
+
+
+def test_quantized_checkpoint_is_read_through_its_safetensors_index(tiny_dir, tmp_path):
+    """One weight path for dense and quantized folders: shards named by the index, nothing else
+    (a stale *.safetensors beside them is not read)."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "q"
+    assert _quantize(tiny_dir, out, "--rtn", "--format", "gptq")[0] == 0
+    single, _ = load_model(out, "float32", "cpu")
+    tensors = load_file(str(out / "model.safetensors"))
+    (out / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(out / file))
+    weight_map = {n: file for file, part in shards.items() for n in part}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    save_file({"stale.weight": torch.zeros(2)}, str(out / "stale.safetensors"))
+    sharded, _ = load_model(out, "float32", "cpu")
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(sharded.forward_dense(ids), single.forward_dense(ids), rtol=0, atol=0)

@@ -118,7 +118,7 @@ def test_interrupted_real_run_resumes_to_the_same_bytes(tmp_path, monkeypatch):
 @pytest.mark.parametrize("spec", [["--speculative", "ngram"], ["--speculative", "auto", "--speculative-max-batch", "3"],
                                   ["--draft", "DEMO"]])
 def test_speculative_run_batch_gives_the_plain_greedy_rows_and_reports_acceptance(tmp_path, spec):
-    from llmctl.runtime.loader import resolve_model_path
+    from llmctl.runtime.resolve import resolve_model_path
 
     spec = [resolve_model_path(None) if a == "DEMO" else a for a in spec]  # the model as its own draft
     inp = tmp_path / "in.jsonl"

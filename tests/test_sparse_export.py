@@ -11,7 +11,7 @@ from llmctl.compress.sparse.export import save_dense_model, sparsity_config
 from llmctl.compress.sparse.masks import parse_pattern, satisfies_nm
 from llmctl.compress.sparse.pipeline import SparsifySettings, sparsify_model, target_linears
 from llmctl.compress.sparse.semi_structured import accelerate_2of4, semi_structured_support, shape_supported
-from llmctl.runtime.loader import load_model
+from llmctl.runtime.weights import load_model
 from tests.conftest import make_random_model
 
 

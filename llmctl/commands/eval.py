@@ -66,7 +66,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from llmctl.profiling.environment import environment
         from llmctl.runtime.evaluate import METHOD, perplexity
-        from llmctl.runtime.loader import load_model, load_runtime, resolve_model_path
+        from llmctl.runtime.loader import load_runtime
+        from llmctl.runtime.resolve import resolve_model_path
+        from llmctl.runtime.weights import load_model
 
         text = read_text(data)
         runtime = load_runtime(model, dtype=dtype, device=device)

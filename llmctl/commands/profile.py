@@ -49,7 +49,7 @@ def _int_list(text: str, option: str) -> list[int]:
 
 
 def _resolve_device(device: str) -> str:
-    from llmctl.runtime.loader import resolve_device
+    from llmctl.runtime.resolve import resolve_device
 
     return resolve_device(device)
 

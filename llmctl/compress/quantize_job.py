@@ -195,7 +195,8 @@ def run_quantize(
     from llmctl.compress.calib_data import DEFAULT_WARNING, load_calibration
     from llmctl.compress.driver import calibrate_layers, make_ignore
     from llmctl.compress.quant.spec import QuantSpec
-    from llmctl.runtime.loader import load_runtime, resolve_device, resolve_dtype
+    from llmctl.runtime.loader import load_runtime
+    from llmctl.runtime.resolve import resolve_device, resolve_dtype
 
     args.resolve()
     t0 = time.perf_counter()

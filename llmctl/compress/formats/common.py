@@ -14,6 +14,7 @@ import torch
 
 from llmctl.compress.quant.spec import QuantResult, QuantSpec, dequantize
 from llmctl.errors import ModelLoadError, UsageError
+from llmctl.runtime.weights import read_tensors
 
 FORMATS = ("compressed-tensors", "awq", "gptq")
 
@@ -109,19 +110,6 @@ def detect_format(quant_config: dict) -> str:
     raise ModelLoadError(f"unsupported quantization_config quant_method {method!r}; supported: {', '.join(FORMATS)}")
 
 
-def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the safetensors files in folder `path`."""
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{path}: no .safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
-    return tensors
-
-
 def read_quantized(path: str | Path) -> tuple[dict, dict[str, UnpackedLinear], dict[str, torch.Tensor]]:
     """Read a quantized folder: (quantization_config, module name -> UnpackedLinear, dense tensors)."""
     path = Path(path)
@@ -130,7 +118,7 @@ def read_quantized(path: str | Path) -> tuple[dict, dict[str, UnpackedLinear], d
     if not qcfg:
         raise ModelLoadError(f"{path}: config.json has no quantization_config")
     fmt = detect_format(qcfg)
-    tensors = load_tensors(path)
+    tensors = read_tensors(path)  # through the safetensors index when there is one
     if fmt == "compressed-tensors":
         from llmctl.compress.formats.ct import unpack_ct as unpack
     elif fmt == "awq":

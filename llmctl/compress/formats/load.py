@@ -14,6 +14,7 @@ import torch
 from llmctl.compress.formats.common import read_quantized
 from llmctl.compress.qlinear import QuantLinear
 from llmctl.errors import ModelLoadError
+from llmctl.runtime.weights import assign_dense
 
 
 def load_quantized(model, path: Path, config, quant: dict, dtype: torch.dtype, device: str):
@@ -33,23 +34,6 @@ def load_quantized(model, path: Path, config, quant: dict, dtype: torch.dtype, d
             )
         setattr(model.get_submodule(parent_name), child, QuantLinear.from_unpacked(u, dtype, device))
     # QuantLinear biases come with the quantized layer; everything else must be in `dense`
-    params = {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[0] not in linears}
-    loaded = {}
-    for name, t in dense.items():
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
-        if name not in params:
-            raise ModelLoadError(f"{path.name}: unexpected tensor {name!r}")
-        if tuple(t.shape) != tuple(params[name].shape):
-            raise ModelLoadError(f"{path.name}: {name} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}")
-        loaded[name] = t.to(device=device, dtype=dtype)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    if tied:
-        loaded.pop("lm_head.weight", None)
-    missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
-    if missing:
-        raise ModelLoadError(f"{path}: weights missing for {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    model.load_state_dict(loaded, strict=False, assign=True)
-    if tied:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    dense_triples = ((path.name, name, t) for name, t in dense.items())
+    assign_dense(model, dense_triples, config, dtype, device, path, skip_modules=frozenset(linears))
     return model

@@ -139,7 +139,8 @@ def run_sparsify(
     progress(done, total) follows decoder layers (linears for magnitude); warn(msg) gets warnings."""
     from llmctl.compress.sparse.export import save_dense_model, sparsity_config
     from llmctl.compress.sparse.pipeline import SparsifySettings, sparsify_model, target_linears
-    from llmctl.runtime.loader import load_runtime, resolve_device
+    from llmctl.runtime.loader import load_runtime
+    from llmctl.runtime.resolve import resolve_device
 
     args.resolve()
     t0 = time.perf_counter()

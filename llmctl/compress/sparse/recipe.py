@@ -159,9 +159,9 @@ def write_recipe(path: Path, args: SparsifyArgs, qargs: Any | None) -> None:
 
 def _pruned_masks(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
     """name -> bool mask (True = zero) of each pruned linear in a dense safetensors folder."""
-    from llmctl.compress.formats.common import load_tensors
+    from llmctl.runtime.weights import read_tensors
 
-    tensors = load_tensors(folder)
+    tensors = read_tensors(folder)
     return {n: tensors[f"{n}.weight"] == 0 for n in names}
 
 

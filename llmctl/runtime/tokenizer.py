@@ -1,0 +1,85 @@
+"""The text side of a model: its tokenizer, chat template and end-of-sequence ids.
+
+Owns: `load_tokenizer`, `read_generation_eos`, and `TextCodec` (text <-> token ids and chat
+messages -> prompt ids, with a one-line RequestError where the model cannot serve the request).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from llmctl.errors import ModelLoadError, RequestError
+from llmctl.models.config import ModelConfig
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def read_generation_eos(path: Path, config: ModelConfig) -> tuple[int, ...]:
+    """EOS ids from generation_config.json, falling back to config.json."""
+    ids = list(config.eos_token_ids)
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            eos = [eos]
+        if eos:
+            ids = list(eos)
+    return tuple(dict.fromkeys(ids))
+
+
+def load_tokenizer(path: Path):
+    """The model's tokenizer, or None when the folder has none (token-id prompts only)."""
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+
+
+def validate_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("invalid_type", "messages must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise RequestError("invalid_type", f"messages[{i}] must be an object with role and content")
+        if m["role"] not in CHAT_ROLES:
+            raise RequestError("invalid_role", f"messages[{i}] has unknown role {m['role']!r}; known: {', '.join(CHAT_ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise RequestError("invalid_type", f"messages[{i}].content must be a string")
+
+
+class TextCodec:
+    """Token ids <-> text through the model's tokenizer (None: token-id prompts only)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def _need(self, what: str):
+        if self.tokenizer is None:
+            raise RequestError("no_tokenizer",
+                               f"this model has no tokenizer; {what} needs one (use prompt_token_ids)")
+        return self.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._need("a text prompt").encode(text))
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: Any) -> list[int]:
+        tok = self._need("a chat prompt")
+        validate_messages(messages)
+        if not getattr(tok, "chat_template", None):
+            raise RequestError("no_chat_template",
+                               "this model has no chat template; send `prompt` instead of `messages`")
+        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "keys"):
+            out = out["input_ids"]
+        return list(out)
