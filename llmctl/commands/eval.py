@@ -1,6 +1,6 @@
 """`llmctl eval`: sliding-window perplexity of a model on a text file, optionally KL against a reference.
 
-The math is in llmctl.runtime.evaluate (shared with the quantize/sparsify/distill reports); this file
+The math is in llmctl.runtime.evaluate (shared with the quantize and sparsify reports); this file
 reads the data, loads the model(s) and prints a table or JSON.
 """
 

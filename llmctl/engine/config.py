@@ -24,10 +24,10 @@ def parse_bytes(text: str) -> int:
 
 DEFAULT_KV_CAP = 2 * 1024**3
 
-# `--speculative auto` speculates only while at most this many sequences run: above it the batch
-# already fills the memory-bound decode step, and verifying drafts costs more than it saves
-# Measured by benchmarks/bench_speculative.py (BENCHMARKS.md, float32, 1 thread, tinyshakespeare-5m):
-# n-gram lookup K=4 paid 1.39x alone and 1.10x at batch 2, not at batch 4 (0.98x).
+# `--speculative auto` speculates only while at most this many sequences run. Where speculation
+# pays by batch size is measured by benchmarks/bench_speculative.py (BENCHMARKS.md, "Crossover"):
+# the measured crossover is not monotonic in batch size, so this is a conservative choice to
+# revisit with that benchmark on the user's machine, not a derived constant.
 AUTO_SPEC_MAX_BATCH = 2
 
 SPECULATIVE_MODES = ("off", "ngram", "draft", "auto")

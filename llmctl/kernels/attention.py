@@ -1,6 +1,8 @@
-"""Attention over the paged KV cache: plain-PyTorch reference implementations.
+"""Attention over the paged KV cache: the dispatcher and the plain-PyTorch references.
 
-Owns: writing new K/V into cache slots and the two attention shapes the engine issues each step:
+Owns: `paged_attention`, which sends each step to the Triton kernels (CUDA), the C decode kernel
+(CPU, kernels/cpu_native.py) or the PyTorch references here; writing new K/V into cache slots; and
+the references for the two attention shapes the engine issues each step:
 a batch of single-token decodes, and one multi-token chunk (prefill, possibly after cached context).
 Cache layout per layer: [kv_heads, num_blocks * block_size, head_dim], head-major, so a gather of
 any sequence's slots is already [kv_heads, L, D]: batched matmuls read it without a transposing

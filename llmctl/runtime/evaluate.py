@@ -1,5 +1,5 @@
-"""Perplexity with a sliding window, and mean per-token KL(reference || model): reusable by eval,
-quantize, sparsify and distill reports.
+"""Perplexity with a sliding window, and mean per-token KL(reference || model): reusable by eval and
+the quantize and sparsify reports.
 
 Owns: the window plan and the scoring. Which tokens are scored (Hugging Face's strided perplexity):
 windows begin at 0, stride, 2 x stride, ...; a window covers tokens [begin, end) with
