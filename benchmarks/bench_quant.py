@@ -61,7 +61,7 @@ def llmctl_cli(args: list[str], threads: int) -> tuple[float, subprocess.Complet
 
 def choose_group(folder: Path, wanted: int) -> tuple[int, str | None]:
     """The group size llmctl quantize accepts for every linear (its own rule), nearest <= wanted."""
-    from llmctl.compress.quant.spec import working_group_sizes
+    from llmctl.runtime.formats.spec import working_group_sizes
 
     c = json.loads((folder / "config.json").read_text())
     widths = [c["hidden_size"], c["num_attention_heads"] * c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]),
@@ -114,7 +114,7 @@ def rtn_int4_folder(base: Path, group: int, stub: Path, threads: int) -> Path:
 
 
 def kernel_usage(model) -> dict:
-    from llmctl.compress.qlinear import QuantLinear, _int4_block_rows
+    from llmctl.models.qlinear import QuantLinear, _int4_block_rows
 
     per: dict[str, list[int]] = {}  # projection name -> [linears on the int4 kernel, quantized linears]
     for name, m in model.named_modules():
@@ -130,7 +130,7 @@ def kernel_usage(model) -> dict:
 def weight_bytes_per_decode_step(model) -> int:
     """Bytes of weights one decode step reads: every linear (packed or dense) and lm_head; norms;
     one embedding row (negligible, not counted)."""
-    from llmctl.compress.qlinear import QuantLinear
+    from llmctl.models.qlinear import QuantLinear
 
     seen, total = set(), 0
     for name, m in model.named_modules():

@@ -285,7 +285,7 @@ step_sparse_2of4() {
     # Dense against 2:4 semi-structured matmuls (real model shapes), then a whole random Qwen2.5-0.5B
     # forward pass; the entry point prints {"skipped": why} off CUDA or below compute capability 8.0.
     local res="$OUT_DIR/sparse-2of4.jsonl"
-    "$PY" -m llmctl.compress.sparse.semi_structured "${SPARSE_ARGS[@]}" | tee "$res"
+    "$PY" benchmarks/bench_semi_structured.py "${SPARSE_ARGS[@]}" | tee "$res"
     local rc=${PIPESTATUS[0]}
     if grep -q '"skipped"' "$res"; then echo "SKIP: $(head -1 "$res")"; fi
     return "$rc"

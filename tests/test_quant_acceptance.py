@@ -30,7 +30,7 @@ def perplexities():
     from llmctl.compress.calib_data import cut_sequences
     from llmctl.compress.driver import calibrate_layers
     from llmctl.compress.quant.layer_methods import AwqMethod, gptq_method, rtn_method
-    from llmctl.compress.quant.spec import QuantSpec
+    from llmctl.runtime.formats.spec import QuantSpec
     from llmctl.runtime.evaluate import perplexity
     from llmctl.runtime.tokenizer import load_tokenizer
     from llmctl.runtime.weights import load_model

@@ -8,7 +8,7 @@ import torch
 
 from llmctl.compress.driver import SUBLAYER_GROUPS, calibrate_layers, make_ignore
 from llmctl.compress.quant.layer_methods import AwqMethod, LinearRecord, gptq_method, rtn_method
-from llmctl.compress.quant.spec import QuantSpec
+from llmctl.runtime.formats.spec import QuantSpec
 from llmctl.models.llama import LlamaForCausalLM
 from llmctl.models.config import ModelConfig
 

@@ -11,9 +11,9 @@ import torch
 
 from llmctl.cli import main
 from llmctl.compress.calib_data import cut_sequences, load_calibration, read_token_stream
-from llmctl.compress.formats import read_quantized
-from llmctl.compress.formats.common import UnpackedLinear
-from llmctl.compress.qlinear import QuantLinear
+from llmctl.runtime.formats import read_quantized
+from llmctl.runtime.formats.packing import UnpackedLinear
+from llmctl.models.qlinear import QuantLinear
 from llmctl.errors import UsageError
 from llmctl.runtime.weights import load_model
 

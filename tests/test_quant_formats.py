@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from llmctl.compress.formats import read_quantized, write_quantized
-from llmctl.compress.formats.awq import AWQ_ORDER
+from llmctl.runtime.formats import read_quantized, write_quantized
+from llmctl.runtime.formats.awq import AWQ_ORDER
 from llmctl.compress.quant.rtn import quantize_rtn
-from llmctl.compress.quant.spec import QuantSpec
+from llmctl.runtime.formats.spec import QuantSpec
 from llmctl.errors import UsageError
 
 

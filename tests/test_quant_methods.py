@@ -9,7 +9,7 @@ from llmctl.compress.hessian import HessianAccumulator, damped_cholesky_inverse
 from llmctl.compress.quant.awq import fold_into_norm, quantize_awq, scale_linear_input, search_scales
 from llmctl.compress.quant.gptq import quantize_gptq
 from llmctl.compress.quant.rtn import quantize_rtn
-from llmctl.compress.quant.spec import QuantSpec, check_group_size, dequantize
+from llmctl.runtime.formats.spec import QuantSpec, check_group_size, dequantize
 from llmctl.errors import LlmctlError, UsageError
 
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from llmctl.compress.sparse.export import save_dense_model, sparsity_config
-from llmctl.compress.sparse.masks import parse_pattern, satisfies_nm
+from llmctl.compress.sparse.masks import parse_pattern
+from llmctl.runtime.semi_structured import satisfies_nm
 from llmctl.compress.sparse.pipeline import SparsifySettings, sparsify_model, target_linears
-from llmctl.compress.sparse.semi_structured import accelerate_2of4, semi_structured_support, shape_supported
+from llmctl.runtime.semi_structured import accelerate_2of4, semi_structured_support, shape_supported
 from llmctl.runtime.weights import load_model
 from tests.conftest import make_random_model
 
@@ -81,7 +82,7 @@ def test_semi_structured_path_stays_dense_on_cpu(tmp_path):
 
 def test_semi_structured_decisions_follow_the_timer(tmp_path, monkeypatch):
     """The CUDA path's choice logic, with the device check, conversion and timing faked on the CPU."""
-    import llmctl.compress.sparse.semi_structured as ss
+    import llmctl.runtime.semi_structured as ss
 
     src = make_random_model(tmp_path / "src", "llama", hidden_size=64, intermediate_size=128)
     model, config = load_model(src, "float16", "cpu")
@@ -108,7 +109,7 @@ def test_semi_structured_decisions_follow_the_timer(tmp_path, monkeypatch):
 
 def test_loader_sends_2of4_checkpoints_through_the_semi_structured_path(tmp_path, monkeypatch):
     """load_model (so LLM and run-batch) tries the sparse path on a saved 2:4 checkpoint; dense ones skip it."""
-    import llmctl.compress.sparse.semi_structured as ss
+    import llmctl.runtime.semi_structured as ss
 
     src = make_random_model(tmp_path / "src", "llama", hidden_size=64, intermediate_size=128)
     model, config = load_model(src, "float16", "cpu")
@@ -131,13 +132,17 @@ def test_loader_sends_2of4_checkpoints_through_the_semi_structured_path(tmp_path
 
 
 def test_gpu_benchmark_entry_point_skips_without_cuda(capsys):
+    import importlib.util
     import json as _json
-
-    import llmctl.compress.sparse.semi_structured as ss
+    from pathlib import Path
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: benchmarks/gpu_check.sh runs the real benchmark")
-    assert ss._bench(["--shapes", "128x128", "--tokens", "4"]) == 0
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_semi_structured.py"
+    spec = importlib.util.spec_from_file_location("bench_semi_structured", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--shapes", "128x128", "--tokens", "4"]) == 0
     assert "skipped" in _json.loads(capsys.readouterr().out)
 
 

@@ -11,10 +11,10 @@ from llmctl.compress.sparse.masks import (
     apply_mask,
     nm_prune_mask,
     parse_pattern,
-    satisfies_nm,
     zero_fraction,
 )
 from llmctl.compress.sparse.sparsegpt import sparsegpt_prune
+from llmctl.runtime.semi_structured import satisfies_nm
 from llmctl.compress.sparse.wanda import InputNormAccumulator, input_norms_from_hessian, wanda_mask
 from llmctl.errors import UsageError
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from llmctl.compress.quant.gptq import quantize_gptq
-from llmctl.compress.quant.spec import QuantSpec
-from llmctl.compress.sparse.masks import mask_of, parse_pattern, satisfies_nm
+from llmctl.runtime.formats.spec import QuantSpec
+from llmctl.compress.sparse.masks import mask_of, parse_pattern
+from llmctl.runtime.semi_structured import satisfies_nm
 from llmctl.compress.sparse.prune import prune_linear
 
 

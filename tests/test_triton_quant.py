@@ -15,14 +15,14 @@ import textwrap
 import pytest
 import torch
 
-from llmctl.compress.qlinear import QuantLinear, _use_triton
+from llmctl.models.qlinear import QuantLinear, _use_triton
 
 SCRIPT = textwrap.dedent(
     """
     import sys
     import torch
-    import llmctl.compress.qlinear as ql
-    from llmctl.compress.formats.common import UnpackedLinear
+    import llmctl.models.qlinear as ql
+    from llmctl.runtime.formats.packing import UnpackedLinear
     from llmctl.kernels.triton_quant import quant_matmul_reference, quant_matmul_triton
 
     device, dtypes = sys.argv[1], [getattr(torch, d) for d in sys.argv[2].split(",")]

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from llmctl.compress.formats import FORMATS
+from llmctl.runtime.formats import FORMATS
 from llmctl.errors import UsageError
 from llmctl.runtime.evaluate import HELDOUT_MAX_TOKENS, HELDOUT_METHOD, heldout_perplexity
 
@@ -123,7 +123,7 @@ def _quantized_linears(model, ignored) -> list[tuple[str, int]]:
 
 def _check_shapes(linears: list[tuple[str, int]], args: QuantizeArgs, model) -> None:
     """Refuse, before any work, group sizes that do not divide a layer and formats' packing limits."""
-    from llmctl.compress.quant.spec import working_group_sizes
+    from llmctl.runtime.formats.spec import working_group_sizes
 
     bad = [(n, k) for n, k in linears if k % args.group_size]
     if bad:
@@ -156,7 +156,7 @@ def _size(path: Path) -> int:
 
 
 def _write_output(out: Path, model_path: Path, model, records: dict, spec, args: QuantizeArgs, out_dtype) -> None:
-    from llmctl.compress.formats import write_quantized
+    from llmctl.runtime.formats import write_quantized
 
     linears = {name: rec.result for name, rec in records.items()}
     dense = {
@@ -194,7 +194,7 @@ def run_quantize(
 ) -> QuantizeReport:
     from llmctl.compress.calib_data import DEFAULT_WARNING, load_calibration
     from llmctl.compress.driver import calibrate_layers, make_ignore
-    from llmctl.compress.quant.spec import QuantSpec
+    from llmctl.runtime.formats.spec import QuantSpec
     from llmctl.runtime.loader import load_runtime
     from llmctl.runtime.resolve import resolve_device, resolve_dtype
 

@@ -1,82 +1,18 @@
-"""Weights from a folder of safetensors into our model: dense checkpoints and quantized ones.
+"""Weights from a folder of safetensors into our model, dense or quantized.
 
-Owns: `weight_files` (the safetensors index when present, else every *.safetensors; pickles are
-refused), `load_model`, and `assign_dense`, the one path that copies dense tensors into a model
-built on the meta device (checked names and shapes, tied embeddings, owned aligned copies), shared
-by dense and quantized checkpoints.
+Owns: `load_model` (build the model on the meta device, then its dense weights through
+tensors.assign_dense or a quantized folder through formats/load.py; RoPE buffers; the 2:4 path
+of runtime/semi_structured.py where it is faster).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Iterable, Iterator
 
-from llmctl.errors import ModelLoadError
 from llmctl.models.config import ModelConfig
+from llmctl.runtime.formats.load import load_quantized
 from llmctl.runtime.resolve import resolve_device, resolve_dtype
-
-
-def weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [s for s in shards if not (path / s).is_file()]
-        if missing:
-            raise ModelLoadError(f"{path}: shard {missing[0]} named in the index is missing")
-        return [path / s for s in shards]
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        return files
-    if list(path.glob("*.bin")) or list(path.glob("*.pt")):
-        raise ModelLoadError(f"{path} holds only pickle checkpoints (.bin/.pt); "
-                             "llmctl loads safetensors only, never pickle")
-    raise ModelLoadError(f"{path} has no .safetensors weights")
-
-
-def iter_tensors(path: Path) -> Iterator[tuple[str, str, "torch.Tensor"]]:  # noqa: F821
-    """(file name, tensor name, tensor) for every tensor of the folder's weight files."""
-    from safetensors import safe_open
-
-    for file in weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield file.name, name, f.get_tensor(name)
-
-
-def read_tensors(path: Path) -> dict:
-    """Every tensor of the folder's weight files, by name."""
-    return {name: t for _, name, t in iter_tensors(path)}
-
-
-def assign_dense(model, tensors: Iterable[tuple[str, str, "torch.Tensor"]], config: ModelConfig,  # noqa: F821
-                 dtype, device: str, where: Path, skip_modules: frozenset[str] = frozenset()) -> None:
-    """Copy (file, name, tensor) triples into `model` (built on the meta device); every parameter
-    not under a module in `skip_modules` must be given exactly once with its shape."""
-    params = {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[0] not in skip_modules}
-    loaded = {}
-    for file, name, t in tensors:
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
-        if name not in params:
-            raise ModelLoadError(f"{file}: unexpected tensor {name!r} for a {config.model_type} model")
-        if tuple(t.shape) != tuple(params[name].shape):
-            raise ModelLoadError(f"{file}: {name} has shape {tuple(t.shape)}, "
-                                 f"expected {tuple(params[name].shape)}")
-        # Always a copy: get_tensor may return a view of the memory-mapped file, which the file
-        # could change under us, at the file's alignment (safetensors' header leaves data
-        # 8-byte aligned; the CPU kernels measured slower on such weights than on 64).
-        loaded[name] = t.to(device=device, dtype=dtype, copy=True)
-    tied = config.tie_word_embeddings
-    if tied:
-        loaded.pop("lm_head.weight", None)
-    missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
-    if missing:
-        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise ModelLoadError(f"{where}: weights missing for {missing[0]}{more}")
-    model.load_state_dict(loaded, strict=False, assign=True)
-    if tied:
-        model.lm_head.weight = model.model.embed_tokens.weight
+from llmctl.runtime.tensors import assign_dense, iter_tensors
 
 
 def load_model(path: Path, dtype: str = "auto", device: str = "cpu"):
@@ -92,7 +28,7 @@ def load_model(path: Path, dtype: str = "auto", device: str = "cpu"):
         model = LlamaForCausalLM(config)
     quant = config.raw.get("quantization_config")
     if quant is not None:
-        model = _load_quantized(model, path, config, quant, torch_dtype, device)
+        model = load_quantized(model, path, config, quant, torch_dtype, device)
     else:
         assign_dense(model, iter_tensors(path), config, torch_dtype, device, path)
     _materialise_buffers(model, config, device)
@@ -109,7 +45,7 @@ def _accelerate_2of4(model, config: ModelConfig) -> None:
     meta = config.raw.get("sparsity_config") or {}
     if meta.get("pattern") != "2:4":
         return
-    from llmctl.compress.sparse import semi_structured as ss
+    from llmctl.runtime import semi_structured as ss
 
     model.semi_structured = ss.accelerate_from_config(model, config.raw, timer=ss.time_dense_vs_sparse)
 
@@ -120,8 +56,3 @@ def _materialise_buffers(model, config: ModelConfig, device: str) -> None:
     rotary = RotaryEmbedding(config).to(device)
     model.rotary.cos, model.rotary.sin = rotary.cos, rotary.sin
 
-
-def _load_quantized(model, path, config, quant, torch_dtype, device):
-    from llmctl.compress.formats import load_quantized
-
-    return load_quantized(model, path, config, quant, torch_dtype, device)

@@ -6,6 +6,6 @@ zero point z per (output row, input group); the dequantized weight is (q - z) * 
 quantization fixes z = 2^(bits-1), which makes (q - z) the signed code compressed-tensors stores.
 """
 
-from llmctl.compress.quant.spec import QuantResult, QuantSpec, check_group_size
+from llmctl.runtime.formats.spec import QuantResult, QuantSpec, check_group_size
 
 __all__ = ["QuantResult", "QuantSpec", "check_group_size"]

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from llmctl.compress.quant.rtn import quantize_rtn
-from llmctl.compress.quant.spec import QuantResult, QuantSpec
+from llmctl.runtime.formats.spec import QuantResult, QuantSpec
 
 
 @dataclass

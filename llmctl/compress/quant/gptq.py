@@ -14,7 +14,7 @@ import torch
 
 from llmctl.compress.hessian import damped_cholesky_inverse, dead_inputs
 from llmctl.compress.quant.rtn import group_params, quantize_with
-from llmctl.compress.quant.spec import QuantResult, QuantSpec, dequantize
+from llmctl.runtime.formats.spec import QuantResult, QuantSpec, dequantize
 
 
 def quantize_gptq(

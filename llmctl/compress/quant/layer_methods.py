@@ -25,7 +25,7 @@ from llmctl.compress.quant.awq import (
 )
 from llmctl.compress.quant.gptq import quantize_gptq
 from llmctl.compress.quant.rtn import quantize_rtn
-from llmctl.compress.quant.spec import QuantResult, QuantSpec, check_group_size
+from llmctl.runtime.formats.spec import QuantResult, QuantSpec, check_group_size
 
 
 @dataclass

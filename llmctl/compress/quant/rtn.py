@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from llmctl.compress.quant.spec import QuantResult, QuantSpec, dequantize
+from llmctl.runtime.formats.spec import QuantResult, QuantSpec, dequantize
 
 
 def group_params(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:

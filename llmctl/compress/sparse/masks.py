@@ -120,15 +120,6 @@ def zero_fraction(weight: torch.Tensor) -> float:
     return float((weight == 0).sum().item()) / max(1, weight.numel())
 
 
-def satisfies_nm(weight: torch.Tensor, n: int, m: int) -> bool:
-    """True when every group of `m` consecutive columns of every row holds at least m-n exact zeros."""
-    rows, cols = weight.shape
-    if cols % m:
-        return False
-    zeros = (weight.reshape(rows, cols // m, m) == 0).sum(-1)  # [rows, groups]
-    return bool((zeros >= m - n).all().item())
-
-
 def mask_of(weight: torch.Tensor) -> torch.Tensor:
     """The pruning mask a sparsified weight carries: True where it is exactly zero."""
     return weight == 0

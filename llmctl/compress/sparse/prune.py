@@ -14,7 +14,8 @@ import torch
 from llmctl.compress.hessian import damped_cholesky_inverse, dead_inputs
 from llmctl.compress.quant.layer_methods import relative_output_error
 from llmctl.compress.sparse.magnitude import magnitude_mask
-from llmctl.compress.sparse.masks import SparsityPattern, apply_mask, satisfies_nm, zero_fraction
+from llmctl.compress.sparse.masks import SparsityPattern, apply_mask, zero_fraction
+from llmctl.runtime.semi_structured import satisfies_nm
 from llmctl.compress.sparse.sparsegpt import sparsegpt_prune
 from llmctl.compress.sparse.wanda import input_norms_from_hessian, wanda_mask
 

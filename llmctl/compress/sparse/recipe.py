@@ -159,7 +159,7 @@ def write_recipe(path: Path, args: SparsifyArgs, qargs: Any | None) -> None:
 
 def _pruned_masks(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
     """name -> bool mask (True = zero) of each pruned linear in a dense safetensors folder."""
-    from llmctl.runtime.weights import read_tensors
+    from llmctl.runtime.tensors import read_tensors
 
     tensors = read_tensors(folder)
     return {n: tensors[f"{n}.weight"] == 0 for n in names}
@@ -167,7 +167,7 @@ def _pruned_masks(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
 
 def zeros_not_kept(quantized: Path, masks: dict[str, torch.Tensor]) -> list[str]:
     """Names of the linears whose dequantized weight is non-zero somewhere the mask says pruned."""
-    from llmctl.compress.formats import read_quantized
+    from llmctl.runtime.formats import read_quantized
 
     _, linears, dense = read_quantized(quantized)
     broken = []

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from llmctl.compress.formats.common import UnpackedLinear, pack_rows, unpack_rows
-from llmctl.compress.quant.spec import QuantResult, QuantSpec
+from llmctl.runtime.formats.packing import UnpackedLinear, pack_rows, unpack_rows
+from llmctl.runtime.formats.spec import QuantResult, QuantSpec
 from llmctl.errors import ModelLoadError, UsageError
 
 

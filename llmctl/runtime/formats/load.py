@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from llmctl.compress.formats.common import read_quantized
-from llmctl.compress.qlinear import QuantLinear
+from llmctl.runtime.formats.registry import read_quantized
+from llmctl.models.qlinear import QuantLinear
 from llmctl.errors import ModelLoadError
-from llmctl.runtime.weights import assign_dense
+from llmctl.runtime.tensors import assign_dense
 
 
 def load_quantized(model, path: Path, config, quant: dict, dtype: torch.dtype, device: str):

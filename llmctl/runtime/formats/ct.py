@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from llmctl.compress.formats.common import UnpackedLinear
-from llmctl.compress.quant.spec import QuantResult, QuantSpec
+from llmctl.runtime.formats.packing import UnpackedLinear
+from llmctl.runtime.formats.spec import QuantResult, QuantSpec
 from llmctl.errors import ModelLoadError
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from llmctl.compress.formats.common import UnpackedLinear, pack_rows, unpack_rows
-from llmctl.compress.quant.spec import QuantResult, QuantSpec
+from llmctl.runtime.formats.packing import UnpackedLinear, pack_rows, unpack_rows
+from llmctl.runtime.formats.spec import QuantResult, QuantSpec
 from llmctl.errors import ModelLoadError, UsageError
 
 # field i of a word holds output column AWQ_ORDER[i] of its 8 (the interleave the GEMM kernel reads)
