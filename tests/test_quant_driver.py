@@ -118,3 +118,73 @@ def test_interrupted_run_resumes_from_last_finished_layer(tmp_path):
         assert torch.equal(a, b), n
     other = calibrate_layers(tiny_model(), ids(), gptq_method(spec), checkpoint_dir=tmp_path, fingerprint="b")
     assert other.resumed_layers == 0
+
+
+class _Planted:
+    """A pickle that would create a marker file if anything ever unpickled it."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def _interrupted_after_first_layer(tmp_path, spec):
+    def stop_after_first(done, total):
+        if done == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        calibrate_layers(tiny_model(), ids(), gptq_method(spec), checkpoint_dir=tmp_path, fingerprint="a",
+                         progress=stop_after_first)
+
+
+def test_checkpoints_hold_no_pickle_and_a_planted_one_is_never_loaded(tmp_path):
+    import pickle
+
+    spec = QuantSpec(4, 32)
+    _interrupted_after_first_layer(tmp_path, spec)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "hidden.safetensors", "layer_0.json", "layer_0.safetensors", "progress.json"]
+    marker = tmp_path / "pwned"
+    for name in ("layer_0.safetensors", "hidden.safetensors", "layer_0.pt", "hidden.pt"):
+        (tmp_path / name).write_bytes(pickle.dumps(_Planted(marker)))
+    warnings = []
+    res = calibrate_layers(tiny_model(), ids(), gptq_method(spec), checkpoint_dir=tmp_path, fingerprint="a",
+                           warn=warnings.append)
+    assert not marker.exists()
+    assert res.resumed_layers == 0 and len(warnings) == 1 and "unusable" in warnings[0]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bad_json", "wrong_shape", "missing"])
+def test_a_damaged_checkpoint_is_redone_with_a_warning_and_equals_a_clean_run(tmp_path, damage):
+    import json as _json
+
+    from safetensors.torch import load_file, save_file
+
+    spec = QuantSpec(4, 32)
+    clean = tiny_model()
+    calibrate_layers(clean, ids(), gptq_method(spec))
+    _interrupted_after_first_layer(tmp_path, spec)
+    layer = tmp_path / "layer_0.safetensors"
+    if damage == "truncate":
+        layer.write_bytes(layer.read_bytes()[: layer.stat().st_size // 2])
+    elif damage == "bad_json":
+        (tmp_path / "layer_0.json").write_text("{")
+    elif damage == "wrong_shape":
+        t = load_file(str(layer))
+        key = next(k for k in t if k.startswith("state."))
+        t[key] = t[key].reshape(-1)[:3].clone()
+        save_file(t, str(layer))
+    else:
+        (tmp_path / "hidden.safetensors").unlink()
+    progress = _json.loads((tmp_path / "progress.json").read_text())
+    warnings, model = [], tiny_model()
+    res = calibrate_layers(model, ids(), gptq_method(spec), checkpoint_dir=tmp_path, fingerprint="a",
+                           warn=warnings.append)
+    assert progress["done_layers"] == 1 and res.resumed_layers == 0 and len(warnings) == 1
+    for (n, a), b in zip(clean.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), n
+    again = calibrate_layers(tiny_model(), ids(), gptq_method(spec), checkpoint_dir=tmp_path, fingerprint="a")
+    assert again.resumed_layers == 2  # the redone run checkpointed every layer: no crash loop

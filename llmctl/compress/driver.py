@@ -5,8 +5,8 @@ device), captures the inputs of its linears with forward hooks, hands them to a 
 sub-layer group by sub-layer group (q/k/v, then o, then gate/up, then down: each group is
 calibrated on the outputs of the groups already processed), then produces the next layer's inputs
 from the processed layer. After each layer it checkpoints (layer weights, the method's records,
-the next layer's inputs) into `checkpoint_dir`, so an interrupted run resumes after the last
-finished layer.
+the next layer's inputs) into `checkpoint_dir` (checkpoints.py: safetensors and JSON), so an
+interrupted run resumes after the last finished layer.
 
 A method implements the `LayerMethod` protocol below; `HessianMethod` adapts a per-linear function
 `fn(name, linear, H) -> record` (GPTQ, RTN, SparseGPT, Wanda) to it.
@@ -15,7 +15,6 @@ A method implements the `LayerMethod` protocol below; `HessianMethod` adapts a p
 from __future__ import annotations
 
 import fnmatch
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from llmctl.compress.checkpoints import load_checkpoint, save_layer
 from llmctl.compress.hessian import HessianAccumulator
 
 
@@ -99,6 +99,7 @@ def calibrate_layers(
     fingerprint: str = "",
     progress: Callable[[int, int], None] | None = None,
     batch_size: int = 8,
+    warn: Callable[[str], None] = lambda message: None,
 ) -> DriverResult:
     """Run `method` over every decoder layer of `model` (our LlamaForCausalLM) on input_ids [N, S].
 
@@ -112,7 +113,7 @@ def calibrate_layers(
     start = 0
     hidden = None
     if checkpoint_dir is not None:
-        start, hidden = _resume(checkpoint_dir, fingerprint, layers, result)
+        start, hidden = _resume(checkpoint_dir, fingerprint, layers, result, warn)
     if hidden is None:
         hidden = model.model.embed_tokens(input_ids.to(model.model.embed_tokens.weight.device)).to("cpu")
     if progress and start:
@@ -169,33 +170,24 @@ def _observer(method: LayerMethod, name: str, stop: bool):
 
 
 def _save(ckpt: Path, fingerprint: str, i: int, layer: nn.Module, records: dict, hidden: torch.Tensor) -> None:
-    """Layer i's weights and records, then the next inputs, then the progress marker (written last)."""
-    ckpt.mkdir(parents=True, exist_ok=True)
     prefix = f"model.layers.{i}."
     mine = {k: v for k, v in records.items() if k.startswith(prefix)}
-    state = {k: v.detach().to("cpu") for k, v in layer.state_dict().items()}
-    torch.save({"state": state, "records": mine}, ckpt / f"layer_{i}.pt")
-    torch.save(hidden, ckpt / "hidden.tmp")
-    (ckpt / "hidden.tmp").replace(ckpt / "hidden.pt")
-    (ckpt / "progress.tmp").write_text(json.dumps({"done_layers": i + 1, "fingerprint": fingerprint}))
-    (ckpt / "progress.tmp").replace(ckpt / "progress.json")
+    save_layer(ckpt, fingerprint, i, layer.state_dict(), mine, hidden)
 
 
-def _resume(ckpt: Path, fingerprint: str, layers: nn.ModuleList, result: DriverResult):
-    marker = ckpt / "progress.json"
-    if not marker.is_file():
+def _resume(ckpt: Path, fingerprint: str, layers: nn.ModuleList, result: DriverResult,
+            warn: Callable[[str], None]):
+    expected = [{k: tuple(v.shape) for k, v in layer.state_dict().items()} for layer in layers]
+    saved, damage = load_checkpoint(ckpt, fingerprint, expected)
+    if damage is not None:
+        warn(f"the checkpoint in {ckpt} is unusable ({damage}); calibrating from the first layer again")
+    if saved is None:
         return 0, None
-    info = json.loads(marker.read_text())
-    if info.get("fingerprint") != fingerprint or not (ckpt / "hidden.pt").is_file():
-        return 0, None  # a different run's leftovers: start over (they are overwritten)
-    done = int(info["done_layers"])
-    for i in range(done):
-        # our own files, written by _save: records hold dataclasses, hence weights_only=False
-        saved = torch.load(ckpt / f"layer_{i}.pt", map_location="cpu", weights_only=False)
-        layers[i].load_state_dict(saved["state"])
-        result.records.update(saved["records"])
-    result.resumed_layers = done
-    return done, torch.load(ckpt / "hidden.pt", map_location="cpu")
+    for layer, state in zip(layers, saved.states):
+        layer.load_state_dict(state)
+    result.records.update(saved.records)
+    result.resumed_layers = saved.done_layers
+    return saved.done_layers, saved.hidden
 
 
 class HessianMethod:

@@ -230,6 +230,7 @@ def run_quantize(
     result = calibrate_layers(
         model, calib.input_ids, _method(args, spec), device=device, ignore=ignored,
         checkpoint_dir=out / TMP_DIR, fingerprint=_fingerprint(args, rt.model_path), progress=progress,
+        warn=warn,
     )
     if result.resumed_layers:
         warn(f"resumed after layer {result.resumed_layers} of an interrupted run in {out / TMP_DIR}")

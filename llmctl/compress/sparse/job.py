@@ -171,6 +171,7 @@ def run_sparsify(
     result = sparsify_model(
         model, settings, calib.input_ids if calib is not None else None, progress,
         device=resolve_device(args.device), checkpoint_dir=out / TMP_DIR, fingerprint=_fingerprint(args, rt.model_path),
+        warn=warn,
     )
     lines = result.lines
     if result.resumed_layers:
