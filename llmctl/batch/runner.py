@@ -9,14 +9,12 @@ The command passes a `BatchUI` for messages and progress; nothing here imports T
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from llmctl.batch.fingerprint import file_digest
 from llmctl.batch.inputs import InputRow, open_input
 from llmctl.batch.job import BatchJob, Checkpoint, JobSettings
 from llmctl.batch.journal import JobState, fingerprint_mismatch, journal_path, load_state, save_state, state_path
@@ -24,7 +22,7 @@ from llmctl.batch.outputs import (FileSink, RowResult, StdoutSink, encode_record
                                   openai_record, simple_record)
 from llmctl.batch.summary import BatchStats, Progress
 from llmctl.engine.params import SamplingParams
-from llmctl.errors import LlmctlError, PipeClosed, RequestError, UsageError
+from llmctl.errors import LlmctlError, RequestError, UsageError
 
 
 class BatchInterrupted(LlmctlError):
@@ -85,39 +83,18 @@ def default_sampling(opts: BatchOptions) -> SamplingParams:
 def fingerprint(opts: BatchOptions, source_format: str, defaults: SamplingParams) -> dict:
     """The settings a resumed job must share with the session that started it."""
     inp = opts.input
-    size = digest = None
+    size = None
     if inp != "-":
         inp = str(Path(inp).resolve())
         size = os.path.getsize(inp)
-        if source_format == "parquet":  # rows are not byte ranges: the whole file's content
-            digest = file_digest(Path(inp))
     sampling = dataclasses.asdict(defaults)
     model = opts.model or "(demo model)"
     if opts.model and Path(opts.model).expanduser().is_dir():
         model = str(Path(opts.model).expanduser().resolve())  # ./m and m are the same model
-    return {"model": model, "dtype": opts.dtype, "input": inp, "input_bytes": size, "input_blake2b": digest,
+    return {"model": model, "dtype": opts.dtype, "input": inp, "input_bytes": size,
             "input_format": source_format, "prompt_column": opts.prompt_column, "id_column": opts.id_column,
             "messages_column": opts.messages_column, "include_token_ids": opts.include_token_ids,
             "ordered": opts.ordered, **{f"sampling.{k}": v for k, v in sampling.items()}}
-
-
-def default_output(input_path: str) -> str:
-    """Where the output goes without -o: beside the input (prompts.jsonl -> prompts.out.jsonl,
-    x.parquet -> x.out.parquet); stdout for stdin."""
-    if input_path == "-":
-        return "-"
-    p = Path(input_path)
-    suffix = ".parquet" if p.suffix.lower() == ".parquet" else ".jsonl"
-    stem = p.name[: -len(p.suffix)] if p.suffix.lower() in (".jsonl", ".json", ".parquet") else p.name
-    return str(p.with_name(stem + ".out" + suffix))
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    """Same inode (hard links, symlinks, other spellings of one path), for existing paths."""
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
 
 
 def _check_paths(opts: BatchOptions) -> tuple[Path | None, bool]:
@@ -125,19 +102,12 @@ def _check_paths(opts: BatchOptions) -> tuple[Path | None, bool]:
     if opts.output == "-":
         return None, False
     out = Path(opts.output)
-    if opts.input != "-":
-        inp = Path(opts.input)
-        ours = (out, state_path(out), journal_path(out), state_path(out).with_name(state_path(out).name + ".tmp"))
-        if inp.resolve() in {p.resolve() for p in ours} or any(_same_file(inp, p) for p in ours):
-            raise UsageError(f"the output {out} (or its state file) is the input file {inp}; "
-                             "choose another output")
+    if opts.input != "-" and Path(opts.input).resolve() == out.resolve():
+        raise UsageError("the output must not be the input file")
     if not out.parent.is_dir():
         raise UsageError(f"output folder {out.parent} does not exist")
     if out.is_dir():
         raise UsageError(f"output {out} is a folder; pass a file path")
-    if out.exists() and not out.is_file():
-        raise UsageError(f"output {out} is not a regular file (a device or pipe cannot be resumed); "
-                         "use -o - to write stdout")
     return out, out.suffix.lower() == ".parquet"
 
 
@@ -150,28 +120,12 @@ def _resume_state(out: Path, parquet: bool, fp: dict, overwrite: bool) -> JobSta
         if out.exists() and out.stat().st_size > 0:
             raise UsageError(f"{out} exists and has no run-batch state beside it; pass --overwrite to replace it")
         return None
-    if not state.complete and state.next_index == 0 and state.output_bytes == 0:
-        return None  # nothing was committed (e.g. the model failed to load): nothing to protect
     diff = fingerprint_mismatch(state.fingerprint, fp)
     if diff is not None:
         raise UsageError(f"cannot resume {out}: {diff}; rerun with the same settings, or pass --overwrite to start over")
     if not state.complete and not (journal_path(out) if parquet else out).exists() and state.output_bytes > 0:
         raise UsageError(f"cannot resume {out}: its partial output is gone; pass --overwrite to start over")
-    if state.complete:
-        _check_final_output(out, state)
     return state
-
-
-def _check_final_output(out: Path, state: JobState) -> None:
-    """A finished job's output must still be what it wrote: same size, same content."""
-    final = state.final_output or {}
-    size = out.stat().st_size if out.is_file() else None
-    if size is None:
-        raise UsageError(f"{out} is gone although its job finished; pass --overwrite to run again")
-    if size != final.get("bytes") or file_digest(out) != final.get("blake2b"):
-        raise UsageError(f"{out} was changed since its job finished ({final.get('bytes')} bytes written, "
-                         f"now {size} bytes{'' if size != final.get('bytes') else ', other content'}); "
-                         "pass --overwrite to run again")
 
 
 def run_batch(opts: BatchOptions, load_runtime: Callable[..., Any], ui: BatchUI | None = None) -> BatchResult:
@@ -199,8 +153,6 @@ def run_batch(opts: BatchOptions, load_runtime: Callable[..., Any], ui: BatchUI 
 def _serve(opts, source, out: Path | None, parquet: bool, state: JobState, defaults: SamplingParams,
            load_runtime: Callable[..., Any], ui: BatchUI) -> BatchResult:
     # The output is opened (and locked) before the slow model load, so a second job on it fails fast.
-    created = [] if out is None else [p for p in (journal_path(out) if parquet else out, state_path(out))
-                                      if not p.exists()]
     sink: Any = StdoutSink() if out is None else FileSink(journal_path(out) if parquet else out, state.output_bytes)
     try:
         if out is not None:
@@ -209,34 +161,15 @@ def _serve(opts, source, out: Path | None, parquet: bool, state: JobState, defau
                 out.unlink()  # a finished Parquet output of the run being replaced
         stats = _load_and_drive(opts, source, out, state, sink, defaults, load_runtime, ui)
         if out is not None:
-            _finish(out, parquet, state, opts.include_token_ids)
-    except BaseException:
-        _close_quietly(sink)
-        if state.next_index == 0 and state.output_bytes == 0:  # nothing committed: leave no trace
-            for p in created:
-                p.unlink(missing_ok=True)
-        raise
-    sink.close()  # held (and locked) until the output is final
+            if parquet:
+                journal_to_parquet(journal_path(out), out, opts.include_token_ids)
+            state.complete = True
+            save_state(state_path(out), state)
+            if parquet:
+                journal_path(out).unlink()
+    finally:
+        sink.close()  # held (and locked) until the output is final
     return BatchResult(stats)
-
-
-def _finish(out: Path, parquet: bool, state: JobState, include_token_ids: bool) -> None:
-    """Make the output final and record its size and digest, which a rerun verifies."""
-    if parquet:
-        journal_to_parquet(journal_path(out), out, include_token_ids)
-    state.complete = True
-    state.final_output = {"bytes": out.stat().st_size, "blake2b": file_digest(out)}
-    save_state(state_path(out), state)
-    if parquet:
-        journal_path(out).unlink()
-
-
-def _close_quietly(sink) -> None:
-    """Close the sink while another error is on its way out (a full disk fails the flush too)."""
-    try:
-        sink.close()
-    except OSError:
-        pass
 
 
 def _load_and_drive(opts, source, out: Path | None, state: JobState, sink, defaults: SamplingParams,
@@ -246,9 +179,6 @@ def _load_and_drive(opts, source, out: Path | None, state: JobState, sink, defau
     engine_config = EngineConfig(**opts.engine)
     runtime = load_runtime(opts.model, dtype=opts.dtype, device=opts.device)
     engine = runtime.start_engine(engine_config)
-    capped = getattr(engine, "max_model_len", None)
-    if engine_config.max_model_len is not None and capped is not None and capped < engine_config.max_model_len:
-        ui.info(f"--max-model-len {engine_config.max_model_len} is capped at the model's context, {capped} tokens")
     kv = getattr(engine, "kv_cache_bytes", None)
     if kv is not None:
         blocks, bs = getattr(engine, "num_kv_blocks", None), engine_config.block_size
@@ -265,14 +195,10 @@ def _load_and_drive(opts, source, out: Path | None, state: JobState, sink, defau
     return _drive(opts, source, out, state, sink, engine, runtime, fmt, defaults, engine_config, ui)
 
 
-def _state_saver(path: Path, state: JobState, source) -> Callable[[Checkpoint], None]:
-    hasher = getattr(source, "hasher", None)  # JSONL inputs; Parquet's digest is in the fingerprint
-
+def _state_saver(path: Path, state: JobState) -> Callable[[Checkpoint], None]:
     def on_commit(c: Checkpoint) -> None:
         state.next_index, state.next_position, state.done_after = c.next_index, c.next_position, c.done_after
         state.output_bytes, state.stats = c.output_bytes, c.stats.to_state()
-        if hasher is not None:
-            state.input_digest = hasher.digest_at(c.next_position)
         save_state(path, state)
 
     return on_commit
@@ -281,17 +207,14 @@ def _state_saver(path: Path, state: JobState, source) -> Callable[[Checkpoint], 
 def _drive(opts, source, out: Path | None, state: JobState, sink, engine, runtime, fmt, defaults: SamplingParams,
            engine_config, ui: BatchUI) -> BatchStats:
     """Run the job loop; turn interruptions and write failures into one-line errors."""
-    on_commit = None if out is None else _state_saver(state_path(out), state, source)
-    if out is not None and getattr(source, "hasher", None) is not None:
-        source.hasher.tracking = True
+    on_commit = None if out is None else _state_saver(state_path(out), state)
     max_in_flight = opts.max_in_flight or 2 * engine_config.max_num_seqs
     settings = JobSettings(max_in_flight=max_in_flight, window=4 * max_in_flight, ordered=opts.ordered,
                            max_errors=opts.max_errors, commit_rows=opts.commit_rows,
                            commit_interval_s=opts.commit_interval_s)
     stats = BatchStats.from_state(state.stats)
     rows_total = source.count_rows()
-    rows = source.rows(state.next_index, state.next_position, expected_digest=state.input_digest)
-    job = BatchJob(engine, runtime, rows, sink, fmt, defaults, settings,
+    job = BatchJob(engine, runtime, source.rows(state.next_index, state.next_position), sink, fmt, defaults, settings,
                    stats=stats, start_index=state.next_index, start_position=state.next_position,
                    done_after=state.done_after, on_commit=on_commit, on_progress=ui.progress,
                    rows_total=rows_total)
@@ -303,8 +226,7 @@ def _drive(opts, source, out: Path | None, state: JobState, sink, engine, runtim
     except BrokenPipeError:  # `-o - | head`: the reader has gone
         ui.stop()
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # no second BrokenPipeError when Python flushes stdout at exit
-        ui.info(f"stdout was closed after {job.stats.rows} rows; stopping")
-        raise PipeClosed("stdout closed") from None
+        raise BatchInterrupted(f"stdout was closed after {job.stats.rows} rows; stopping") from None
     except KeyboardInterrupt:
         ui.stop()  # before the message, so it is not drawn over
         if out is None:
@@ -313,10 +235,6 @@ def _drive(opts, source, out: Path | None, state: JobState, sink, engine, runtim
                                f"rerun the same command to continue") from None
     except OSError as e:  # disk full, output folder gone, ...
         ui.stop()
-        committed = state.stats.get("rows", 0)
-        if e.errno == errno.ENOSPC and out is not None:
-            raise LlmctlError(f"disk full after {committed} committed rows; free space and rerun "
-                              "to resume") from None
         if out is None:
             raise LlmctlError(f"cannot write stdout: {e.strerror or e}") from None
         raise LlmctlError(f"cannot write {out}: {e.strerror or e}; the {state.stats.get('rows', 0)} rows committed "

@@ -18,8 +18,7 @@ from llmctl.engine.config import AUTO_SPEC_MAX_BATCH, speculative_settings
 
 EPILOG = """\b
 Examples:
-  llmctl run-batch examples/prompts.jsonl              # writes examples/prompts.out.jsonl
-  llmctl run-batch examples/prompts.jsonl -o short.jsonl --max-tokens 32
+  llmctl run-batch examples/prompts.jsonl -o out.jsonl --max-tokens 32
   cat requests.jsonl | llmctl run-batch - -o - --quiet > answers.jsonl
   llmctl run-batch prompts.parquet -o out.parquet --prompt-column text --id-column key
 
@@ -51,7 +50,7 @@ summary reports the acceptance rate.
 
 \b
 Exit codes: 0 done; 2 usage or input error; 3 aborted by --max-errors (written rows are kept);
-130 interrupted (resumable: rerun the same command); 141 stdout closed by its reader.
+130 interrupted (resumable: rerun the same command).
 """
 
 
@@ -108,7 +107,6 @@ class RichUI:
             return "-" if v is None else f"{v * 1000:.3g} ms"
 
         t = Table(title="run-batch summary", show_header=False, title_justify="left")
-        t.add_row("output", s["output"])
         t.add_row("rows", f"{s['rows']:,} ({s['errors']:,} errors)")
         if s["errors_by_code"]:
             t.add_row("errors by code", ", ".join(f"{k}: {v}" for k, v in s["errors_by_code"].items()))
@@ -146,7 +144,7 @@ def register(app: typer.Typer) -> None:
     @app.command("run-batch", epilog=EPILOG, no_args_is_help=True)
     def run_batch(
         input: str = typer.Argument(..., metavar="INPUT", help="JSONL or Parquet file of prompts; - reads stdin.", show_default=False),
-        output: Optional[str] = typer.Option(None, "--output", "-o", help="Output JSONL (Parquet when it ends in .parquet); - writes stdout (no resume). Default: beside the input, INPUT.out.jsonl (.out.parquet for Parquet input); stdout for stdin.", show_default=False),
+        output: str = typer.Option(..., "--output", "-o", help="Output JSONL (Parquet when it ends in .parquet); - writes stdout (no resume).", show_default=False),
         model: Optional[str] = Model,
         dtype: str = Dtype,
         device: str = Device,
@@ -185,16 +183,10 @@ def register(app: typer.Typer) -> None:
         max_in_flight: Optional[int] = typer.Option(None, "--max-in-flight", min=1, help="Rows handed to the engine at once (default 2 x --max-num-seqs); the reorder buffer holds at most 4x this.", show_default=False),
     ) -> None:
         """Generate a completion for every row of INPUT and write one output row per input row."""
-        from llmctl.batch.runner import BatchInterrupted, BatchOptions, default_output, run_batch as run
+        from llmctl.batch.runner import BatchInterrupted, BatchOptions, run_batch as run
         from llmctl.engine.config import parse_bytes
         from llmctl.errors import AbortedError
 
-        _check_report_path(summary_json)
-        ui = RichUI(quiet)
-        if output is None:
-            output = default_output(input)
-            if output != "-":
-                ui.info(f"writing {output} (no -o given)")
         opts = BatchOptions(
             input=input, output=output, model=model, dtype=dtype, device=device, input_format=input_format,
             prompt_column=prompt_column, id_column=id_column, messages_column=messages_column,
@@ -209,6 +201,7 @@ def register(app: typer.Typer) -> None:
                         **speculative_settings(speculative, draft, num_speculative_tokens, speculative_max_batch)),
             max_in_flight=max_in_flight,
         )
+        ui = RichUI(quiet)
         previous = _sigterm_as_interrupt()
         try:
             result = run(opts, _load_runtime, ui)
@@ -221,22 +214,10 @@ def register(app: typer.Typer) -> None:
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
-        summary = {"output": "stdout" if output == "-" else output, **result.stats.summary()}
+        summary = result.stats.summary()
         ui.summary(summary)
         if summary_json is not None:
             _write_summary(summary_json, summary)
-
-
-def _check_report_path(path: Path | None) -> None:
-    """Before any work: a report that cannot be written would be lost after the whole job."""
-    from llmctl.errors import UsageError
-
-    if path is None:
-        return
-    if path.is_dir():
-        raise UsageError(f"--summary-json {path} is a folder; pass a file path")
-    if not path.parent.is_dir():
-        raise UsageError(f"--summary-json: folder {path.parent} does not exist")
 
 
 def _write_summary(path: Path, summary: dict) -> None:
