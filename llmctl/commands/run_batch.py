@@ -107,6 +107,8 @@ class RichUI:
             return "-" if v is None else f"{v * 1000:.3g} ms"
 
         t = Table(title="run-batch summary", show_header=False, title_justify="left")
+        if s.get("input_format"):
+            t.add_row("input format", s["input_format"])
         t.add_row("rows", f"{s['rows']:,} ({s['errors']:,} errors)")
         if s["errors_by_code"]:
             t.add_row("errors by code", ", ".join(f"{k}: {v}" for k, v in s["errors_by_code"].items()))
