@@ -236,6 +236,14 @@ def test_a_failed_openai_row_has_the_shape_openai_writes():
                                                 "param": "stream", "code": "unsupported_parameter"}
 
 
+def test_a_custom_id_with_a_lone_surrogate_is_answered_not_a_crash():
+    (row,) = _rows(b'{"custom_id": "a\\ud800", "url": "/v1/completions", "body": {"prompt": "x"}}\n',
+                   "openai")
+    rec = openai_record(row, RowResult("ok", "length", 1, 2), "m", 7)  # found by the fuzz test
+    assert rec["custom_id"] == "a\ud800" and rec["id"].startswith("batch_req_")
+    assert json.loads(encode_record(rec))["custom_id"] == "a\ud800"
+
+
 # -- neighbours: sampling values and Parquet columns --------------------------------------------
 
 

@@ -181,3 +181,27 @@ def test_a_hostile_template_fails_its_rows_and_the_job_serves_the_others():
     stats = job.run()
     assert stats.rows == 4 and stats.errors_by_code == {"chat_template_limit": 2}
     assert [b'"error":null' in line for line in out] == [True, False, True, False]
+
+
+def test_run_batch_on_a_model_whose_template_builds_gigabytes(tmp_path):
+    """The issue's case end to end: `'x' * 100000000` reached 19.6 GB and ignored SIGTERM."""
+    import json
+    import shutil
+
+    from llmctl.cli import main
+
+    model = tmp_path / "model"
+    shutil.copytree(DEMO_MODEL_DIR, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ 'x' * 100000000 }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    inp, out, summary = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "s.json"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"prompt": "ROMEO:"}, {"messages": CHATS[0]}, {"prompt": "JULIET:"}]))
+    assert main(["run-batch", str(inp), "-o", str(out), "--model", str(model), "--max-tokens", "2",
+                 "--device", "cpu", "--summary-json", str(summary), "-q"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["error"]["code"] if r["error"] else None for r in rows] == [
+        None, "chat_template_limit", None]
+    s = json.loads(summary.read_text())
+    assert s["input_format"] == "jsonl" and s["errors_by_code"] == {"chat_template_limit": 1}

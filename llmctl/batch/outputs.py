@@ -50,7 +50,8 @@ def simple_record(row: InputRow, result: RowResult, include_token_ids: bool = Fa
 
 def _stable_id(*parts: object, n: int = 24) -> str:
     """A deterministic id from the row's identity (same input -> same id after any resume)."""
-    return hashlib.sha256("\x1f".join(map(str, parts)).encode("utf-8")).hexdigest()[:n]
+    text = "\x1f".join(map(str, parts))  # a custom_id may hold a lone surrogate ("\ud800")
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:n]
 
 
 def openai_record(row: InputRow, result: RowResult, model: str, created: int, include_token_ids: bool = False) -> dict:
