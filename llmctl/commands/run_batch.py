@@ -29,7 +29,7 @@ body; answered in the OpenAI batch output shape), or Parquet (read one row group
 Output rows: id, text, finish_reason, usage, error (null or {code, message}); in input order
 unless --unordered (Parquet output: ids as strings). A bad row becomes an error row; it never
 stops the job. Default ids are line numbers (1-based; Parquet: row numbers); ids are not checked
-for duplicates.
+for duplicates (an OpenAI batch's custom_ids are: a repeat is an error row).
 
 \b
 Sampling is greedy by default (--temperature 0) so that batch jobs are reproducible; with
