@@ -55,7 +55,7 @@ def test_huge_integers_and_deep_nesting_are_error_rows_and_the_rows_around_are_s
                        b'{"prompt": "x", "max_tokens": ' + HUGE + b'}', DEEP,
                        b'{"prompt": "x", "stop": ' + DEEP + b'}', b'{"prompt": "last"}', b""])
     rows = _rows(data)
-    assert _codes(rows) == [None, "invalid_json", "invalid_json", "invalid_json", "invalid_json", None]
+    assert _codes(rows) == [None] + ["invalid_json"] * 4 + [None]
     assert "more than 4300 digits" in rows[1].error.message
     assert "nested too deeply" in rows[3].error.message
     out = _serve(rows)
@@ -74,9 +74,10 @@ def test_an_unexpected_exception_while_parsing_a_row_is_that_rows_error():
 
 def test_nested_values_in_sampling_fields_get_short_messages():
     deep = "[" * 500 + "]" * 500
-    data = "\n".join([f'{{"prompt": "x", "{k}": {deep}}}' for k in ("max_tokens", "ignore_eos")]
-                     + ['{"prompt": "x", "stop": {"a": 1}}', '{"prompt": "x", "seed": "' + "9" * 10_000
-                        + '"}']).encode()
+    lines = [f'{{"prompt": "x", "{k}": {deep}}}' for k in ("max_tokens", "ignore_eos")]
+    lines += ['{"prompt": "x", "stop": {"a": 1}}',
+              '{"prompt": "x", "seed": "' + "9" * 10_000 + '"}']
+    data = "\n".join(lines).encode()
     out = _serve(_rows(data))
     assert [r["error"]["code"] for r in out] == ["invalid_parameter"] * 4
     assert out[0]["error"]["message"] == "max_tokens must be a number, got array"
@@ -107,12 +108,18 @@ def test_a_utf8_bom_is_skipped_in_files_and_on_stdin(tmp_path, line, fmt, from_s
     src.close()
 
 
+def _open(path, from_stdin: bool):
+    if from_stdin:
+        return open_input("-", stdin=io.BytesIO(path.read_bytes()))
+    return open_input(str(path))
+
+
 @pytest.mark.parametrize("from_stdin", [False, True])
 def test_utf16_input_is_refused_with_one_line(tmp_path, from_stdin):
     data = '{"prompt": "hi"}\n'.encode("utf-16")
     (tmp_path / "in.jsonl").write_bytes(data)
     with pytest.raises(UsageError, match="UTF-16"):
-        open_input("-", stdin=io.BytesIO(data)) if from_stdin else open_input(str(tmp_path / "in.jsonl"))
+        _open(tmp_path / "in.jsonl", from_stdin)
 
 
 @pytest.mark.parametrize("from_stdin", [False, True])
@@ -121,7 +128,7 @@ def test_an_openai_batch_with_a_bad_first_line_is_still_an_openai_batch(tmp_path
                         "body": {"prompt": f"p{i}"}}).encode() for i in range(3)]
     data = b"\n".join([OPENAI_LINE[:30], b"", b"[1, 2]", *good, b""])  # truncated, blank, array
     (tmp_path / "in.jsonl").write_bytes(data)
-    src = open_input("-", stdin=io.BytesIO(data)) if from_stdin else open_input(str(tmp_path / "in.jsonl"))
+    src = _open(tmp_path / "in.jsonl", from_stdin)
     assert src.format == "openai"
     rows = list(src.rows())  # nothing detection read is lost
     assert _codes(rows) == ["invalid_json", "invalid_row", None, None, None]
@@ -194,12 +201,13 @@ def test_a_duplicate_custom_id_is_an_error_row_also_after_a_resume():
 def test_openai_prompt_lists_are_refused_for_what_they_are(prompt, message):
     (row,) = _rows(_req("x", prompt=prompt) + b"\n", "openai")
     assert message in row.error.message
-    ok = _rows(b"\n".join([_req("s", prompt=["one"]), _req("t", prompt=[[5, 6]])]) + b"\n", "openai")
+    ok = _rows(_req("s", prompt=["one"]) + b"\n" + _req("t", prompt=[[5, 6]]) + b"\n", "openai")
     assert (ok[0].prompt, ok[1].prompt_token_ids) == ("one", [5, 6])
 
 
 @pytest.mark.parametrize("field,value", [
-    ("stream", True), ("tools", [{"type": "function"}]), ("response_format", {"type": "json_object"}),
+    ("stream", True), ("tools", [{"type": "function"}]),
+    ("response_format", {"type": "json_object"}),
     ("n", 2), ("n", True), ("logprobs", True), ("top_logprobs", 3), ("logit_bias", {"5": 1}),
     ("echo", True), ("best_of", 2), ("suffix", "x"), ("guided_json", {}), ("frobnicate", 1)])
 def test_an_unsupported_body_field_is_refused_naming_it(field, value):
@@ -228,17 +236,19 @@ def test_simple_rows_refuse_generation_features_but_keep_their_own_columns():
 def test_a_failed_openai_row_has_the_shape_openai_writes():
     row = parse_simple({"prompt": "x"}, 0, 0, 1)
     row.custom_id, row.endpoint = "q", "completions"
-    error = RequestError("unsupported_parameter", "body.stream=True is not supported", param="stream")
+    error = RequestError("unsupported_parameter", "body.stream=True is not supported",
+                         param="stream")
     rec = openai_record(row, RowResult.failed(error), "m", 7)
     assert rec["error"] is None and rec["custom_id"] == "q"
     assert rec["response"]["status_code"] == 400
-    assert rec["response"]["body"]["error"] == {"message": error.message, "type": "invalid_request_error",
-                                                "param": "stream", "code": "unsupported_parameter"}
+    assert rec["response"]["body"]["error"] == {
+        "message": error.message, "type": "invalid_request_error", "param": "stream",
+        "code": "unsupported_parameter"}
 
 
 def test_a_custom_id_with_a_lone_surrogate_is_answered_not_a_crash():
-    (row,) = _rows(b'{"custom_id": "a\\ud800", "url": "/v1/completions", "body": {"prompt": "x"}}\n',
-                   "openai")
+    line = b'{"custom_id": "a\\ud800", "url": "/v1/completions", "body": {"prompt": "x"}}\n'
+    (row,) = _rows(line, "openai")
     rec = openai_record(row, RowResult("ok", "length", 1, 2), "m", 7)  # found by the fuzz test
     assert rec["custom_id"] == "a\ud800" and rec["id"].startswith("batch_req_")
     assert json.loads(encode_record(rec))["custom_id"] == "a\ud800"
@@ -253,7 +263,7 @@ def test_out_of_range_seeds_and_huge_stop_lists_are_refused():
     with pytest.raises(RequestError, match="at most 64"):
         SamplingParams(stop=["x"] * 20_000)  # each is searched after every token
     assert SamplingParams(seed=-(1 << 63)).seed == -(1 << 63)
-    out = _serve(_rows(b'{"prompt": "a", "seed": 1000000000000000000000000000000}\n{"prompt": "b"}\n'))
+    out = _serve(_rows(b'{"prompt": "a", "seed": 1' + b"0" * 30 + b'}\n{"prompt": "b"}\n'))
     assert out[0]["error"]["code"] == "invalid_parameter" and out[1]["error"] is None
 
 
@@ -283,7 +293,8 @@ def test_an_unreadable_parquet_row_group_is_error_rows_and_the_others_are_read(t
     import pyarrow.parquet as pq
 
     path = tmp_path / "in.parquet"
-    _write_parquet(path, {"prompt": [f"prompt number {i} " * 20 for i in range(30)]}, row_group_size=10)
+    _write_parquet(path, {"prompt": [f"prompt number {i} " * 20 for i in range(30)]},
+                   row_group_size=10)
     column = pq.ParquetFile(str(path)).metadata.row_group(1).column(0)
     raw = bytearray(path.read_bytes())
     start = column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
@@ -292,5 +303,6 @@ def test_an_unreadable_parquet_row_group_is_error_rows_and_the_others_are_read(t
     rows = list(open_input(str(path)).rows())
     assert [r.index for r in rows] == list(range(30))
     assert _codes(rows) == [None] * 10 + ["invalid_row"] * 10 + [None] * 10
-    assert "row group 1" in rows[10].error.message and rows[20].prompt.startswith("prompt number 20")
+    assert "row group 1" in rows[10].error.message
+    assert rows[20].prompt.startswith("prompt number 20")
     assert [r.index for r in open_input(str(path)).rows(15, 15)] == list(range(15, 30))

@@ -101,7 +101,8 @@ class FakeEngine:
             k = len(r.out)
             r.out.append(ord("a") + (sum(r.prompt) + 7 * k + (r.params.seed or 0)) % 26)
             r.first = r.first or now
-            if len(r.out) >= r.params.max_tokens or len(r.prompt) + len(r.out) >= self.max_model_len:
+            full = len(r.prompt) + len(r.out) >= self.max_model_len
+            if len(r.out) >= r.params.max_tokens or full:
                 done.append(RequestOutput(request_id=r.rid, prompt_token_ids=r.prompt, output_token_ids=r.out,
                                           text=bytes(r.out).decode("ascii"), finish_reason="length",
                                           arrival_time=r.arrival, first_token_time=r.first, finish_time=now))
