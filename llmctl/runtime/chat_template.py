@@ -28,6 +28,9 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from jinja2.compiler import CodeGenerator
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from llmctl.errors import RequestError
 
 _CONTAINERS = (list, tuple, set, frozenset)
@@ -247,88 +250,81 @@ _MATERIALISED = ("join", "sum")  # filters given an iterator: materialised first
 # The sandbox
 
 
-def _sandbox_classes():
-    """The environment and code generator classes (built on first use: jinja2 is imported
-    lazily, like transformers does)."""
-    from jinja2.compiler import CodeGenerator
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+class CheckedCodeGenerator(CodeGenerator):
+    """Compiles templates with a deadline check in every block and `~` results measured."""
 
-    class CheckedCodeGenerator(CodeGenerator):
-        """Compiles templates with a deadline check in every block and `~` results measured."""
+    def blockvisit(self, nodes, frame) -> None:
+        self.writeline("environment.tick()")
+        super().blockvisit(nodes, frame)
 
-        def blockvisit(self, nodes, frame) -> None:
-            self.writeline("environment.tick()")
-            super().blockvisit(nodes, frame)
+    def visit_Concat(self, node, frame) -> None:
+        self.write("environment.account(")
+        super().visit_Concat(node, frame)
+        self.write(")")
 
-        def visit_Concat(self, node, frame) -> None:
-            self.write("environment.account(")
-            super().visit_Concat(node, frame)
-            self.write(")")
 
-    class LimitedSandbox(ImmutableSandboxedEnvironment):
-        """transformers' chat-template sandbox, with every operation measured (module doc)."""
+class LimitedSandbox(ImmutableSandboxedEnvironment):
+    """transformers' chat-template sandbox, with every operation measured (module doc)."""
 
-        code_generator_class = CheckedCodeGenerator
-        intercepted_binops = frozenset(("+", "-", "*", "/", "//", "%", "**"))
+    code_generator_class = CheckedCodeGenerator
+    intercepted_binops = frozenset(("+", "-", "*", "/", "//", "%", "**"))
 
-        def __init__(self, *args: Any, **kwargs: Any):
-            super().__init__(*args, **kwargs)
-            self._local = threading.local()
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._local = threading.local()
 
-        def budget(self) -> _Budget:
-            budget = getattr(self._local, "budget", None)
-            if budget is None:
-                raise TemplateLimitError("rendered outside ChatTemplate.render")
-            return budget
+    def budget(self) -> _Budget:
+        budget = getattr(self._local, "budget", None)
+        if budget is None:
+            raise TemplateLimitError("rendered outside ChatTemplate.render")
+        return budget
 
-        def tick(self) -> None:
-            self.budget().tick()
+    def tick(self) -> None:
+        self.budget().tick()
 
-        def account(self, value: Any) -> Any:
+    def account(self, value: Any) -> Any:
+        budget = self.budget()
+        budget.tick()
+        return budget.account(value)
+
+    def concat(self, parts: list) -> str:  # joins the buffers of {% set %} blocks and macros
+        budget = self.budget()
+        budget.allow(sum(len(p) for p in parts))
+        return budget.account("".join(parts))
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        budget = self.budget()
+        budget.tick()
+        budget.allow(_binop_estimate(operator, left, right, budget))
+        return budget.account(super().call_binop(context, operator, left, right))
+
+    def call(__self, __context, __obj, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        budget = __self.budget()
+        budget.tick()
+        if isinstance(__obj, types.BuiltinMethodType):  # 'x'.center(n), (1).to_bytes(n)...
+            _check_int_args(args, kwargs, budget)
+        if getattr(__obj, "__name__", "") == "join" and args and not isinstance(
+                args[0], (list, tuple, str)):
+            args = (list(args[0]), *args[1:])
+        budget.allow(_method_estimate(__obj, args, kwargs, budget)
+                     + _lipsum_estimate(__obj, args, kwargs))
+        return budget.account(super().call(__context, __obj, *args, **kwargs))
+
+    def wrap_str_format(self, value: Any):
+        wrapper = super().wrap_str_format(value)
+        if wrapper is None:
+            return None
+        fmt = value.__self__
+
+        def checked_format(*args: Any, **kwargs: Any) -> str:
             budget = self.budget()
-            budget.tick()
-            return budget.account(value)
+            values = list(args) + list(kwargs.values())
+            if len(args) == 1 and isinstance(args[0], dict) and value.__name__ == "format_map":
+                values = list(args[0].values())
+            budget.allow(_format_estimate(fmt, values, budget, "{"))
+            return wrapper(*args, **kwargs)
 
-        def concat(self, parts: list) -> str:  # joins the buffers of {% set %} blocks and macros
-            budget = self.budget()
-            budget.allow(sum(len(p) for p in parts))
-            return budget.account("".join(parts))
-
-        def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
-            budget = self.budget()
-            budget.tick()
-            budget.allow(_binop_estimate(operator, left, right, budget))
-            return budget.account(super().call_binop(context, operator, left, right))
-
-        def call(__self, __context, __obj, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
-            budget = __self.budget()
-            budget.tick()
-            if isinstance(__obj, types.BuiltinMethodType):  # 'x'.center(n), (1).to_bytes(n)...
-                _check_int_args(args, kwargs, budget)
-            if getattr(__obj, "__name__", "") == "join" and args and not isinstance(
-                    args[0], (list, tuple, str)):
-                args = (list(args[0]), *args[1:])
-            budget.allow(_method_estimate(__obj, args, kwargs, budget)
-                         + _lipsum_estimate(__obj, args, kwargs))
-            return budget.account(super().call(__context, __obj, *args, **kwargs))
-
-        def wrap_str_format(self, value: Any):
-            wrapper = super().wrap_str_format(value)
-            if wrapper is None:
-                return None
-            fmt = value.__self__
-
-            def checked_format(*args: Any, **kwargs: Any) -> str:
-                budget = self.budget()
-                values = list(args) + list(kwargs.values())
-                if len(args) == 1 and isinstance(args[0], dict) and value.__name__ == "format_map":
-                    values = list(args[0].values())
-                budget.allow(_format_estimate(fmt, values, budget, "{"))
-                return wrapper(*args, **kwargs)
-
-            return checked_format
-
-    return LimitedSandbox
+        return checked_format
 
 
 def _check_int_args(args: tuple, kwargs: dict, budget: _Budget) -> None:
@@ -391,7 +387,7 @@ def _transformers_environment():
 
 def _build_environment():
     base = _transformers_environment()
-    env = _sandbox_classes()(
+    env = LimitedSandbox(
         trim_blocks=base.trim_blocks, lstrip_blocks=base.lstrip_blocks,
         keep_trailing_newline=base.keep_trailing_newline, autoescape=base.autoescape,
         extensions=[type(e) for e in base.extensions.values()])
