@@ -279,12 +279,13 @@ def test_parquet_float_columns_of_whole_numbers_and_wrong_types(tmp_path):
 
     path = tmp_path / "in.parquet"
     _write_parquet(path, {"prompt": ["a", "b", "c"], "max_tokens": [3.0, float("nan"), 2.5],
-                          "seed": pa.array([1.0, None, 2.0])})
-    rows = list(open_input(str(path)).rows())
+                          "seed": pa.array([1.0, None, 2.0]), "key": pa.array([7.0, None, 8.5])})
+    rows = list(open_input(str(path), id_column="key").rows())
     assert rows[0].overrides == {"max_tokens": 3, "seed": 1}  # pandas' int-with-nulls columns
+    assert [r.id for r in rows] == [7, 2, 3] and rows[2].error.code == "invalid_id"
     out = _serve(rows)
     assert [r["error"]["code"] if r["error"] else None for r in out] == [
-        None, "invalid_parameter", "invalid_parameter"]
+        None, "invalid_parameter", "invalid_id"]
     _write_parquet(path, {"prompt": [[1, 2], None]})
     assert _codes(open_input(str(path)).rows()) == ["invalid_type", "missing_prompt"]
 

@@ -473,7 +473,7 @@ class ParquetSource:
     """Rows of a Parquet file, read one record batch at a time (never the whole table)."""
 
     format = "parquet"
-    _INT_OVERRIDES = ("max_tokens", "top_k", "seed")
+    _INTEGER_FIELDS = ("id", "max_tokens", "top_k", "seed")
 
     def __init__(self, path: Path, prompt_column: str = "prompt", id_column: str | None = None,
                  messages_column: str | None = None, batch_rows: int = 1024):
@@ -558,7 +558,7 @@ class ParquetSource:
                 raise _err(error.code, f"{self._map['messages']}: {error.message}")
         if isinstance(obj.get("stop"), tuple):
             obj["stop"] = list(obj["stop"])
-        for key in self._INT_OVERRIDES:  # a float column (pandas' int with nulls) of whole numbers
+        for key in self._INTEGER_FIELDS:  # a float column (pandas' int with nulls) of whole numbers
             v = obj.get(key)
             if isinstance(v, float) and v.is_integer():
                 obj[key] = int(v)
