@@ -35,10 +35,11 @@ class AbortedError(LlmctlError):
 class RequestError(Exception):
     """One request (one input row) cannot be served; it becomes an error row, never a crash."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, param: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param  # the request field at fault, where there is one (OpenAI's `param`)
 
     def to_dict(self) -> dict:
         return {"code": self.code, "message": self.message}

@@ -90,8 +90,11 @@ def test_openai_batch_shape_and_deterministic_ids(tmp_path, engines):
     assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["index"] == 0
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 3
     assert cmpl["response"]["body"]["object"] == "text_completion" and len(cmpl["response"]["body"]["choices"][0]["text"]) == 2
-    assert bad["response"]["status_code"] == 400 and bad["error"]["code"] == "unsupported_url"
-    assert bad["response"]["body"]["error"]["message"] == bad["error"]["message"]
+    # a bad request is answered as OpenAI does: an HTTP 400 response with the error in its body,
+    # and `error` null (that field is for requests that failed without a response)
+    assert bad["response"]["status_code"] == 400 and bad["error"] is None
+    assert bad["response"]["body"]["error"]["code"] == "unsupported_url"
+    assert bad["response"]["body"]["error"]["type"] == "invalid_request_error"
     ids = lambda rows: [(r["id"], r["response"]["request_id"], r["response"]["body"].get("id")) for r in rows]
     assert ids(read_jsonl(out1)) == ids(read_jsonl(out2))  # derived from custom_id, not random
     assert len({r["id"] for r in read_jsonl(out1)}) == 3
@@ -267,7 +270,7 @@ def test_odd_json_values_become_error_rows_or_round_trip(tmp_path, engines):
     inp = write_jsonl(tmp_path / "in.jsonl", [], raw_lines=[
         b'{"id": "a\\ud800", "prompt": "x", "max_tokens": 1}',  # lone surrogate in an id: echoed back as an escape
         b'{"prompt": "x", "temperature": NaN}',
-        b'{"prompt": "\\udc80"}',  # cannot be encoded
+        b'{"prompt": "\\udc80"}',  # not text: a clear invalid_text, not the tokenizer's TypeError
         b'{"prompt": "x", "max_tokens": 1.5}',
         b'{"prompt": "x", "stop": [1]}',
     ])
@@ -275,7 +278,7 @@ def test_odd_json_values_become_error_rows_or_round_trip(tmp_path, engines):
     assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 0
     rows = [json.loads(line) for line in out.read_bytes().decode("utf-8").splitlines()]
     assert rows[0]["id"] == "a\ud800" and rows[0]["error"] is None
-    assert [r["error"]["code"] for r in rows[1:]] == ["invalid_parameter", "tokenization_failed",
+    assert [r["error"]["code"] for r in rows[1:]] == ["invalid_parameter", "invalid_text",
                                                       "invalid_parameter", "invalid_parameter"]
 
 

@@ -1,7 +1,8 @@
 """A deterministic stand-in for the engine and runtime, for testing the run-batch I/O layer.
 
 Owns: `FakeRuntime` (byte-level "tokenizer", role-checked chat template) and `FakeEngine`
-(continuous batching of at most `max_num_seqs` requests, one token per running request per step).
+(continuous batching of at most `max_num_seqs` requests, one token per running request per step,
+up to max_tokens or the context length, like the engine).
 A request's output depends only on its prompt and max_tokens, never on batching or timing, so a
 resumed job can be compared byte for byte with an uninterrupted one. Requests with a larger
 max_tokens finish later, which makes completion order differ from input order.
@@ -100,7 +101,8 @@ class FakeEngine:
             k = len(r.out)
             r.out.append(ord("a") + (sum(r.prompt) + 7 * k + (r.params.seed or 0)) % 26)
             r.first = r.first or now
-            if len(r.out) >= r.params.max_tokens:
+            full = len(r.prompt) + len(r.out) >= self.max_model_len
+            if len(r.out) >= r.params.max_tokens or full:
                 done.append(RequestOutput(request_id=r.rid, prompt_token_ids=r.prompt, output_token_ids=r.out,
                                           text=bytes(r.out).decode("ascii"), finish_reason="length",
                                           arrival_time=r.arrival, first_token_time=r.first, finish_time=now))

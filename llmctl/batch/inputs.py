@@ -1,18 +1,25 @@
 """Reading run-batch inputs one row at a time, never the whole file.
 
-Owns: the three input formats (simple JSONL, OpenAI Batch API JSONL, Parquet), their detection,
-and turning each raw row into an `InputRow`: a prompt (text, chat messages or token ids) with its
-per-row sampling overrides, or a structured `RequestError` for a bad row (invalid JSON or UTF-8,
-a missing/empty prompt, wrong types, unknown chat roles). A bad row never raises.
+Owns: the three input formats (simple JSONL, OpenAI Batch API JSONL, Parquet), their detection
+(from the first valid rows, not only the first line), and turning each raw row into an
+`InputRow`: a prompt (text, chat messages or token ids) with its per-row sampling overrides, or a
+structured `RequestError` for a bad row (invalid JSON or UTF-8, a missing/empty prompt, wrong
+types, unknown chat roles, text that is not text, fields we do not implement, a repeated
+`custom_id`). A bad row never raises: whatever goes wrong reading one row is that row's error.
 
 Row numbering: `index` is 0-based and counts every physical line of a JSONL input (blank lines
 are skipped but keep their number) or every Parquet row; the default id is `index + 1`.
 `position` is where reading resumes at that row: a byte offset (JSONL) or a row number (Parquet).
+A UTF-8 byte-order mark at the start of a line (the input's first line, or a file concatenated
+after another) is skipped; positions still count its bytes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+import reprlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +33,26 @@ OVERRIDE_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 OPENAI_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+OPENAI_PROMPT = {"completions": "prompt", "chat": "messages"}
+# Body fields accepted and ignored: they do not change the answer.
+OPENAI_IGNORED = ("model", "user", "metadata", "store", "service_tier")
+# Generation features llmctl does not implement, with the values that ask for none of them. In an
+# OpenAI body every other unknown field is refused too; a simple row may carry other keys.
+NEUTRAL_VALUES: dict[str, tuple] = {
+    "n": (1,), "best_of": (1,), "stream": (False,), "stream_options": (), "echo": (False,),
+    "logprobs": (False,), "top_logprobs": (0,), "logit_bias": ({},), "suffix": ("",),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},),
+    "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
+    "web_search_options": (),
+}
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a longer line becomes a `row_too_long` error row, unread
+DETECT_LINES = 32  # format detection reads at most this many non-blank lines...
+DETECT_BYTES = 1 << 20  # ...and stops after this many bytes (both kept to be read again)
+BOM = b"\xef\xbb\xbf"
+_OTHER_BOMS = (b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff")  # UTF-16/32, either byte order
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_LONG_ID = 64  # custom_ids longer than this are remembered by a 16-byte digest
 
 
 @dataclass
@@ -46,143 +72,229 @@ class InputRow:
     endpoint: str | None = None  # OpenAI batch rows only: "completions" | "chat"
 
 
-def _err(code: str, message: str) -> RequestError:
-    return RequestError(code, message)
+def _err(code: str, message: str, param: str | None = None) -> RequestError:
+    return RequestError(code, message, param=param)
+
+
+def _show(value: object) -> str:
+    """A value as it appears in an error message: short, whatever its size or nesting."""
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = r.maxlong = 40
+    r.maxlevel = 2
+    return r.repr(value)
+
+
+def _json_type(v: object) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
+            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
 
 
 # ---------------------------------------------------------------------------------------------
-# Row validation (pure functions on parsed JSON values)
+# Row validation (pure functions on parsed JSON values; they raise RequestError)
 
 
-def validate_messages(messages: object) -> list[dict]:
+def check_text(value: str, where: str) -> str:
+    """`value`, unless it holds a lone UTF-16 surrogate (JSON "\\ud800"), which is not text."""
+    if not value.isascii():
+        bad = _SURROGATE.search(value)
+        if bad is not None:
+            point = f"\\u{ord(bad.group()):04x}"
+            raise _err("invalid_text", f"{where} contains a lone surrogate ({point} at "
+                                       f"{bad.start()}), which is not text; encode the text as "
+                                       f"UTF-8 or as surrogate pairs")
+    return value
+
+
+def validate_messages(messages: object, where: str = "messages") -> list[dict]:
     """Chat messages as [{'role': str, 'content': str}, ...]; text content parts are joined."""
     if not isinstance(messages, list) or not messages:
-        raise _err("invalid_messages", "messages must be a non-empty list of {role, content} objects")
+        raise _err("invalid_messages",
+                   f"{where} must be a non-empty list of {{role, content}} objects")
     out = []
     for i, m in enumerate(messages):
+        at = f"{where}[{i}]"
         if not isinstance(m, dict):
-            raise _err("invalid_messages", f"messages[{i}] must be an object with role and content")
+            raise _err("invalid_messages", f"{at} must be an object with role and content")
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str):
-            raise _err("invalid_messages", f"messages[{i}].role must be a string")
+            raise _err("invalid_messages", f"{at}.role must be a string")
         if role not in CHAT_ROLES:
-            raise _err("unknown_role", f"messages[{i}] has unknown role {role!r}; use one of {', '.join(CHAT_ROLES)}")
+            raise _err("unknown_role", f"{at} has unknown role {_show(role)}; "
+                                       f"use one of {', '.join(CHAT_ROLES)}")
         if isinstance(content, list):  # OpenAI content parts: only text parts are supported
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise _err("invalid_messages", f"messages[{i}].content parts must be {{'type': 'text', 'text': str}}")
-                texts.append(part["text"])
-            content = "".join(texts)
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise _err("invalid_messages",
+                           f"{at}.content parts must be {{'type': 'text', 'text': str}}")
+            content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
-            raise _err("invalid_messages", f"messages[{i}].content must be a string")
-        out.append({"role": role, "content": content})
+            raise _err("invalid_messages", f"{at}.content must be a string, "
+                                           f"got {_json_type(content)}")
+        out.append({"role": role, "content": check_text(content, f"{at}.content")})
     return out
 
 
-def validate_token_ids(ids: object) -> list[int]:
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise _err("invalid_type", "prompt_token_ids must be a list of integers")
+def validate_token_ids(ids: object, where: str = "prompt_token_ids") -> list[int]:
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                            for t in ids):
+        raise _err("invalid_type", f"{where} must be a list of integers")
     if not ids:
-        raise _err("empty_prompt", "prompt_token_ids is empty")
+        raise _err("empty_prompt", f"{where} is empty")
     if any(t < 0 for t in ids):
-        raise _err("invalid_token_id", "prompt_token_ids must not be negative")
+        raise _err("invalid_token_id", f"{where} must not be negative")
     return ids
 
 
-def _fill_prompt(row: InputRow, obj: dict, keys: tuple[str, str, str]) -> None:
-    """Set row.prompt/messages/prompt_token_ids from obj, or row.error. keys: the three field names."""
-    present = [k for k in keys if obj.get(k) is not None]
+def _fill_prompt(row: InputRow, obj: dict) -> None:
+    """Set row.prompt/messages/prompt_token_ids from obj's one prompt key."""
+    present = [k for k in PROMPT_KEYS if obj.get(k) is not None]
     if not present:
-        row.error = _err("missing_prompt", f"row has none of {', '.join(keys)}")
-        return
+        raise _err("missing_prompt", f"row has none of {', '.join(PROMPT_KEYS)}")
     if len(present) > 1:
-        row.error = _err("invalid_row", f"row has more than one of {', '.join(present)}; give exactly one")
-        return
+        raise _err("invalid_row",
+                   f"row has more than one of {', '.join(present)}; give exactly one")
     key = present[0]
     value = obj[key]
-    try:
-        if key == keys[0]:
-            if not isinstance(value, str):
-                raise _err("invalid_type", f"{key} must be a string, got {type(value).__name__}")
-            if value == "":
-                raise _err("empty_prompt", f"{key} is empty")
-            row.prompt = value
-        elif key == keys[1]:
-            row.messages = validate_messages(value)
-        else:
-            row.prompt_token_ids = validate_token_ids(value)
-    except RequestError as e:
-        row.error = e
+    if key == "prompt":
+        if not isinstance(value, str):
+            raise _err("invalid_type", f"prompt must be a string, got {_json_type(value)}")
+        if value == "":
+            raise _err("empty_prompt", "prompt is empty")
+        row.prompt = check_text(value, "prompt")
+    elif key == "messages":
+        row.messages = validate_messages(value)
+    else:
+        row.prompt_token_ids = validate_token_ids(value)
+
+
+_OVERRIDE_SHAPES = {"stop": ("a string or an array of strings", (str, list)),
+                    "ignore_eos": ("true or false", (bool, int, float, str))}
+
+
+def _overrides(obj: dict, where: str = "") -> dict:
+    """The row's sampling overrides, as given; values in the wrong JSON shape are refused here
+    (an array where a number goes), their ranges and types by SamplingParams (job)."""
+    out = {}
+    for key in (*OVERRIDE_KEYS, "max_completion_tokens"):
+        value = obj.get(key)
+        if value is None:
+            continue
+        wanted, shapes = _OVERRIDE_SHAPES.get(key, ("a number", (bool, int, float, str)))
+        if not isinstance(value, shapes):
+            raise _err("invalid_parameter", f"{where}{key} must be {wanted}, "
+                                            f"got {_json_type(value)}", param=key)
+        if key == "stop":
+            for s in [value] if isinstance(value, str) else value:
+                if isinstance(s, str):
+                    check_text(s, f"{where}stop")
+        out["max_tokens" if key == "max_completion_tokens" else key] = value
+    return out
+
+
+def _is_neutral(value: object, neutral: tuple) -> bool:
+    return any(type(value) is type(n) and value == n for n in neutral)
+
+
+def _refuse_unsupported(obj: dict, allowed: tuple | None, where: str) -> None:
+    """A generation feature we do not implement is an error, never silently ignored. With
+    `allowed` (an OpenAI body) every field not in it is such a feature."""
+    for key, value in obj.items():
+        if value is None or (allowed is not None and key in allowed):
+            continue
+        neutral = NEUTRAL_VALUES.get(key)
+        if neutral is None and allowed is None:
+            continue  # a simple row's own columns (metadata) are passed over
+        if neutral is None or not _is_neutral(value, neutral):
+            raise _err("unsupported_parameter",
+                       f"{where}{key}={_show(value)} is not supported: run-batch answers each "
+                       f"request with one plain-text completion; remove the field", param=key)
 
 
 def parse_simple(obj: object, index: int, position: int, end_position: int) -> InputRow:
     """A simple-JSONL (or Parquet) row: id?, one of prompt/messages/prompt_token_ids, overrides."""
     row = InputRow(index=index, position=position, end_position=end_position, id=index + 1)
-    if not isinstance(obj, dict):
-        row.error = _err("invalid_row", f"a row must be a JSON object, got {_json_type(obj)}")
-        return row
-    rid = obj.get("id")
-    if rid is not None:
-        if isinstance(rid, bool) or not isinstance(rid, (str, int)):
-            row.error = _err("invalid_id", f"id must be a string or an integer, got {_json_type(rid)}")
-            return row
-        row.id = rid
-    _fill_prompt(row, obj, PROMPT_KEYS)
-    row.overrides = {k: obj[k] for k in OVERRIDE_KEYS if obj.get(k) is not None}
+    try:
+        if not isinstance(obj, dict):
+            raise _err("invalid_row", f"a row must be a JSON object, got {_json_type(obj)}")
+        rid = obj.get("id")
+        if rid is not None:
+            if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+                raise _err("invalid_id",
+                           f"id must be a string or an integer, got {_json_type(rid)}")
+            row.id = rid  # a lone surrogate in it is echoed back as the same JSON escape
+        _fill_prompt(row, obj)
+        _refuse_unsupported(obj, None, "")
+        row.overrides = _overrides(obj)
+    except RequestError as e:
+        row.error = e
     return row
+
+
+def _openai_prompt(row: InputRow, body: dict) -> None:
+    key = OPENAI_PROMPT[row.endpoint]
+    value = body.get(key)
+    if value is None:
+        raise _err("missing_prompt", f"body.{key} is missing", param=key)
+    if key == "messages":
+        row.messages = validate_messages(value, "body.messages")
+        return
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # one prompt, in a list
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        kind = "strings" if all(isinstance(p, str) for p in value) else "prompts"
+        raise _err("unsupported_parameter", f"body.prompt is a list of {len(value)} {kind}: "
+                                            f"each line of a batch is one request with one answer; "
+                                            f"put each prompt on its own line", param="prompt")
+    if isinstance(value, list):
+        row.prompt_token_ids = validate_token_ids(value, "body.prompt")
+    elif not isinstance(value, str):
+        raise _err("invalid_type", f"body.prompt must be a string, a list of token ids or a list "
+                                   f"of one of them, got {_json_type(value)}", param="prompt")
+    elif not value:
+        raise _err("empty_prompt", "body.prompt is empty", param="prompt")
+    else:
+        row.prompt = check_text(value, "body.prompt")
+
+
+def _openai_envelope(row: InputRow, obj: dict) -> dict:
+    """Check custom_id, method and url; returns the body."""
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        raise _err("invalid_custom_id", "custom_id must be a non-empty string")
+    row.custom_id = row.id = cid
+    method, url, body = obj.get("method", "POST"), obj.get("url"), obj.get("body")
+    if method != "POST":
+        raise _err("invalid_method", f"method must be POST, got {_show(method)}")
+    if not isinstance(url, str) or url not in OPENAI_ENDPOINTS:
+        raise _err("unsupported_url", f"url must be one of {', '.join(OPENAI_ENDPOINTS)}, "
+                                      f"got {_show(url)}")
+    if not isinstance(body, dict):
+        raise _err("invalid_body", f"body must be a JSON object, got {_json_type(body)}")
+    row.endpoint = OPENAI_ENDPOINTS[url]
+    return body
 
 
 def parse_openai(obj: object, index: int, position: int, end_position: int) -> InputRow:
     """An OpenAI Batch API request line: custom_id, method, url, body."""
     row = InputRow(index=index, position=position, end_position=end_position, id=index + 1)
-    if not isinstance(obj, dict):
-        row.error = _err("invalid_row", f"a request must be a JSON object, got {_json_type(obj)}")
-        return row
-    cid = obj.get("custom_id")
-    if not isinstance(cid, str) or not cid:
-        row.error = _err("invalid_custom_id", "custom_id must be a non-empty string")
-        return row
-    row.custom_id = row.id = cid
-    method, url, body = obj.get("method", "POST"), obj.get("url"), obj.get("body")
-    if method != "POST":
-        row.error = _err("invalid_method", f"method must be POST, got {method!r}")
-    elif url not in OPENAI_ENDPOINTS:
-        row.error = _err("unsupported_url", f"url must be one of {', '.join(OPENAI_ENDPOINTS)}, got {url!r}")
-    elif not isinstance(body, dict):
-        row.error = _err("invalid_body", "body must be a JSON object")
-    if row.error is not None:
-        return row
-    row.endpoint = OPENAI_ENDPOINTS[url]
-    n = body.get("n", 1)
-    if n != 1:
-        row.error = _err("unsupported_parameter", f"n must be 1 (one completion per request), got {n!r}")
-        return row
-    if row.endpoint == "chat":
-        _fill_prompt(row, {"messages": body.get("messages")}, ("prompt", "messages", "prompt_token_ids"))
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-            row.error = _err("unsupported_parameter", "one prompt per request: batch several prompts as several lines")
-            return row
-        key = "prompt_token_ids" if isinstance(prompt, list) else "prompt"
-        _fill_prompt(row, {key: prompt}, PROMPT_KEYS)
-    overrides = {k: body[k] for k in OVERRIDE_KEYS if body.get(k) is not None}
-    if body.get("max_completion_tokens") is not None:
-        overrides["max_tokens"] = body["max_completion_tokens"]
-    row.overrides = overrides
+    try:
+        if not isinstance(obj, dict):
+            raise _err("invalid_row", f"a request must be a JSON object, got {_json_type(obj)}")
+        body = _openai_envelope(row, obj)
+        allowed = (OPENAI_PROMPT[row.endpoint], *OVERRIDE_KEYS, "max_completion_tokens",
+                   *OPENAI_IGNORED)
+        _refuse_unsupported(body, allowed, "body.")
+        _openai_prompt(row, body)
+        row.overrides = _overrides(body, "body.")
+    except RequestError as e:
+        row.error = e
     return row
 
 
-def _json_type(v: object) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer", float: "number",
-            type(None): "null"}.get(type(v), type(v).__name__)
-
-
 def decode_json_line(line: bytes) -> tuple[object, RequestError | None]:
-    """bytes of one line -> (parsed value, None) or (None, error)."""
+    """bytes of one line -> (parsed value, None) or (None, error). Never raises."""
+    if line.startswith(BOM):
+        line = line[len(BOM):]
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -193,29 +305,106 @@ def decode_json_line(line: bytes) -> tuple[object, RequestError | None]:
         return None, _err("invalid_json", f"invalid JSON: {e.msg} at column {e.colno}")
     except RecursionError:
         return None, _err("invalid_json", "invalid JSON: nested too deeply")
+    except ValueError as e:  # an integer of more digits than Python converts
+        if "digits" in str(e):
+            return None, _err("invalid_json", f"invalid JSON: a number has more than "
+                                              f"{sys.get_int_max_str_digits()} digits")
+        return None, _err("invalid_json", f"invalid JSON: {_show(str(e))}")
+
+
+def parse_line(parse: Callable, line: bytes, index: int, start: int, end: int) -> InputRow:
+    """One JSONL line -> its row; anything that goes wrong is that row's error."""
+    try:
+        obj, error = decode_json_line(line)
+        if error is None:
+            return parse(obj, index, start, end)
+    except Exception as e:  # a row never stops the job, whatever it holds
+        error = _err("invalid_row", f"cannot read this row ({type(e).__name__}: {_show(str(e))})")
+    return InputRow(index=index, position=start, end_position=end, id=index + 1, error=error)
+
+
+class CustomIds:
+    """The custom_ids seen so far in an OpenAI batch: the first use is served, a repeat is an
+    error row. Memory grows with the number of distinct ids (at most ~100 bytes each: long ids
+    are kept as digests); it is a function of the rows read, so a resume rebuilds it by reading
+    the rows before the resume point again."""
+
+    def __init__(self) -> None:
+        self._seen: set[str | bytes] = set()
+
+    def check(self, row: InputRow) -> None:
+        cid = row.custom_id
+        if cid is None:
+            return
+        key: str | bytes = cid
+        if len(cid) > _LONG_ID:
+            key = hashlib.blake2b(cid.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        if key in self._seen:
+            row.error = _err("duplicate_custom_id", f"custom_id {_show(cid)} was already used "
+                                                    f"by an earlier request; they must be unique")
+        self._seen.add(key)
 
 
 # ---------------------------------------------------------------------------------------------
 # Sources
 
 
+class ReplayStream:
+    """A stream that cannot seek (stdin) whose first lines can be read twice: what is read while
+    `recording` is kept, and after `rewind()` it is served again before the rest of the stream."""
+
+    def __init__(self, stream: BinaryIO):
+        self._stream = stream
+        self._kept = bytearray()
+        self._pos = 0
+        self.recording = True
+
+    def readline(self, limit: int) -> bytes:
+        if self._pos >= len(self._kept):
+            if not self.recording:
+                self._kept, self._pos = bytearray(), 0  # replayed: free it
+            return self._read(limit)
+        end = self._kept.find(b"\n", self._pos, self._pos + limit)
+        stop = min(len(self._kept), self._pos + limit) if end < 0 else end + 1
+        part = bytes(self._kept[self._pos:stop])
+        self._pos = stop
+        if part.endswith(b"\n") or len(part) >= limit or self._pos < len(self._kept):
+            return part
+        return part + self._read(limit - len(part))  # a line that continues past what was kept
+
+    def _read(self, limit: int) -> bytes:
+        line = self._stream.readline(limit)
+        if self.recording:
+            self._kept += line
+            self._pos += len(line)
+        return line
+
+    def rewind(self) -> None:
+        """Serve everything read so far again."""
+        self._pos = 0
+
+    def release(self) -> None:
+        """Keep nothing more: what was kept is served once more, then freed."""
+        self.recording = False
+
+    def close(self) -> None:
+        if self._stream is not sys.stdin.buffer:
+            self._stream.close()
+
+
 class JsonlSource:
     """Rows of a JSONL stream (a file, or stdin), parsed by `parse` (simple or OpenAI)."""
 
-    def __init__(self, stream: BinaryIO, fmt: str, seekable: bool, first_lines: list[bytes] | None = None,
+    def __init__(self, stream: BinaryIO | ReplayStream, fmt: str, seekable: bool,
                  max_line_bytes: int = MAX_LINE_BYTES):
         self.format = fmt
         self._stream = stream
         self._seekable = seekable
-        self._pushed_back = list(first_lines or [])  # lines already read for format detection (stdin)
         self._parse: Callable = parse_openai if fmt == "openai" else parse_simple
         self.max_line_bytes = max_line_bytes
 
     def _readline(self) -> tuple[bytes, int, bool]:
         """(line, bytes consumed, too_long). A too-long line is skipped to its end, not kept."""
-        if self._pushed_back:
-            line = self._pushed_back.pop(0)
-            return line, len(line), False
         line = self._stream.readline(self.max_line_bytes)
         if len(line) < self.max_line_bytes or line.endswith(b"\n"):
             return line, len(line), False
@@ -226,41 +415,41 @@ class JsonlSource:
             if not more or more.endswith(b"\n"):
                 return b"", consumed, True
 
-    def rows(self, start_index: int = 0, start_position: int = 0) -> Iterator[InputRow]:
-        """Rows from `start_index` on; `start_position` is that row's byte offset (seekable input)."""
-        index, position = 0, 0
-        if start_index or start_position:
-            if self._seekable:
-                self._stream.seek(start_position)
-                self._pushed_back = []
-                index, position = start_index, start_position
-            else:  # a pipe: read past the rows a previous session committed
-                while index < start_index:
-                    line, n, _ = self._readline()
-                    if n == 0:
-                        return
-                    index, position = index + 1, position + n
+    def _lines(self, index: int, position: int) -> Iterator[tuple[int, int, int, bytes, bool]]:
+        """(index, start, end, line, too_long) for every physical line from (index, position)."""
+        if self._seekable:
+            self._stream.seek(position)
         while True:
             line, n, too_long = self._readline()
             if n == 0:
                 return
-            start, position = position, position + n
+            yield index, position, position + n, line, too_long
+            index, position = index + 1, position + n
+
+    def rows(self, start_index: int = 0, start_position: int = 0) -> Iterator[InputRow]:
+        """Rows from `start_index` on; `start_position` is that row's byte offset. A pipe, and an
+        OpenAI batch (whose duplicate check needs the ids before), read the rows before again."""
+        ids = CustomIds() if self.format == "openai" else None
+        skip_to = start_index
+        if self._seekable and ids is None:
+            lines, skip_to = self._lines(start_index, start_position), 0
+        else:
+            lines = self._lines(0, 0)
+        for index, start, end, line, too_long in lines:
             if too_long:
-                row = InputRow(index=index, position=start, end_position=position, id=index + 1,
-                               error=_err("row_too_long", f"line is longer than {self.max_line_bytes} bytes"))
-                index += 1
-                yield row
+                row = InputRow(index=index, position=start, end_position=end, id=index + 1,
+                               error=_err("row_too_long",
+                                          f"line is longer than {self.max_line_bytes} bytes"))
+            elif not line.removeprefix(BOM).strip():
                 continue
-            if not line.strip():
-                index += 1
-                continue
-            obj, error = decode_json_line(line)
-            if error is not None:
-                row = InputRow(index=index, position=start, end_position=position, id=index + 1, error=error)
+            elif index < skip_to and ids is None:
+                continue  # served by an earlier session: no need to parse it
             else:
-                row = self._parse(obj, index, start, position)
-            index += 1
-            yield row
+                row = parse_line(self._parse, line, index, start, end)
+            if ids is not None:
+                ids.check(row)
+            if index >= skip_to:
+                yield row
 
     def count_rows(self) -> int | None:
         """Lines in a seekable file, counted in 1 MiB chunks (for progress); None for a pipe."""
@@ -284,6 +473,7 @@ class ParquetSource:
     """Rows of a Parquet file, read one record batch at a time (never the whole table)."""
 
     format = "parquet"
+    _INTEGER_FIELDS = ("id", "max_tokens", "top_k", "seed")
 
     def __init__(self, path: Path, prompt_column: str = "prompt", id_column: str | None = None,
                  messages_column: str | None = None, batch_rows: int = 1024):
@@ -296,13 +486,16 @@ class ParquetSource:
         names = set(self._file.schema_arrow.names)
         for flag, col in (("--id-column", id_column), ("--messages-column", messages_column)):
             if col is not None and col not in names:
-                raise UsageError(f"{path}: {flag} {col!r} is not a column; columns: {', '.join(sorted(names))}")
+                raise UsageError(f"{path}: {flag} {col!r} is not a column; "
+                                 f"columns: {', '.join(sorted(names))}")
         self._map = {"prompt": prompt_column if prompt_column in names else None,
-                     "messages": messages_column, "prompt_token_ids": "prompt_token_ids" if "prompt_token_ids" in names else None,
+                     "messages": messages_column,
+                     "prompt_token_ids": ("prompt_token_ids" if "prompt_token_ids" in names
+                                          else None),
                      "id": id_column}
         if not any(self._map[k] for k in PROMPT_KEYS):
-            raise UsageError(f"{path}: no prompt column {prompt_column!r} (see --prompt-column, --messages-column); "
-                             f"columns: {', '.join(sorted(names))}")
+            raise UsageError(f"{path}: no prompt column {prompt_column!r} (see --prompt-column, "
+                             f"--messages-column); columns: {', '.join(sorted(names))}")
         self._overrides = [k for k in OVERRIDE_KEYS if k in names]
         self._columns = sorted({c for c in self._map.values() if c} | set(self._overrides))
         self._batch_rows = batch_rows
@@ -312,72 +505,116 @@ class ParquetSource:
 
     def rows(self, start_index: int = 0, start_position: int = 0) -> Iterator[InputRow]:
         meta = self._file.metadata
-        first, skip, seen = 0, 0, 0  # first row group to read, rows of it to drop
+        first = 0  # the row number of the group's first row
         for rg in range(meta.num_row_groups):
             n = meta.row_group(rg).num_rows
-            if seen + n > start_index:
-                first, skip = rg, start_index - seen
-                break
-            seen += n
-        else:
-            return
-        index = start_index - skip
-        groups = list(range(first, meta.num_row_groups))
-        for batch in self._file.iter_batches(batch_size=self._batch_rows, row_groups=groups, columns=self._columns):
-            for record in batch.to_pylist():
-                if index >= start_index:
-                    yield self._row(record, index)
-                index += 1
+            if first + n > start_index:
+                yield from self._group_rows(rg, first, n, start_index)
+            first += n
+
+    def _group_rows(self, rg: int, first: int, n: int, start_index: int) -> Iterator[InputRow]:
+        """The rows of one row group from start_index on; a group that cannot be read (corrupt,
+        or a type pyarrow cannot convert) gives an error row for each of its unread rows."""
+        index = first
+        try:
+            for batch in self._file.iter_batches(batch_size=self._batch_rows, row_groups=[rg],
+                                                 columns=self._columns):
+                for record in batch.to_pylist():
+                    if index >= start_index:
+                        yield self._row(record, index)
+                    index += 1
+        except Exception as e:
+            error = _err("invalid_row", f"cannot read Parquet row group {rg} "
+                                        f"({type(e).__name__}: {_show(str(e))})")
+            for i in range(max(index, start_index), first + n):
+                yield InputRow(index=i, position=i, end_position=i + 1, id=i + 1, error=error)
 
     def _row(self, record: dict, index: int) -> InputRow:
+        try:
+            obj = self._record_to_obj(record)
+        except RequestError as e:
+            return InputRow(index=index, position=index, end_position=index + 1, id=index + 1,
+                            error=e)
+        except Exception as e:  # a row never stops the job, whatever it holds
+            return InputRow(index=index, position=index, end_position=index + 1, id=index + 1,
+                            error=_err("invalid_row", f"cannot read this row "
+                                                      f"({type(e).__name__}: {_show(str(e))})"))
+        return parse_simple(obj, index, index, index + 1)
+
+    def _record_to_obj(self, record: dict) -> dict:
+        """A Parquet record as the JSON object a simple row would be."""
         obj: dict = {k: record[c] for k, c in self._map.items() if c and record.get(c) is not None}
         obj.update({k: record[k] for k in self._overrides if record.get(k) is not None})
-        try:
-            if isinstance(obj.get("prompt"), bytes):
+        if isinstance(obj.get("prompt"), bytes):
+            try:
                 obj["prompt"] = obj["prompt"].decode("utf-8")
-            if isinstance(obj.get("messages"), (str, bytes)):
-                obj["messages"], error = decode_json_line(obj["messages"] if isinstance(obj["messages"], bytes)
-                                                          else obj["messages"].encode("utf-8"))
-                if error is not None:
-                    return InputRow(index=index, position=index, end_position=index + 1, id=index + 1,
-                                    error=_err(error.code, f"{self._map['messages']}: {error.message}"))
-        except UnicodeDecodeError as e:
-            return InputRow(index=index, position=index, end_position=index + 1, id=index + 1,
-                            error=_err("invalid_utf8", f"prompt is not valid UTF-8 (byte {e.start})"))
+            except UnicodeDecodeError as e:
+                raise _err("invalid_utf8", f"prompt is not valid UTF-8 (byte {e.start})") from None
+        if isinstance(obj.get("messages"), (str, bytes)):
+            raw = obj["messages"]
+            obj["messages"], error = decode_json_line(raw if isinstance(raw, bytes)
+                                                      else raw.encode("utf-8"))
+            if error is not None:
+                raise _err(error.code, f"{self._map['messages']}: {error.message}")
         if isinstance(obj.get("stop"), tuple):
             obj["stop"] = list(obj["stop"])
-        return parse_simple(obj, index, index, index + 1)
+        for key in self._INTEGER_FIELDS:  # a float column (pandas' int with nulls) of whole numbers
+            v = obj.get(key)
+            if isinstance(v, float) and v.is_integer():
+                obj[key] = int(v)
+        return obj
 
     def close(self) -> None:
         pass
 
 
-def detect_format(first_line: bytes) -> str:
-    """'openai' when the first non-blank line is an object with custom_id and body, else 'jsonl'."""
-    obj, error = decode_json_line(first_line)
-    if error is None and isinstance(obj, dict) and "custom_id" in obj and "body" in obj:
-        return "openai"
+def _looks_openai(obj: object) -> bool:
+    return (isinstance(obj, dict) and ("custom_id" in obj or "body" in obj)
+            and not any(k in obj for k in PROMPT_KEYS))
+
+
+def detect_format(readline: Callable[[int], bytes]) -> str:
+    """'openai' when the first line that is a JSON object looks like an OpenAI batch request
+    (custom_id or body, no prompt key), else 'jsonl'. Lines that are not JSON objects are
+    passed over, for at most DETECT_LINES non-blank lines and DETECT_BYTES bytes."""
+    seen_lines, seen_bytes = 0, 0
+    while seen_lines < DETECT_LINES and seen_bytes < DETECT_BYTES:
+        line = readline(MAX_LINE_BYTES)
+        if not line:
+            break
+        seen_bytes += len(line)
+        if not line.removeprefix(BOM).strip():
+            continue
+        seen_lines += 1
+        obj, error = decode_json_line(line)
+        if error is None and isinstance(obj, dict):
+            return "openai" if _looks_openai(obj) else "jsonl"
     return "jsonl"
 
 
-def open_input(path: str, fmt: str = "auto", prompt_column: str = "prompt", id_column: str | None = None,
-               messages_column: str | None = None, stdin: BinaryIO | None = None) -> JsonlSource | ParquetSource:
+def _refuse_other_encodings(first: bytes, name: str) -> None:
+    if first.startswith(_OTHER_BOMS):
+        raise UsageError(f"{name} starts with a UTF-16/UTF-32 byte-order mark; run-batch reads "
+                         f"UTF-8 JSONL: convert it first (iconv -f UTF-16 -t UTF-8)")
+
+
+def open_input(path: str, fmt: str = "auto", prompt_column: str = "prompt",
+               id_column: str | None = None, messages_column: str | None = None,
+               stdin: BinaryIO | None = None) -> JsonlSource | ParquetSource:
     """Open INPUT ('-' = stdin) as a row source; the format is detected unless given."""
     if fmt not in FORMATS:
         raise UsageError(f"unknown --input-format {fmt!r}; use one of {', '.join(FORMATS)}")
     if path == "-":
         if fmt == "parquet":
             raise UsageError("Parquet input cannot be read from stdin; pass a file path")
-        stream = stdin if stdin is not None else sys.stdin.buffer
-        first: list[bytes] = []
-        if fmt == "auto":  # read up to the first non-blank line, then hand the lines back to the reader
-            fmt = "jsonl"
-            while line := stream.readline(MAX_LINE_BYTES):
-                first.append(line)
-                if line.strip():
-                    fmt = detect_format(line)
-                    break
-        return JsonlSource(stream, fmt, seekable=False, first_lines=first)
+        stream = ReplayStream(stdin if stdin is not None else sys.stdin.buffer)
+        _refuse_other_encodings(stream.readline(4), "stdin")
+        stream.rewind()
+        if fmt == "auto":
+            fmt = detect_format(stream.readline)
+            stream.rewind()
+        stream.release()
+        return JsonlSource(stream, fmt, seekable=False)
     p = Path(path)
     if not p.exists():
         raise UsageError(f"input {path} not found")
@@ -386,11 +623,13 @@ def open_input(path: str, fmt: str = "auto", prompt_column: str = "prompt", id_c
     if fmt == "parquet" or (fmt == "auto" and p.suffix.lower() == ".parquet"):
         return ParquetSource(p, prompt_column, id_column, messages_column)
     stream = open(p, "rb")
+    try:
+        _refuse_other_encodings(stream.read(4), path)
+    except UsageError:
+        stream.close()
+        raise
+    stream.seek(0)
     if fmt == "auto":
-        fmt = "jsonl"
-        while line := stream.readline(MAX_LINE_BYTES):
-            if line.strip():
-                fmt = detect_format(line)
-                break
+        fmt = detect_format(stream.readline)
         stream.seek(0)
     return JsonlSource(stream, fmt, seekable=True)

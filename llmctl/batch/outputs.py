@@ -50,18 +50,21 @@ def simple_record(row: InputRow, result: RowResult, include_token_ids: bool = Fa
 
 def _stable_id(*parts: object, n: int = 24) -> str:
     """A deterministic id from the row's identity (same input -> same id after any resume)."""
-    return hashlib.sha256("\x1f".join(map(str, parts)).encode("utf-8")).hexdigest()[:n]
+    text = "\x1f".join(map(str, parts))  # a custom_id may hold a lone surrogate ("\ud800")
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:n]
 
 
 def openai_record(row: InputRow, result: RowResult, model: str, created: int, include_token_ids: bool = False) -> dict:
     """One line of an OpenAI Batch API output file (`response.body` a completion object)."""
     key = _stable_id(row.custom_id, row.index)
     rec: dict = {"id": f"batch_req_{key}", "custom_id": row.custom_id}
-    if result.error is not None:
+    if result.error is not None:  # as OpenAI answers a bad request: an HTTP 400 response, and
+        # `error` null (that field is for requests that failed without an HTTP response)
+        e = result.error
         rec["response"] = {"status_code": 400, "request_id": f"req_{key}",
-                           "body": {"error": {"message": result.error.message, "type": "invalid_request_error",
-                                              "param": None, "code": result.error.code}}}
-        rec["error"] = result.error.to_dict()
+                           "body": {"error": {"message": e.message, "type": "invalid_request_error",
+                                              "param": getattr(e, "param", None), "code": e.code}}}
+        rec["error"] = None
         return rec
     if row.endpoint == "chat":
         choice: dict = {"index": 0, "message": {"role": "assistant", "content": result.text},
@@ -152,6 +155,10 @@ class StdoutSink:
         self._f.flush()
 
 
+def _utf8(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def journal_to_parquet(journal: Path, out: Path, include_token_ids: bool, chunk_rows: int = 8192) -> None:
     """Convert a simple-shape JSONL journal to Parquet in chunks; the file appears atomically."""
     import pyarrow as pa
@@ -166,8 +173,10 @@ def journal_to_parquet(journal: Path, out: Path, include_token_ids: bool, chunk_
     tmp = out.with_name(out.name + ".tmp")
 
     def table(recs: list[dict]):
-        for r in recs:
-            r["id"] = str(r["id"])
+        for r in recs:  # Parquet strings are UTF-8: a lone surrogate (an input id's "\ud800")
+            r["id"] = _utf8(str(r["id"]))  # is kept as the escape the JSONL output writes
+            if r["error"] is not None:
+                r["error"]["message"] = _utf8(r["error"]["message"])
         return pa.Table.from_pylist(recs, schema=schema)
 
     with open(journal, "rb") as f, pq.ParquetWriter(str(tmp), schema) as writer:

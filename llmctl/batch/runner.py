@@ -213,6 +213,7 @@ def _drive(opts, source, out: Path | None, state: JobState, sink, engine, runtim
                            max_errors=opts.max_errors, commit_rows=opts.commit_rows,
                            commit_interval_s=opts.commit_interval_s)
     stats = BatchStats.from_state(state.stats)
+    stats.input_format = source.format  # said in the summary: detection may have chosen it
     rows_total = source.count_rows()
     job = BatchJob(engine, runtime, source.rows(state.next_index, state.next_position), sink, fmt, defaults, settings,
                    stats=stats, start_index=state.next_index, start_position=state.next_position,

@@ -65,6 +65,7 @@ class BatchStats:
     tpot: LogHistogram = field(default_factory=LogHistogram)
     spec_proposed: int = 0  # speculative decoding: draft tokens verified, and accepted
     spec_accepted: int = 0
+    input_format: str | None = None  # the format the input was read as (detected or given)
 
     def add_row(self, prompt_tokens: int, completion_tokens: int, error_code: str | None,
                 ttft: float | None = None, tpot: float | None = None) -> None:
@@ -84,7 +85,8 @@ class BatchStats:
                 "output_tokens": self.output_tokens, "elapsed_s": self.elapsed_s,
                 "errors_by_code": dict(self.errors_by_code),
                 "ttft": self.ttft.to_state(), "tpot": self.tpot.to_state(),
-                "spec_proposed": self.spec_proposed, "spec_accepted": self.spec_accepted}
+                "spec_proposed": self.spec_proposed, "spec_accepted": self.spec_accepted,
+                "input_format": self.input_format}
 
     @classmethod
     def from_state(cls, d: dict) -> "BatchStats":
@@ -93,7 +95,8 @@ class BatchStats:
                    elapsed_s=float(d.get("elapsed_s", 0.0)),
                    errors_by_code={str(k): int(v) for k, v in d.get("errors_by_code", {}).items()},
                    ttft=LogHistogram.from_state(d.get("ttft")), tpot=LogHistogram.from_state(d.get("tpot")),
-                   spec_proposed=int(d.get("spec_proposed", 0)), spec_accepted=int(d.get("spec_accepted", 0)))
+                   spec_proposed=int(d.get("spec_proposed", 0)), spec_accepted=int(d.get("spec_accepted", 0)),
+                   input_format=d.get("input_format"))
 
     def copy(self) -> "BatchStats":
         return BatchStats.from_state(self.to_state())
@@ -106,6 +109,7 @@ class BatchStats:
             return {f"p{q}": _round(h.percentile(q / 100)) for q in (50, 90, 99)}
 
         return {
+            "input_format": self.input_format,
             "rows": self.rows,
             "ok": self.rows - self.errors,
             "errors": self.errors,

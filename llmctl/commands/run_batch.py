@@ -29,7 +29,7 @@ body; answered in the OpenAI batch output shape), or Parquet (read one row group
 Output rows: id, text, finish_reason, usage, error (null or {code, message}); in input order
 unless --unordered (Parquet output: ids as strings). A bad row becomes an error row; it never
 stops the job. Default ids are line numbers (1-based; Parquet: row numbers); ids are not checked
-for duplicates.
+for duplicates (an OpenAI batch's custom_ids are: a repeat is an error row).
 
 \b
 Sampling is greedy by default (--temperature 0) so that batch jobs are reproducible; with
@@ -107,6 +107,8 @@ class RichUI:
             return "-" if v is None else f"{v * 1000:.3g} ms"
 
         t = Table(title="run-batch summary", show_header=False, title_justify="left")
+        if s.get("input_format"):
+            t.add_row("input format", s["input_format"])
         t.add_row("rows", f"{s['rows']:,} ({s['errors']:,} errors)")
         if s["errors_by_code"]:
             t.add_row("errors by code", ", ".join(f"{k}: {v}" for k, v in s["errors_by_code"].items()))

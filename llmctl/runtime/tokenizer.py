@@ -58,6 +58,7 @@ class TextCodec:
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
+        self._chat_template: Any = None  # compiled on first use
 
     def _need(self, what: str):
         if self.tokenizer is None:
@@ -74,12 +75,20 @@ class TextCodec:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def apply_chat_template(self, messages: Any) -> list[int]:
+        """Token ids of `messages` in the model's chat template, ending with the assistant's turn.
+
+        The template is user-supplied code: it is rendered by `ChatTemplate` under a time limit and
+        size caps (a template that fails or runs past them is a RequestError for this request
+        only), then tokenized as transformers' `apply_chat_template` does (no special tokens added:
+        the template writes them)."""
         tok = self._need("a chat prompt")
         validate_messages(messages)
         if not getattr(tok, "chat_template", None):
             raise RequestError("no_chat_template",
                                "this model has no chat template; send `prompt` instead of `messages`")
-        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(out, dict) or hasattr(out, "keys"):
-            out = out["input_ids"]
-        return list(out)
+        if self._chat_template is None:
+            from llmctl.runtime.chat_template import ChatTemplate
+
+            self._chat_template = ChatTemplate(tok)
+        text = self._chat_template.render(messages, add_generation_prompt=True)
+        return list(tok(text, add_special_tokens=False)["input_ids"])
