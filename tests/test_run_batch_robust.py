@@ -520,3 +520,35 @@ def test_an_output_created_by_someone_else_while_the_model_loads_is_not_clobbere
     assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 2
     assert "appeared while the model was loading" in one_line_error(capsys)
     assert out.read_text() == "theirs\n" and not state_path(out).exists()
+
+
+def test_a_resumed_stdin_commits_nothing_before_it_is_checked(tmp_path, engines, capsys,
+                                                              monkeypatch):
+    """--unordered: rows past the watermark were written, so the stream is checked up to the
+    last row read; with a smaller --max-in-flight rows finish before the check, and their commit
+    must wait for it (else a changed stream would be vouched for)."""
+    rows = [{"id": i, "prompt": f"ROMEO {i:03d}:", "max_tokens": 1 + (i * 7) % 5}
+            for i in range(120)]
+    data = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+    out = tmp_path / "out.jsonl"
+    args = ["run-batch", "-", "-o", str(out), "-q", "--unordered", "--max-tokens", "3"]
+    engines.append(InterruptAt(3))
+    stdin_of(monkeypatch, data)
+    assert main(args) == 130
+    state = json.loads(state_path(out).read_text())
+    assert state["done_after"] and state["input_hash"]["position"] > state["next_position"]
+    before = state_path(out).read_bytes()
+    first = state["next_position"]  # the first row not written: changed, same length
+    changed = data[:first] + data[first:].replace(b"ROMEO", b"JULIA", 1)
+    real_run = runner.run_batch
+
+    def commit_every_row(opts, *a, **k):
+        opts.commit_rows = 1
+        return real_run(opts, *a, **k)
+
+    monkeypatch.setattr(runner, "run_batch", commit_every_row)
+    stdin_of(monkeypatch, changed)
+    capsys.readouterr()
+    assert main(args + ["--max-in-flight", "1"]) == 2
+    assert "the input changed since the job started" in one_line_error(capsys)
+    assert state_path(out).read_bytes() == before

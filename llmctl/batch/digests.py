@@ -31,6 +31,11 @@ class PrefixChanged(UsageError):
     """The bytes a job already consumed are not the bytes it consumed before."""
 
 
+class NotVerifiedYet(Exception):
+    """A resumed stream has not been read again up to the position its state recorded; a commit
+    now would vouch for rows read from bytes not yet checked, so it waits."""
+
+
 def hash_file_prefix(path: Path, n: int, hasher=None, start: int = 0):
     """Update `hasher` (a new one by default) with bytes [start, n) of path; returns it.
 
@@ -181,9 +186,7 @@ class StreamHasher:
         if self._failed:
             raise PrefixChanged("the input changed since the job started")
         if self._expect is not None:
-            if position <= self._expect[0]:
-                return self._expect[1]  # not re-read that far yet: the recorded digest still holds
-            raise PrefixChanged("the input was not verified up to the committed position")
+            raise NotVerifiedYet(f"input not read again up to position {self._expect[0]} yet")
         return self._lookup(position)
 
     def _lookup(self, position: int) -> str:

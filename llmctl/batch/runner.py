@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Protocol
 
-from llmctl.batch.digests import (FileHasher, PrefixChanged, StreamHasher, hash_file_prefix,
-                                  new_hasher, parquet_hasher)
+from llmctl.batch.digests import (FileHasher, NotVerifiedYet, PrefixChanged, StreamHasher,
+                                  hash_file_prefix, new_hasher, parquet_hasher)
 from llmctl.batch.inputs import MAX_LINE_BYTES, InputRow, open_input
 from llmctl.batch.job import BatchJob, Checkpoint, JobSettings
 from llmctl.batch.journal import (STATE_VERSION, JobState, fingerprint_mismatch, journal_path,
@@ -454,7 +454,10 @@ class _Job:
             # written ahead of it (--unordered). It never moves back.
             prev = (self.state.input_hash or {}).get("position", 0)
             position = max(prev, c.read_position if c.done_after else c.next_position)
-            digest = self.input_hasher.digest_at(position)
+            try:
+                digest = self.input_hasher.digest_at(position)
+            except NotVerifiedYet:
+                return  # a resumed stdin not yet checked: keep the last commit (safe, only older)
             self._save(next_index=c.next_index, next_position=c.next_position,
                        done_after=c.done_after, output_bytes=c.output_bytes,
                        output_blake2b=sink.digest(), stats=c.stats.to_state(),
