@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = app(args=argv, prog_name="llmctl", standalone_mode=False)
     except LlmctlError as e:
-        print(f"llmctl: error: {e}", file=sys.stderr)
+        if str(e):  # an error with no message has said what it had to (e.g. a closed stdout)
+            print(f"llmctl: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("llmctl: interrupted", file=sys.stderr)

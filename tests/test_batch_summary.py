@@ -10,7 +10,8 @@ import pytest
 
 from llmctl.batch.inputs import InputRow
 from llmctl.batch.journal import JobState, fingerprint_mismatch, load_state, save_state, state_path
-from llmctl.batch.outputs import FileSink, RowResult, journal_to_parquet, openai_record, simple_record
+from llmctl.batch.outputs import (FileSink, RowResult, journal_to_parquet, open_locked, openai_record,
+                                  simple_record)
 from llmctl.batch.summary import BatchStats, LogHistogram
 from llmctl.errors import RequestError, UsageError
 
@@ -63,16 +64,23 @@ def test_state_file_is_replaced_atomically_and_checked(tmp_path):
         load_state(state_path(out))
 
 
-def test_file_sink_cuts_back_to_the_committed_size(tmp_path):
+def test_file_sink_cuts_back_to_the_committed_size_and_hashes_what_it_holds(tmp_path):
+    import hashlib
+
+    from llmctl.batch.digests import hash_file_prefix
+
     p = tmp_path / "o.jsonl"
     p.write_bytes(b'{"a":1}\n{"b":2}\n{"c":')
-    sink = FileSink(p, committed_bytes=8)
+    sink = FileSink(open_locked(p, create=False), p, committed_bytes=8, hasher=hash_file_prefix(p, 8))
     sink.write(b'{"d":4}\n')
     assert sink.commit() == 16
     sink.close()
     assert p.read_bytes() == b'{"a":1}\n{"d":4}\n'
+    assert sink.digest() == hashlib.blake2b(p.read_bytes(), digest_size=32).hexdigest()
     with pytest.raises(UsageError, match="shorter"):
-        FileSink(p, committed_bytes=1000)
+        FileSink(open_locked(p, create=False), p, committed_bytes=1000)
+    with pytest.raises(UsageError, match="appeared"):
+        open_locked(p, create=True)  # a new output must not exist yet
 
 
 def test_output_shapes():

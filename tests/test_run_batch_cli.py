@@ -294,32 +294,6 @@ def test_a_second_job_on_the_same_output_is_refused(tmp_path, engines, capsys):
     assert main(["run-batch", str(inp), "-o", str(out), "-q", "--overwrite"]) == 0
 
 
-def test_disk_full_is_one_line_and_resumable(tmp_path, engines, capsys, monkeypatch):
-    import errno
-
-    from llmctl.batch import outputs
-
-    inp = write_jsonl(tmp_path / "in.jsonl", prompts(40))
-    ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
-    assert main(["run-batch", str(inp), "-o", str(ref), "-q"]) == 0
-    write, calls = outputs.FileSink.write, []
-
-    def failing_write(self, data):
-        calls.append(1)
-        if len(calls) == 25:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        write(self, data)
-
-    monkeypatch.setattr(outputs.FileSink, "write", failing_write)
-    monkeypatch.setattr(rb, "_load_runtime", lambda *a, **k: FakeRuntime(FakeEngine(max_num_seqs=4, max_model_len=64)))
-    assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 1
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("llmctl: error: cannot write") and "No space left on device" in err and len(err.splitlines()) == 1
-    monkeypatch.setattr(outputs.FileSink, "write", write)
-    assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 0
-    assert out.read_bytes() == ref.read_bytes()
-
-
 def test_openai_batch_resumes_to_the_same_lines(tmp_path, engines):
     reqs = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
              "body": {"prompt": f"ROMEO {i}:", "max_tokens": 1 + i % 4}} for i in range(30)]
@@ -359,17 +333,23 @@ def test_stdin_input_to_a_file_resumes_by_reading_past_committed_rows(tmp_path, 
     assert out.read_bytes() == ref.read_bytes()
 
 
-def test_overwrite_interrupted_while_loading_leaves_a_restartable_job(tmp_path, engines, monkeypatch):
+def test_overwrite_interrupted_while_loading_leaves_the_old_job_untouched(tmp_path, engines,
+                                                                          monkeypatch):
     inp = write_jsonl(tmp_path / "in.jsonl", prompts(10))
     for out in (tmp_path / "o.jsonl", tmp_path / "o.parquet"):
         assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 0
+        before = (out.read_bytes(), state_path(out).read_bytes())
 
         def interrupted_load(*a, **k):
             raise KeyboardInterrupt
 
         monkeypatch.setattr(rb, "_load_runtime", interrupted_load)
         assert main(["run-batch", str(inp), "-o", str(out), "-q", "--overwrite", "--max-tokens", "2"]) == 130
+        # nothing is replaced before the model has loaded
+        assert (out.read_bytes(), state_path(out).read_bytes()) == before
         monkeypatch.undo()
         monkeypatch.setattr(rb, "_load_runtime", lambda *a, **k: FakeRuntime(FakeEngine(max_num_seqs=4)))
-        assert main(["run-batch", str(inp), "-o", str(out), "-q", "--max-tokens", "2"]) == 0
-        assert json.loads(state_path(out).read_text())["stats"]["rows"] == 10
+        assert main(["run-batch", str(inp), "-o", str(out), "-q", "--overwrite",
+                     "--max-tokens", "2"]) == 0
+        state = json.loads(state_path(out).read_text())
+        assert state["stats"]["rows"] == 10 and state["fingerprint"]["sampling.max_tokens"] == 2

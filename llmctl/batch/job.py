@@ -59,6 +59,7 @@ class Checkpoint:
     next_index: int
     next_position: int
     done_after: list[int]
+    read_position: int  # where the last row read ends: every row written lies before it
     output_bytes: int
     stats: BatchStats
     finished: bool
@@ -303,7 +304,8 @@ class BatchJob:
             nxt = self._next_read
         if self._on_commit is not None:
             self._on_commit(Checkpoint(next_index=nxt[0], next_position=nxt[1], done_after=sorted(self._written),
-                                       output_bytes=output_bytes, stats=self.stats, finished=finished))
+                                       read_position=self._next_read[1], output_bytes=output_bytes,
+                                       stats=self.stats, finished=finished))
         self._since_commit = 0
         self._last_commit = time.perf_counter()
 

@@ -3,8 +3,9 @@
 Owns: `RowResult` (what one input row produced), the two output shapes (the simple shape:
 id, text, finish_reason, usage, error, token_ids?; and the OpenAI Batch API output shape with
 deterministic ids, so a resumed job writes the same bytes as an uninterrupted one), the sinks
-(a file appended and fsynced in chunks, stdout), and the streaming JSONL -> Parquet conversion
-used for `.parquet` outputs.
+(a locked file appended, hashed and fsynced in chunks; stdout), `open_locked` (the advisory
+lock that keeps two jobs off one output), and the streaming JSONL -> Parquet conversion used for
+`.parquet` outputs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from llmctl.batch.digests import new_hasher
 from llmctl.batch.inputs import InputRow
+from llmctl.batch.journal import temp_path
 from llmctl.errors import RequestError, UsageError
 
 
@@ -90,28 +93,57 @@ def encode_record(rec: dict) -> bytes:
     return (json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8", "backslashreplace")
 
 
+def open_locked(path: Path, create: bool) -> BinaryIO:
+    """Open path for appending and take an exclusive advisory lock for the life of the file object
+    (released by the OS even on kill -9). create=True makes a new file and refuses an existing one
+    (it appeared since the job looked: another job may own it)."""
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    try:
+        f: BinaryIO = os.fdopen(os.open(path, flags, 0o644), "r+b")
+    except FileExistsError:
+        raise UsageError(f"{path} appeared while the model was loading (another llmctl "
+                         f"run-batch?); rerun the command") from None
+    except OSError as e:
+        raise UsageError(f"cannot open {path} for writing: {e.strerror or e}") from None
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no protection against two jobs on one output
+        return f
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise UsageError(f"another llmctl run-batch is writing {path}; wait for it or choose "
+                         f"another output") from None
+    return f
+
+
 class FileSink:
-    """Appends lines to a file; `commit()` flushes and fsyncs and returns the committed size.
+    """Appends lines to an open, locked file; `commit()` flushes and fsyncs and returns the
+    committed size, and `digest()` is the BLAKE2b hash of those bytes.
 
     On open the file is cut back to `committed_bytes` (what the state file says was committed),
     which drops any rows a killed session wrote after its last commit, torn last line included.
+    `hasher` holds the hash of those first bytes (checked by the caller against the state file).
+    A failed close is ignored: what `commit()` returned is on disk, and nothing after it counts.
     """
 
-    def __init__(self, path: Path, committed_bytes: int = 0):
+    def __init__(self, f: BinaryIO, path: Path, committed_bytes: int = 0, hasher=None):
         self.path = path
-        self._f: BinaryIO = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+b")
-        _lock_or_refuse(self._f, path)  # before cutting anything: another job may be writing here
+        self._f = f
         size = os.fstat(self._f.fileno()).st_size
         if size < committed_bytes:
-            self._f.close()
             raise UsageError(f"{path} is shorter ({size} bytes) than its state file says "
-                             f"({committed_bytes}); it was changed by hand: pass --overwrite to start over")
+                             f"({committed_bytes}); it was changed by hand: pass --overwrite to "
+                             f"start over")
         self._f.truncate(committed_bytes)
         self._f.seek(committed_bytes)
         self.bytes = committed_bytes
+        self._hash = hasher if hasher is not None else new_hasher()
 
     def write(self, data: bytes) -> None:
         self._f.write(data)
+        self._hash.update(data)
         self.bytes += len(data)
 
     def commit(self) -> int:
@@ -119,21 +151,14 @@ class FileSink:
         os.fsync(self._f.fileno())
         return self.bytes
 
+    def digest(self) -> str:
+        return self._hash.hexdigest()
+
     def close(self) -> None:
-        self._f.close()
-
-
-def _lock_or_refuse(f: BinaryIO, path: Path) -> None:
-    """An exclusive advisory lock for the life of the file object (released by the OS even on kill -9)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no protection against two jobs on one output
-        return
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise UsageError(f"another llmctl run-batch is writing {path}; wait for it or choose another output") from None
+        try:
+            self._f.close()
+        except OSError:
+            pass  # e.g. the disk is full: the rows since the last commit are dropped by the rerun
 
 
 class StdoutSink:
@@ -170,7 +195,7 @@ def journal_to_parquet(journal: Path, out: Path, include_token_ids: bool, chunk_
     if include_token_ids:
         fields.append(pa.field("token_ids", pa.list_(pa.int64())))
     schema = pa.schema(fields)
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = temp_path(out)
 
     def table(recs: list[dict]):
         for r in recs:  # Parquet strings are UTF-8: a lone surrogate (an input id's "\ud800")

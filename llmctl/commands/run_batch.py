@@ -17,10 +17,12 @@ from llmctl.commands._options import Device, Dtype, Model, Quiet
 from llmctl.engine.config import AUTO_SPEC_MAX_BATCH, speculative_settings
 
 EPILOG = """\b
-Examples:
-  llmctl run-batch examples/prompts.jsonl -o out.jsonl --max-tokens 32
-  cat requests.jsonl | llmctl run-batch - -o - --quiet > answers.jsonl
-  llmctl run-batch prompts.parquet -o out.parquet --prompt-column text --id-column key
+Examples (in this order, from the project folder):
+  llmctl run-batch examples/prompts.jsonl
+  llmctl run-batch examples/prompts.jsonl -o out-short.jsonl --max-tokens 32
+  head -2 examples/prompts.jsonl | llmctl run-batch - -q > out-head.jsonl
+  llmctl run-batch examples/prompts.jsonl -o out.parquet --speculative ngram
+  llmctl run-batch out.parquet --prompt-column text --id-column id
 
 \b
 Inputs: simple JSONL ({"id"?, "prompt" | "messages" | "prompt_token_ids", per-row max_tokens,
@@ -37,9 +39,16 @@ Sampling is greedy by default (--temperature 0) so that batch jobs are reproduci
 uninterrupted one.
 
 \b
+Output: without -o, INPUT's name with .out.jsonl (.out.parquet for Parquet input) beside it;
+stdout when INPUT is -. The output must be a regular file other than the input.
+
+\b
 Resume: a file OUTPUT.llmctl-state.json is kept beside the output. After Ctrl-C, kill -9 or a
 power loss, rerun the same command: it continues where it stopped, every row exactly once.
-A rerun with another model or other sampling settings is refused unless --overwrite.
+A rerun with another model, other sampling settings or a changed input (the rows already served
+are hashed), or over an output changed since, is refused unless --overwrite; rerunning a
+finished job checks its output is unchanged and prints the summary. Nothing is written before
+the model has loaded. Two jobs on one output: the second is refused.
 
 \b
 Speculative decoding: --speculative ngram proposes tokens by looking the last few up in the
@@ -49,9 +58,19 @@ time, not a large batch: auto stops speculating while more than --speculative-ma
 summary reports the acceptance rate.
 
 \b
-Exit codes: 0 done; 2 usage or input error; 3 aborted by --max-errors (written rows are kept);
-130 interrupted (resumable: rerun the same command).
+Exit codes: 0 done; 1 write failure such as a full disk (committed rows are kept: rerun);
+2 usage or input error; 3 aborted by --max-errors (written rows are kept); 130 interrupted
+(resumable: rerun the same command); 141 stdout closed by its reader (`| head`), quietly, as
+other Unix filters end.
 """
+
+OUTPUT = typer.Option(None, "--output", "-o", show_default=False,
+                      help="Output JSONL (Parquet when it ends in .parquet); - writes stdout (no "
+                           "resume). Default: beside INPUT, its name with .out.jsonl (.out.parquet "
+                           "for Parquet input); stdout when INPUT is -.")
+MAX_MODEL_LEN = typer.Option(None, "--max-model-len", min=1, show_default=False,
+                             help="Context length (default: the model's; a larger value is capped "
+                                  "to it).")
 
 
 class RichUI:
@@ -67,7 +86,7 @@ class RichUI:
 
     def info(self, message: str) -> None:
         if not self.quiet:
-            self.console.print(message, markup=False, highlight=False)
+            self.console.print(message, markup=False, highlight=False, soft_wrap=True)
 
     def start(self, rows_total: int | None, rows_done: int) -> None:
         if self.quiet:
@@ -122,6 +141,7 @@ class RichUI:
                                      f"({100 * spec['acceptance_rate']:.1f}%)")
         t.add_row("elapsed", f"{s['elapsed_s']:.1f} s")
         self.console.print(t)
+        self.info("output: " + ("stdout" if s["output"] == "-" else s["output"]))
 
 
 def _load_runtime(model, dtype="auto", device="auto"):
@@ -146,7 +166,7 @@ def register(app: typer.Typer) -> None:
     @app.command("run-batch", epilog=EPILOG, no_args_is_help=True)
     def run_batch(
         input: str = typer.Argument(..., metavar="INPUT", help="JSONL or Parquet file of prompts; - reads stdin.", show_default=False),
-        output: str = typer.Option(..., "--output", "-o", help="Output JSONL (Parquet when it ends in .parquet); - writes stdout (no resume).", show_default=False),
+        output: Optional[str] = OUTPUT,
         model: Optional[str] = Model,
         dtype: str = Dtype,
         device: str = Device,
@@ -176,7 +196,7 @@ def register(app: typer.Typer) -> None:
         no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Do not share KV blocks between prompts with a common prefix."),
         max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", help="Token budget per engine step."),
         max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="Sequences decoded together at most."),
-        max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context length (default: the model's).", show_default=False),
+        max_model_len: Optional[int] = MAX_MODEL_LEN,
         speculative: str = typer.Option("off", "--speculative", help="off, ngram (prompt lookup), draft (needs --draft) or auto (draft when --draft is given, else ngram; only while at most --speculative-max-batch sequences run)."),
         draft: Optional[str] = typer.Option(None, "--draft", help="Smaller model with the same tokenizer that proposes tokens (implies --speculative draft unless auto).", show_default=False),
         num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", min=1, help="Tokens proposed per step."),
@@ -185,9 +205,8 @@ def register(app: typer.Typer) -> None:
         max_in_flight: Optional[int] = typer.Option(None, "--max-in-flight", min=1, help="Rows handed to the engine at once (default 2 x --max-num-seqs); the reorder buffer holds at most 4x this.", show_default=False),
     ) -> None:
         """Generate a completion for every row of INPUT and write one output row per input row."""
-        from llmctl.batch.runner import BatchInterrupted, BatchOptions, run_batch as run
+        from llmctl.batch.runner import BatchOptions
         from llmctl.engine.config import parse_bytes
-        from llmctl.errors import AbortedError
 
         opts = BatchOptions(
             input=input, output=output, model=model, dtype=dtype, device=device, input_format=input_format,
@@ -202,25 +221,45 @@ def register(app: typer.Typer) -> None:
                         max_num_seqs=max_num_seqs, max_model_len=max_model_len, cuda_graphs=not enforce_eager,
                         **speculative_settings(speculative, draft, num_speculative_tokens, speculative_max_batch)),
             max_in_flight=max_in_flight,
+            summary_json=None if summary_json is None else str(summary_json),
         )
-        ui = RichUI(quiet)
-        previous = _sigterm_as_interrupt()
+        _run(opts, quiet)
+
+
+def _run(opts, quiet: bool) -> None:
+    """Run the job with SIGTERM treated as Ctrl-C; then the summary (stderr, --summary-json)."""
+    from llmctl.batch.runner import BatchInterrupted, run_batch as run
+    from llmctl.errors import AbortedError
+
+    ui = RichUI(quiet)
+    previous = _sigterm_as_interrupt()
+    try:
         try:
             result = run(opts, _load_runtime, ui)
         except AbortedError as e:
-            if summary_json is not None and getattr(e, "stats", None) is not None:
-                _write_summary(summary_json, e.stats.summary())
+            if opts.summary_json is not None and getattr(e, "stats", None) is not None:
+                _write_summary(Path(opts.summary_json), e.stats.summary())
             raise
         except KeyboardInterrupt:  # before the job started (e.g. while loading the model)
             raise BatchInterrupted("interrupted before any row was served") from None
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
-        summary = result.stats.summary()
-        ui.summary(summary)
-        if summary_json is not None:
-            _write_summary(summary_json, summary)
+        summary = {**result.stats.summary(), "output": result.output}
+        try:
+            if opts.summary_json is not None:
+                _write_summary(Path(opts.summary_json), summary)
+            ui.summary(summary)
+        except KeyboardInterrupt:  # the job is done: only its summary was cut short
+            where = "stdout" if result.output == "-" else result.output
+            raise BatchInterrupted(f"interrupted while writing the summary; the job is complete "
+                                   f"({where})") from None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _write_summary(path: Path, summary: dict) -> None:
-    path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    from llmctl.errors import LlmctlError
+
+    try:
+        path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    except OSError as e:
+        raise LlmctlError(f"cannot write --summary-json {path}: {e.strerror or e}") from None
