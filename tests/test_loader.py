@@ -71,7 +71,7 @@ def test_unknown_chat_role_is_a_request_error():
     rt = load_runtime(None, device="cpu")
     with pytest.raises(RequestError) as e:
         rt.apply_chat_template([{"role": "wizard", "content": "hi"}])
-    assert e.value.code == "invalid_role"
+    assert e.value.code == "unknown_role"
 
 
 def test_config_spellings_of_rope():

@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 
 from llmctl.engine.params import RequestOutput, SamplingParams
+from llmctl.engine.requests import validate_messages
 from llmctl.errors import RequestError
 
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,7 @@ class FakeRuntime:
         return bytes(ids).decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        for m in messages:
-            if m["role"] not in CHAT_ROLES:
-                raise RequestError("unknown_role", f"unknown role {m['role']!r}")
+        messages = validate_messages(messages)
         return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
 
 

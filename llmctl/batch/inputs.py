@@ -18,20 +18,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
-import reprlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
+from llmctl.engine.requests import check_text, json_type, show, validate_messages, validate_token_ids
 from llmctl.errors import RequestError, UsageError
 
 FORMATS = ("auto", "jsonl", "openai", "parquet")
 OVERRIDE_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                  "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos")
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 OPENAI_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 OPENAI_PROMPT = {"completions": "prompt", "chat": "messages"}
 # Body fields accepted and ignored: they do not change the answer.
@@ -51,7 +49,6 @@ DETECT_LINES = 32  # format detection reads at most this many non-blank lines...
 DETECT_BYTES = 1 << 20  # ...and stops after this many bytes (both kept to be read again)
 BOM = b"\xef\xbb\xbf"
 _OTHER_BOMS = (b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff")  # UTF-16/32, either byte order
-_SURROGATE = re.compile("[\ud800-\udfff]")
 _LONG_ID = 64  # custom_ids longer than this are remembered by a 16-byte digest
 
 
@@ -76,73 +73,8 @@ def _err(code: str, message: str, param: str | None = None) -> RequestError:
     return RequestError(code, message, param=param)
 
 
-def _show(value: object) -> str:
-    """A value as it appears in an error message: short, whatever its size or nesting."""
-    r = reprlib.Repr()
-    r.maxstring = r.maxother = r.maxlong = 40
-    r.maxlevel = 2
-    return r.repr(value)
-
-
-def _json_type(v: object) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
-            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
-
-
 # ---------------------------------------------------------------------------------------------
 # Row validation (pure functions on parsed JSON values; they raise RequestError)
-
-
-def check_text(value: str, where: str) -> str:
-    """`value`, unless it holds a lone UTF-16 surrogate (JSON "\\ud800"), which is not text."""
-    if not value.isascii():
-        bad = _SURROGATE.search(value)
-        if bad is not None:
-            point = f"\\u{ord(bad.group()):04x}"
-            raise _err("invalid_text", f"{where} contains a lone surrogate ({point} at "
-                                       f"{bad.start()}), which is not text; encode the text as "
-                                       f"UTF-8 or as surrogate pairs")
-    return value
-
-
-def validate_messages(messages: object, where: str = "messages") -> list[dict]:
-    """Chat messages as [{'role': str, 'content': str}, ...]; text content parts are joined."""
-    if not isinstance(messages, list) or not messages:
-        raise _err("invalid_messages",
-                   f"{where} must be a non-empty list of {{role, content}} objects")
-    out = []
-    for i, m in enumerate(messages):
-        at = f"{where}[{i}]"
-        if not isinstance(m, dict):
-            raise _err("invalid_messages", f"{at} must be an object with role and content")
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str):
-            raise _err("invalid_messages", f"{at}.role must be a string")
-        if role not in CHAT_ROLES:
-            raise _err("unknown_role", f"{at} has unknown role {_show(role)}; "
-                                       f"use one of {', '.join(CHAT_ROLES)}")
-        if isinstance(content, list):  # OpenAI content parts: only text parts are supported
-            if not all(isinstance(p, dict) and p.get("type") == "text"
-                       and isinstance(p.get("text"), str) for p in content):
-                raise _err("invalid_messages",
-                           f"{at}.content parts must be {{'type': 'text', 'text': str}}")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise _err("invalid_messages", f"{at}.content must be a string, "
-                                           f"got {_json_type(content)}")
-        out.append({"role": role, "content": check_text(content, f"{at}.content")})
-    return out
-
-
-def validate_token_ids(ids: object, where: str = "prompt_token_ids") -> list[int]:
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                            for t in ids):
-        raise _err("invalid_type", f"{where} must be a list of integers")
-    if not ids:
-        raise _err("empty_prompt", f"{where} is empty")
-    if any(t < 0 for t in ids):
-        raise _err("invalid_token_id", f"{where} must not be negative")
-    return ids
 
 
 def _fill_prompt(row: InputRow, obj: dict) -> None:
@@ -157,7 +89,7 @@ def _fill_prompt(row: InputRow, obj: dict) -> None:
     value = obj[key]
     if key == "prompt":
         if not isinstance(value, str):
-            raise _err("invalid_type", f"prompt must be a string, got {_json_type(value)}")
+            raise _err("invalid_type", f"prompt must be a string, got {json_type(value)}")
         if value == "":
             raise _err("empty_prompt", "prompt is empty")
         row.prompt = check_text(value, "prompt")
@@ -182,7 +114,7 @@ def _overrides(obj: dict, where: str = "") -> dict:
         wanted, shapes = _OVERRIDE_SHAPES.get(key, ("a number", (bool, int, float, str)))
         if not isinstance(value, shapes):
             raise _err("invalid_parameter", f"{where}{key} must be {wanted}, "
-                                            f"got {_json_type(value)}", param=key)
+                                            f"got {json_type(value)}", param=key)
         if key == "stop":
             for s in [value] if isinstance(value, str) else value:
                 if isinstance(s, str):
@@ -206,7 +138,7 @@ def _refuse_unsupported(obj: dict, allowed: tuple | None, where: str) -> None:
             continue  # a simple row's own columns (metadata) are passed over
         if neutral is None or not _is_neutral(value, neutral):
             raise _err("unsupported_parameter",
-                       f"{where}{key}={_show(value)} is not supported: run-batch answers each "
+                       f"{where}{key}={show(value)} is not supported: run-batch answers each "
                        f"request with one plain-text completion; remove the field", param=key)
 
 
@@ -215,12 +147,12 @@ def parse_simple(obj: object, index: int, position: int, end_position: int) -> I
     row = InputRow(index=index, position=position, end_position=end_position, id=index + 1)
     try:
         if not isinstance(obj, dict):
-            raise _err("invalid_row", f"a row must be a JSON object, got {_json_type(obj)}")
+            raise _err("invalid_row", f"a row must be a JSON object, got {json_type(obj)}")
         rid = obj.get("id")
         if rid is not None:
             if isinstance(rid, bool) or not isinstance(rid, (str, int)):
                 raise _err("invalid_id",
-                           f"id must be a string or an integer, got {_json_type(rid)}")
+                           f"id must be a string or an integer, got {json_type(rid)}")
             row.id = rid  # a lone surrogate in it is echoed back as the same JSON escape
         _fill_prompt(row, obj)
         _refuse_unsupported(obj, None, "")
@@ -249,7 +181,7 @@ def _openai_prompt(row: InputRow, body: dict) -> None:
         row.prompt_token_ids = validate_token_ids(value, "body.prompt")
     elif not isinstance(value, str):
         raise _err("invalid_type", f"body.prompt must be a string, a list of token ids or a list "
-                                   f"of one of them, got {_json_type(value)}", param="prompt")
+                                   f"of one of them, got {json_type(value)}", param="prompt")
     elif not value:
         raise _err("empty_prompt", "body.prompt is empty", param="prompt")
     else:
@@ -264,12 +196,12 @@ def _openai_envelope(row: InputRow, obj: dict) -> dict:
     row.custom_id = row.id = cid
     method, url, body = obj.get("method", "POST"), obj.get("url"), obj.get("body")
     if method != "POST":
-        raise _err("invalid_method", f"method must be POST, got {_show(method)}")
+        raise _err("invalid_method", f"method must be POST, got {show(method)}")
     if not isinstance(url, str) or url not in OPENAI_ENDPOINTS:
         raise _err("unsupported_url", f"url must be one of {', '.join(OPENAI_ENDPOINTS)}, "
-                                      f"got {_show(url)}")
+                                      f"got {show(url)}")
     if not isinstance(body, dict):
-        raise _err("invalid_body", f"body must be a JSON object, got {_json_type(body)}")
+        raise _err("invalid_body", f"body must be a JSON object, got {json_type(body)}")
     row.endpoint = OPENAI_ENDPOINTS[url]
     return body
 
@@ -279,7 +211,7 @@ def parse_openai(obj: object, index: int, position: int, end_position: int) -> I
     row = InputRow(index=index, position=position, end_position=end_position, id=index + 1)
     try:
         if not isinstance(obj, dict):
-            raise _err("invalid_row", f"a request must be a JSON object, got {_json_type(obj)}")
+            raise _err("invalid_row", f"a request must be a JSON object, got {json_type(obj)}")
         body = _openai_envelope(row, obj)
         allowed = (OPENAI_PROMPT[row.endpoint], *OVERRIDE_KEYS, "max_completion_tokens",
                    *OPENAI_IGNORED)
@@ -309,7 +241,7 @@ def decode_json_line(line: bytes) -> tuple[object, RequestError | None]:
         if "digits" in str(e):
             return None, _err("invalid_json", f"invalid JSON: a number has more than "
                                               f"{sys.get_int_max_str_digits()} digits")
-        return None, _err("invalid_json", f"invalid JSON: {_show(str(e))}")
+        return None, _err("invalid_json", f"invalid JSON: {show(str(e))}")
 
 
 def parse_line(parse: Callable, line: bytes, index: int, start: int, end: int) -> InputRow:
@@ -319,7 +251,7 @@ def parse_line(parse: Callable, line: bytes, index: int, start: int, end: int) -
         if error is None:
             return parse(obj, index, start, end)
     except Exception as e:  # a row never stops the job, whatever it holds
-        error = _err("invalid_row", f"cannot read this row ({type(e).__name__}: {_show(str(e))})")
+        error = _err("invalid_row", f"cannot read this row ({type(e).__name__}: {show(str(e))})")
     return InputRow(index=index, position=start, end_position=end, id=index + 1, error=error)
 
 
@@ -340,7 +272,7 @@ class CustomIds:
         if len(cid) > _LONG_ID:
             key = hashlib.blake2b(cid.encode("utf-8", "surrogatepass"), digest_size=16).digest()
         if key in self._seen:
-            row.error = _err("duplicate_custom_id", f"custom_id {_show(cid)} was already used "
+            row.error = _err("duplicate_custom_id", f"custom_id {show(cid)} was already used "
                                                     f"by an earlier request; they must be unique")
         self._seen.add(key)
 
@@ -525,7 +457,7 @@ class ParquetSource:
                     index += 1
         except Exception as e:
             error = _err("invalid_row", f"cannot read Parquet row group {rg} "
-                                        f"({type(e).__name__}: {_show(str(e))})")
+                                        f"({type(e).__name__}: {show(str(e))})")
             for i in range(max(index, start_index), first + n):
                 yield InputRow(index=i, position=i, end_position=i + 1, id=i + 1, error=error)
 
@@ -538,7 +470,7 @@ class ParquetSource:
         except Exception as e:  # a row never stops the job, whatever it holds
             return InputRow(index=index, position=index, end_position=index + 1, id=index + 1,
                             error=_err("invalid_row", f"cannot read this row "
-                                                      f"({type(e).__name__}: {_show(str(e))})"))
+                                                      f"({type(e).__name__}: {show(str(e))})"))
         return parse_simple(obj, index, index, index + 1)
 
     def _record_to_obj(self, record: dict) -> dict:

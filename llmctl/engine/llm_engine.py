@@ -17,6 +17,7 @@ from llmctl.engine.config import EngineConfig
 from llmctl.engine.detokenizer import Detokenize, first_stop
 from llmctl.engine.model_runner import ModelRunner
 from llmctl.engine.params import RequestOutput, SamplingParams
+from llmctl.engine.requests import check_prompt_ids
 from llmctl.engine.sampler import Sampler
 from llmctl.engine.scheduler import Scheduler
 from llmctl.engine.sequence import Sequence
@@ -98,11 +99,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises RequestError when it can never be served."""
-        vocab = self.model_config.vocab_size
-        if not prompt_token_ids:
-            raise RequestError("empty_prompt", "the prompt has no tokens")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt_token_ids):
-            raise RequestError("invalid_token_ids", f"prompt token ids must be integers in [0, {vocab})")
+        check_prompt_ids(prompt_token_ids, self.model_config.vocab_size)
         n = len(prompt_token_ids)
         if n >= self.capacity:
             where = "context length" if self.capacity == self.max_model_len else "KV cache capacity"

@@ -10,11 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from llmctl.engine.requests import validate_messages
 from llmctl.errors import ModelLoadError, RequestError
 from llmctl.models.config import ModelConfig
-
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
-
 
 def read_generation_eos(path: Path, config: ModelConfig) -> tuple[int, ...]:
     """EOS ids from generation_config.json, falling back to config.json."""
@@ -39,18 +37,6 @@ def load_tokenizer(path: Path):
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as e:
         raise ModelLoadError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
-
-
-def validate_messages(messages: Any) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("invalid_type", "messages must be a non-empty list of {role, content} objects")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m:
-            raise RequestError("invalid_type", f"messages[{i}] must be an object with role and content")
-        if m["role"] not in CHAT_ROLES:
-            raise RequestError("invalid_role", f"messages[{i}] has unknown role {m['role']!r}; known: {', '.join(CHAT_ROLES)}")
-        if not isinstance(m.get("content"), str):
-            raise RequestError("invalid_type", f"messages[{i}].content must be a string")
 
 
 class TextCodec:
@@ -82,7 +68,7 @@ class TextCodec:
         only), then tokenized as transformers' `apply_chat_template` does (no special tokens added:
         the template writes them)."""
         tok = self._need("a chat prompt")
-        validate_messages(messages)
+        messages = validate_messages(messages)
         if not getattr(tok, "chat_template", None):
             raise RequestError("no_chat_template",
                                "this model has no chat template; send `prompt` instead of `messages`")
