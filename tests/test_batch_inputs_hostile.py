@@ -8,8 +8,8 @@ import json
 import pytest
 
 from llmctl.batch.fake import FakeEngine, FakeRuntime
-from llmctl.batch.inputs import (BOM, DETECT_LINES, MAX_LINE_BYTES, JsonlSource, parse_line,
-                                 parse_simple, open_input)
+from llmctl.batch.inputs import DETECT_LINES, MAX_LINE_BYTES, JsonlSource, open_input
+from llmctl.batch.rows import BOM, parse_line, parse_simple
 from llmctl.batch.job import BatchJob
 from llmctl.batch.outputs import RowResult, encode_record, openai_record, simple_record
 from llmctl.batch.summary import BatchStats

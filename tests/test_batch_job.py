@@ -7,7 +7,8 @@ import json
 import pytest
 
 from llmctl.batch.fake import FakeEngine, FakeRuntime
-from llmctl.batch.inputs import InputRow, JsonlSource
+from llmctl.batch.inputs import JsonlSource
+from llmctl.batch.rows import InputRow
 from llmctl.batch.job import BatchJob, Checkpoint, JobSettings
 from llmctl.batch.outputs import encode_record, simple_record
 from llmctl.batch.summary import BatchStats

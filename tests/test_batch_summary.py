@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from llmctl.batch.inputs import InputRow
+from llmctl.batch.rows import InputRow
 from llmctl.batch.journal import JobState, fingerprint_mismatch, load_state, save_state, state_path
 from llmctl.batch.outputs import (FileSink, RowResult, journal_to_parquet, open_locked, openai_record,
                                   simple_record)

@@ -9,7 +9,7 @@ import tracemalloc
 import pytest
 
 from llmctl.batch.fake import FakeEngine
-from llmctl.batch.inputs import InputRow
+from llmctl.batch.rows import InputRow
 from llmctl.batch.job import BatchJob
 from llmctl.batch.outputs import encode_record, simple_record
 from llmctl.engine.params import SamplingParams

@@ -15,7 +15,8 @@ import random
 import pytest
 
 from llmctl.batch.fake import FakeEngine, FakeRuntime
-from llmctl.batch.inputs import BOM, JsonlSource, open_input
+from llmctl.batch.inputs import JsonlSource, open_input
+from llmctl.batch.rows import BOM
 from llmctl.batch.job import BatchJob, JobSettings
 from llmctl.batch.outputs import encode_record, openai_record, simple_record
 from llmctl.engine.params import SamplingParams

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
-from llmctl.batch.inputs import InputRow
+from llmctl.batch.rows import InputRow
 from llmctl.batch.outputs import RowResult
 from llmctl.batch.summary import BatchStats, Progress
 from llmctl.engine.params import SamplingParams

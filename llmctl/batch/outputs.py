@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from llmctl.batch.digests import new_hasher
-from llmctl.batch.inputs import InputRow
+from llmctl.batch.rows import InputRow
 from llmctl.batch.journal import temp_path
 from llmctl.errors import RequestError, UsageError
 

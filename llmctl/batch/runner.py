@@ -24,7 +24,8 @@ from typing import Any, BinaryIO, Callable, Protocol
 
 from llmctl.batch.digests import (FileHasher, NotVerifiedYet, PrefixChanged, StreamHasher,
                                   hash_file_prefix, new_hasher, parquet_hasher)
-from llmctl.batch.inputs import MAX_LINE_BYTES, InputRow, open_input
+from llmctl.batch.inputs import MAX_LINE_BYTES, open_input
+from llmctl.batch.rows import InputRow
 from llmctl.batch.job import BatchJob, Checkpoint, JobSettings
 from llmctl.batch.journal import (STATE_VERSION, JobState, fingerprint_mismatch, journal_path,
                                   load_state, save_state, state_path, temp_path)
