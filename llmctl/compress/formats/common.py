@@ -82,7 +82,7 @@ def write_quantized(
     dense: every tensor that stays unquantized (name -> tensor); linears: module name (no
     ".weight") -> result; their biases, if any, are in `dense`.
     """
-    from safetensors.torch import save_file
+    from llmctl.compress.output_dir import save_safetensors
 
     if fmt == "compressed-tensors":
         from llmctl.compress.formats.ct import pack_ct as pack
@@ -98,7 +98,7 @@ def write_quantized(
         packed, qcfg = pack(name, r, spec, ignore, dtype)
         tensors.update({k: v.contiguous() for k, v in packed.items()})
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     return qcfg
 
 
@@ -130,12 +130,13 @@ def read_quantized(path: str | Path) -> tuple[dict, dict[str, UnpackedLinear], d
     if not qcfg:
         raise ModelLoadError(f"{path}: config.json has no quantization_config")
     fmt = detect_format(qcfg)
-    tensors = load_tensors(path)
     if fmt == "compressed-tensors":
-        from llmctl.compress.formats.ct import unpack_ct as unpack
+        from llmctl.compress.formats.ct import require_package, unpack_ct as unpack
+
+        require_package()  # before reading any weights
     elif fmt == "awq":
         from llmctl.compress.formats.awq import unpack_awq as unpack
     else:
         from llmctl.compress.formats.gptq import unpack_gptq as unpack
-    linears, dense = unpack(tensors, qcfg)
+    linears, dense = unpack(load_tensors(path), qcfg)
     return qcfg, linears, dense
