@@ -250,7 +250,7 @@ def test_bad_calibration_data_is_one_line(tiny, tmp_path, capsys, content, needl
                      "--calib", str(tmp_path / "c.jsonl"), "--num-samples", "2",
                      "--seq-len", "16") == 2
     _one_line_error(capsys, needle)
-    assert not (tmp_path / "q" / "config.json").exists()
+    assert not (tmp_path / "q").exists()  # nothing created for a run that could not start
 
 
 def test_a_bom_and_a_corrupt_parquet(tiny, tmp_path, capsys):
@@ -285,3 +285,15 @@ def test_every_help_example_runs_on_the_embedded_model(tmp_path, monkeypatch, he
         argv[i + 1] = str(out)
         assert main([*argv, "--quiet"]) == 0, argv
         load_model(out, "float32", "cpu")  # and the output loads
+
+
+def test_report_json_may_not_overwrite_an_input(tiny, tmp_path, capsys, no_loading):
+    model, calib = tiny
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text('sparsify: {method: wanda, pattern: "2:4"}\n')
+    before = recipe.read_text()
+    for flags, target in ((["--recipe", str(recipe)], recipe), ([], calib), ([], model / "config.json")):
+        assert main(["sparsify", str(model), "-o", str(tmp_path / "o"), "--calib", str(calib), *flags,
+                     "--report-json", str(target), "--quiet"]) == 2
+        _one_line_error(capsys, "would overwrite the input")
+    assert recipe.read_text() == before

@@ -7,13 +7,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 
 import pytest
 import torch
 
 from llmctl.cli import main
-from llmctl.compress.output_dir import OutputFolder, check_disjoint
-from llmctl.errors import UsageError
+from llmctl.compress.output_dir import OutputFolder, check_disjoint, writing
+from llmctl.errors import LlmctlError, UsageError
 from tests.conftest import make_random_model
 
 
@@ -176,3 +177,28 @@ def test_unwritable_output_folder_is_refused_up_front(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     with pytest.raises(UsageError, match="not writable"):
         OutputFolder.plan(tmp_path / "new" / "out", overwrite=False)
+
+
+def test_os_errors_while_writing_are_one_line():
+    for code, needle in ((28, "disk full while writing -o x; finished layers are kept"),
+                         (30, "cannot write -o x: Read-only file system (x/model.safetensors)")):
+        with pytest.raises(LlmctlError, match=re.escape(needle)):
+            with writing("-o x"):
+                raise OSError(code, os.strerror(code), "x/model.safetensors")
+
+
+def test_an_interrupted_move_into_place_is_finished_by_the_next_commit(tmp_path):
+    out = OutputFolder.plan(tmp_path / "o", overwrite=False)
+    (out.work / "replaced" / "old").mkdir(parents=True)  # what a crash during commit() leaves
+    (out.work / "replaced" / "old" / "f").write_text("x")
+    (out.fresh_result() / "config.json").write_text("{}")
+    out.commit()
+    assert sorted(p.name for p in out.final.iterdir()) == ["config.json"]
+
+
+def test_output_that_is_a_file_or_device_is_refused(tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    for target in (tmp_path / "f", "/dev/null"):
+        with pytest.raises(UsageError, match="is a file, not a folder"):
+            OutputFolder.plan(target, overwrite=True)
+    assert (tmp_path / "f").read_text() == "x"

@@ -175,7 +175,8 @@ class OutputFolder:
         moves last, so an interrupted move never looks like a complete folder."""
         with writing(f"-o {self.final}"):
             replaced = self.work / "replaced"
-            replaced.mkdir(exist_ok=True)
+            shutil.rmtree(replaced, ignore_errors=True)  # left by a move that was interrupted
+            replaced.mkdir()
             for entry in self.final.iterdir():
                 if entry.name != WORK_DIR:
                     os.replace(entry, replaced / entry.name)

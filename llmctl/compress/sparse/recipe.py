@@ -133,6 +133,10 @@ def run_recipe(
     """Sparsify (and quantize when the recipe says so) into args.output."""
     stage_progress = (lambda stage: (lambda d, t: progress(stage, d, t))) if progress else (lambda stage: None)
     warn = _once(warn)
+    if recipe is not None:
+        from llmctl.compress.output_dir import check_output_file
+
+        check_output_file(args.report_json, "--report-json", (Path(recipe.path),), create_parents=True)
     if recipe is None or recipe.quantize is None:
         report = run_sparsify(args, progress=stage_progress("sparsify"), warn=warn)
         return RecipeReport(report, None, None, None if recipe is None else recipe.path)
