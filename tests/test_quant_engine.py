@@ -100,7 +100,7 @@ def test_quantize_cli_writes_a_folder_the_loader_runs_packed(tiny_dir, tmp_path,
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == fmt and cfg["hidden_size"] == 64
     assert (out / "recipe.yaml").read_text().count(f"method: {method[2:]}") == 1
-    assert not (out / ".llmctl-quantize-tmp").exists()
+    assert not (out / ".llmctl-work").exists()
     assert report["method"] == method[2:] and len(report["layers"]) == 14
     assert report["size_after_bytes"] < report["size_before_bytes"]
     assert report["perplexity_before"] > 1 and report["perplexity_after"] > 1
@@ -123,10 +123,12 @@ def test_quantize_cli_writes_a_folder_the_loader_runs_packed(tiny_dir, tmp_path,
 
 
 def test_quantize_cli_refuses_group_size_that_does_not_divide(tiny_dir, tmp_path, capsys):
-    rc, _ = _quantize(tiny_dir, tmp_path / "bad", "--gptq", "--group-size", "48")
+    rc, _ = _quantize(tiny_dir, tmp_path / "bad", "--gptq", "--group-size", "64")
     assert rc == 2
     err = capsys.readouterr().err
-    assert "model.layers.0.self_attn.q_proj: 64 input features" in err and "work for every layer: 16, 32" in err
+    assert "model.layers.0.mlp.down_proj: 96 input features" in err
+    assert "work for every layer: 16, 32" in err
+    assert not (tmp_path / "bad").exists()  # refused before anything was created
     assert main(["quantize", str(tiny_dir), "-o", str(tmp_path / "x"), "--gptq", "--awq"]) == 2
 
 

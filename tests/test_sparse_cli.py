@@ -58,7 +58,7 @@ def test_cli_prunes_every_group_and_writes_report(tiny, tmp_path, method, spec):
     assert all(line["pattern_ok"] for line in r["layers"])
     assert (r["calibration"] is None) == (method == "magnitude")
     assert "no speedup on the CPU" in r["speed_note"]
-    assert (out / "recipe.yaml").is_file() and not (out / ".llmctl-sparsify-tmp").exists()
+    assert (out / "recipe.yaml").is_file() and not (out / ".llmctl-work").exists()
 
 
 def test_cli_unstructured_wanda_prunes_each_row(tiny, tmp_path):
@@ -85,7 +85,7 @@ def test_cli_unstructured_wanda_prunes_each_row(tiny, tmp_path):
 ])
 def test_cli_usage_errors_are_one_line(tiny, tmp_path, capsys, argv, needle):
     model, _ = tiny
-    assert main(["sparsify", str(model), "-o", str(tmp_path / "o"), *argv]) == 2
+    assert main(["sparsify", str(model), "-o", str(tmp_path / "o"), "--seq-len", "32", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
 
@@ -110,7 +110,7 @@ def test_interrupted_run_resumes_from_last_layer(tiny, tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         run_sparsify(SparsifyArgs(output=str(tmp_path / "resumed"), **common), progress=stop_after_first)
-    assert (tmp_path / "resumed" / ".llmctl-sparsify-tmp" / "progress.json").is_file()
+    assert (tmp_path / "resumed" / ".llmctl-work" / "resume" / "progress.json").is_file()
     report = run_sparsify(SparsifyArgs(output=str(tmp_path / "resumed"), **common))
     assert report.resumed_layers == 1
     a, b = _weights(tmp_path / "whole"), _weights(tmp_path / "resumed")
@@ -154,7 +154,7 @@ def test_recipe_sparsify_then_gptq_keeps_every_zero(tiny, tmp_path):
     assert len(linears) == 14
     for name, lin in linears.items():
         assert satisfies_nm(lin.dequantize(), 2, 4), name
-    assert not (out / ".llmctl-sparse-stage").exists()
+    assert not (out / ".llmctl-work").exists()
     again = load_recipe(out / "recipe.yaml")  # the whole run, in recipe form
     assert again.quantize["bits"] == 4 and again.quantize["group_size"] == 32 and again.sparsify["method"] == "sparsegpt"
 

@@ -70,7 +70,10 @@ def register(app: typer.Typer) -> None:
         kv_cache_memory: str = typer.Option(None, "--kv-cache-memory", help="KV-cache size, e.g. 4GiB (default: what the largest point needs).", rich_help_panel=SWEEP, show_default=False),
         seed: int = typer.Option(0, "--seed", help="Seed of the random prompts.", rich_help_panel=SWEEP),
         estimate: bool = typer.Option(False, "--estimate", help="Estimate from config.json alone (no weights loaded).", rich_help_panel=ESTIMATE),
-        group_size: str = typer.Option("128", "--group-size", help="int8/int4 group size along the input dimension, or 'channel'.", rich_help_panel=ESTIMATE),
+        group_size: str = typer.Option(
+            "auto", "--group-size", rich_help_panel=ESTIMATE,
+            help="int8/int4 group size along the input dimension, by quantize's rule: auto, "
+                 "channel, or a power of two >= 16 dividing every layer."),
         kv_dtype: str = typer.Option(None, "--kv-dtype", help="KV element type: bf16, fp16, fp32, fp8, int8 (default: 16-bit).", rich_help_panel=ESTIMATE, show_default=False),
         seq_len: int = typer.Option(None, "--seq-len", min=1, help="Tokens per sequence (default: max_position_embeddings).", rich_help_panel=ESTIMATE, show_default=False),
         batch: int = typer.Option(1, "--batch", min=1, help="Concurrent sequences.", rich_help_panel=ESTIMATE),
@@ -85,6 +88,7 @@ def register(app: typer.Typer) -> None:
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output on stderr.", rich_help_panel=COMMON),
     ) -> None:
         targets = targets or []
+        _check_outputs(json_path=json_path, csv_path=csv_path, plot_path=plot_path)
         if targets and targets[0] == "compare":
             _run_compare(targets[1:], threshold, stat)
             return
@@ -109,6 +113,14 @@ def register(app: typer.Typer) -> None:
             csv_path=csv_path, markdown=markdown, plot_path=plot_path, dtype=dtype, device=_resolve_device(device),
             kv_cache_memory=kv_cache_memory, seed=seed, quiet=quiet,
         )
+
+
+def _check_outputs(**paths: Path | None) -> None:
+    """--json/--csv/--plot are written after the run: check them before it (parents are created)."""
+    from llmctl.compress.output_dir import check_output_file
+
+    for name, path in paths.items():
+        check_output_file(path, "--" + name.removesuffix("_path"), create_parents=True)
 
 
 def _size(n: float | None) -> str:
@@ -183,7 +195,9 @@ def _run_estimate(target: str, *, dtype: str, group_size: str, kv_dtype: str | N
         peaks = _default_peaks()
         if peaks is not None:
             bw, bw_source = peaks.memory_bandwidth, f"measured on this machine ({peaks.key})"
-    e = est.estimate(config, model=target, dtype=weight_dtype, group_size=est.parse_group_size(group_size),
+    est.parse_group_size(group_size)  # a size quantize refuses is refused before anything else
+    group, group_note = est.group_size_for(config, group_size, quantize_embeddings)
+    e = est.estimate(config, model=target, dtype=weight_dtype, group_size=group,
                      kv_dtype=kv_dtype, seq_len=seq_len, batch=batch, block_size=16,
                      memory_budget=parse_bytes(memory) if memory else None, bandwidth=bw,
                      quantize_embeddings=quantize_embeddings)
@@ -210,12 +224,18 @@ def _run_estimate(target: str, *, dtype: str, group_size: str, kv_dtype: str | N
                  (f"decode ceiling, batch {e.batch}", f"{e.decode_tokens_per_s_aggregate:,.1f} tokens/s")]
     else:
         rows.append(("decode ceiling", "pass --bandwidth GB/s (or run --measure-machine) for tokens/s"))
+    if group_note and e.dtype.startswith("int"):
+        rows.append(("group size", group_note))
     _print_table(f"Estimate: {target}", rows)
     if json_path:
         record = {"schema": "llmctl.profile.estimate", "schema_version": 1, "source": source,
                   "environment": environment("none", e.dtype), "bandwidth_source": bw_source,
-                  "formulas": est.ESTIMATE_FORMULAS, "estimate": e.to_dict()}
-        write_json(record, json_path)
+                  "formulas": est.ESTIMATE_FORMULAS, "estimate": e.to_dict(),
+                  "group_size_note": group_note}
+        from llmctl.compress.output_dir import writing
+
+        with writing(f"--json {json_path}"):
+            write_json(record, json_path)
 
 
 def _run_compare(files: list[str], threshold: str, stat: str) -> None:
@@ -303,18 +323,28 @@ def _run_sweep(target: str | None, *, batch_sizes: list[int], prompt_lens: list[
     )
     record["model_facts"] = {"num_parameters": runtime.config.num_parameters(), "weight_bytes": facts.weight_bytes,
                              "kv_bytes_per_token": facts.kv_bytes_per_token, "kv_dtype": kv_dtype}
-    if json_path:
-        report.write_json(record, json_path)
-    if csv_path:
-        report.write_csv(record, csv_path)
-    if plot_path:
-        report.plot(record, plot_path)
+    _write_sweep_files(record, json_path, csv_path, plot_path)
     if markdown:
         typer.echo(report.markdown(record), nl=False)
     else:
         _print_sweep(record)
     if peaks is None and not quiet:
         typer.echo("MBU/MFU need this machine's peaks: run `llmctl profile --measure-machine` once", err=True)
+
+
+def _write_sweep_files(record: dict, json_path: Path | None, csv_path: Path | None,
+                       plot_path: Path | None) -> None:
+    """--json, --csv and --plot (checked before the sweep); an OS error is one line."""
+    from llmctl.compress.output_dir import writing
+    from llmctl.profiling import report
+
+    with writing("the profile results"):
+        if json_path:
+            report.write_json(record, json_path)
+        if csv_path:
+            report.write_csv(record, csv_path)
+        if plot_path:
+            report.plot(record, plot_path)
 
 
 def _engine_config(config, kv_dtype: str, max_batch: int, longest: int, kv_cache_memory: str | None, seed: int):

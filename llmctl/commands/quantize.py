@@ -6,7 +6,6 @@ the report (a table, and JSON with --report-json).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -18,11 +17,13 @@ from llmctl.commands._options import Device, Quiet
 HELP = """Quantize MODEL's linear layers to 4 or 8 bits (weights only) with AWQ, GPTQ or RTN.
 
 \b
-Examples:
-  llmctl quantize ../shared/models/tinyshakespeare-5m -o ts-gptq --gptq \\
-      --group-size 64 --calib ../shared/data/tinyshakespeare.txt \\
-      --num-samples 32 --seq-len 256
-  llmctl quantize ./my-model -o my-model-awq --awq --format awq --calib data.jsonl
+Examples (on the embedded demo model; use your own model folder or hub id):
+  llmctl quantize llmctl/data/demo-model -o demo-gptq --gptq \\
+      --num-samples 8 --seq-len 64
+  llmctl quantize llmctl/data/demo-model -o demo-awq --awq --format awq \\
+      --calib examples/prompts.jsonl --num-samples 4 --seq-len 16
+  llmctl quantize llmctl/data/demo-model -o demo-w8 --rtn --bits 8 \\
+      --group-size channel --num-samples 4 --seq-len 64
 
 \b
 --calib: JSONL (rows with prompt_token_ids, messages, prompt or text),
@@ -32,10 +33,15 @@ Examples:
 Perplexity before/after: on --eval-data, or by default on the last 10% of the
   calibration data (then not used for calibration).
 Embeddings and lm_head are never quantized; --ignore takes module names,
-  globs or re:REGEX. Group sizes must divide every quantized layer's input
-  width (the error names the sizes that work).
-An interrupted run resumes from its last finished layer when rerun with the
-  same arguments and output folder.
+  globs or re:REGEX (a pattern that matches no layer gets a warning).
+--group-size: auto (default: 128, or 64 or 32 when 128 does not divide every
+  quantized layer's input width, else per channel; the report and recipe.yaml
+  say so), channel, or a power of two of at least 16 that divides every
+  layer's input width (the error names the sizes that work).
+The output is written in OUTPUT/.llmctl-work and moved into place at the end;
+  an interrupted run resumes from its last finished layer when rerun with the
+  same arguments and output folder. --overwrite replaces only an earlier
+  llmctl output, never the source model or a folder holding other files.
 """
 
 
@@ -48,7 +54,9 @@ def register(app: typer.Typer) -> None:
         gptq: bool = typer.Option(False, "--gptq", help="GPTQ (second-order error feedback, act-order)."),
         rtn: bool = typer.Option(False, "--rtn", help="Round to nearest (no calibration needed)."),
         bits: int = typer.Option(4, "--bits", help="4 or 8."),
-        group_size: int = typer.Option(128, "--group-size", help="Input columns per scale/zero group."),
+        group_size: str = typer.Option(
+            "auto", "--group-size",
+            help="Input columns per scale/zero group: auto, channel, or a power of two >= 16."),
         symmetric: Optional[bool] = typer.Option(
             None, "--symmetric/--asymmetric", help="Zero point fixed at the middle (default for GPTQ/RTN) or fitted (AWQ).",
             show_default=False),
@@ -62,7 +70,8 @@ def register(app: typer.Typer) -> None:
         dampening: float = typer.Option(0.01, "--dampening", help="GPTQ: fraction of the mean Hessian diagonal added."),
         device: str = Device,
         report_json: Optional[Path] = typer.Option(None, "--report-json", help="Also write the report as JSON here."),
-        overwrite: bool = typer.Option(False, "--overwrite", help="Write into a non-empty output folder."),
+        overwrite: bool = typer.Option(False, "--overwrite",
+                                       help="Replace an earlier llmctl output in -o."),
         quiet: bool = Quiet,
     ) -> None:
         from llmctl.compress.quantize_job import QuantizeArgs, run_quantize
@@ -76,10 +85,13 @@ def register(app: typer.Typer) -> None:
             calib=str(calib) if calib else None, eval_data=str(eval_data) if eval_data else None,
             num_samples=num_samples, seq_len=seq_len, format=fmt, ignore=list(ignore), device=device,
             act_order=act_order, dampening=dampening, overwrite=overwrite,
+            report_json=str(report_json) if report_json else None,
         )
         report = _run_with_progress(args, run_quantize, quiet)
         if report_json:
-            report_json.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+            from llmctl.compress.output_dir import write_report
+
+            write_report(report_json, report.to_dict())
         if not quiet:
             _print_report(report)
 

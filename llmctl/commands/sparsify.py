@@ -7,7 +7,6 @@ and prints the report (a table, and JSON with --report-json).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -19,13 +18,13 @@ from llmctl.commands._options import Device, Quiet
 HELP = """Prune MODEL's decoder linears; write a dense checkpoint storing the zeros.
 
 \b
-Examples:
-  llmctl sparsify ../shared/models/tinyshakespeare-5m -o ts-2of4 \\
-      --pattern 2:4 --method sparsegpt \\
-      --calib ../shared/data/tinyshakespeare.txt --num-samples 32
-  llmctl sparsify ./my-model -o my-model-50 --sparsity 0.5 --method wanda
-  llmctl sparsify ./my-model -o my-model-2of4-w4 \\
-      --recipe recipes/sparse-2of4-gptq-w4.yaml
+Examples (on the embedded demo model; use your own model folder or hub id):
+  llmctl sparsify llmctl/data/demo-model -o demo-2of4 \\
+      --pattern 2:4 --method sparsegpt --num-samples 8 --seq-len 64
+  llmctl sparsify llmctl/data/demo-model -o demo-50 --sparsity 0.5 \\
+      --method wanda --calib examples/prompts.jsonl --num-samples 4 --seq-len 16
+  llmctl sparsify llmctl/data/demo-model -o demo-2of4-w4 \\
+      --recipe recipes/sparse-2of4-gptq-w4.yaml --num-samples 8 --seq-len 64
 
 Speed, plainly: there is NO sparse speedup on the CPU. The output is an
 ordinary dense model with zeros and runs at dense speed by default.
@@ -40,14 +39,16 @@ weight update); sparsegpt (default: OBS-style pruning that updates the
 remaining weights through the inverse Hessian).
 
 --pattern N:M keeps at most N non-zeros in every M consecutive inputs
-(default 2:4); --sparsity F prunes the fraction F, unstructured.
+(default 2:4; M a power of two up to 128); --sparsity F prunes the
+fraction F, unstructured.
 Embeddings and lm_head are never pruned; --ignore takes module names,
 globs or re:REGEX. --calib: JSONL, Parquet or plain text, as in quantize.
 Perplexity before/after uses --eval-data or the last 10% of the
 calibration data. config.json gets a sparsity_config entry (pattern,
-method, per-layer sparsity), which transformers ignores. An interrupted
-run resumes from its last finished layer when rerun with the same
-arguments.
+method, per-layer sparsity), which transformers ignores. The output is
+written in OUTPUT/.llmctl-work and moved into place at the end; an
+interrupted run resumes from its last finished layer when rerun with the
+same arguments. --overwrite replaces only an earlier llmctl output.
 """
 
 
@@ -78,7 +79,8 @@ def register(app: typer.Typer) -> None:
         evaluate: bool = typer.Option(True, "--eval/--no-eval", help="Measure perplexity before and after."),
         device: str = Device,
         report_json: Optional[Path] = typer.Option(None, "--report-json", help="Also write the report as JSON here."),
-        overwrite: bool = typer.Option(False, "--overwrite", help="Write into a non-empty output folder."),
+        overwrite: bool = typer.Option(False, "--overwrite",
+                                       help="Replace an earlier llmctl output in -o."),
         quiet: bool = Quiet,
     ) -> None:
         from llmctl.compress.sparse.recipe import load_recipe, merge_args, run_recipe
@@ -89,11 +91,13 @@ def register(app: typer.Typer) -> None:
             "calib": str(calib) if calib else None, "eval_data": str(eval_data) if eval_data else None,
             "num_samples": num_samples, "seq_len": seq_len, "ignore": list(ignore) if ignore else None,
             "dampening": dampening, "block_size": block_size, "device": device, "evaluate": evaluate,
-            "overwrite": overwrite,
+            "overwrite": overwrite, "report_json": str(report_json) if report_json else None,
         }).resolve()
         report = _run_with_progress(loaded, args, run_recipe, quiet)
         if report_json:
-            report_json.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+            from llmctl.compress.output_dir import write_report
+
+            write_report(report_json, report.to_dict())
         if not quiet:
             _print_report(report)
 

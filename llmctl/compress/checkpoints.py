@@ -1,153 +1,209 @@
-"""Resume state of a layer-by-layer calibration: safetensors for tensors, JSON for the rest.
+"""Resume state of the layer-by-layer calibration driver: safetensors plus JSON, never pickle.
 
-Owns: `save_layer` (layer i's weights and method records, then the next layer's inputs, then the
-progress marker, each replaced atomically) and `load_checkpoint` (all-or-nothing: every file is
-checked before any layer is touched; anything unreadable, truncated, of another run or of the
-wrong shape means "start over", with the reason). Never a pickle: a planted file can at worst be
-refused. Records (dataclasses holding tensors, dtypes and tuples) are encoded as JSON with their
-tensors stored beside them; only dataclasses defined in llmctl modules are rebuilt.
+Owns the files in a job's resume folder and their checks, for quantize and sparsify alike:
+  layer_<i>.safetensors  layer i's weights after processing (`state/...`) and the tensors of its
+                         records (`rec/...`)
+  layer_<i>.json         the records' structure (dataclass fields, numbers, strings)
+  hidden.safetensors     the next layer's inputs
+  progress.json          {"format", "fingerprint", "done_layers"}, written last
+Every file is written to a temporary name and renamed. Records are rebuilt only as the dataclasses
+in `_record_types` (an allow-list: a file cannot name any other type). `load` checks everything
+(headers, shapes, keys, JSON) before it changes a layer; anything wrong makes it start over with a
+warning (`CorruptCheckpoint`), so a damaged folder never causes a crash loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
+import os
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from torch import nn
 
-PROGRESS = "progress.json"
-HIDDEN = "hidden.safetensors"
+from llmctl.runtime.tensors import save_safetensors
 
-
-def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        key = f"t{len(tensors)}"
-        tensors[key] = obj.detach().to("cpu").contiguous()
-        return {"__tensor__": key}
-    if isinstance(obj, torch.dtype):
-        return {"__dtype__": str(obj).replace("torch.", "")}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        cls = type(obj)
-        fields = {f.name: _encode(getattr(obj, f.name), tensors) for f in dataclasses.fields(obj)}
-        return {"__dataclass__": f"{cls.__module__}:{cls.__qualname__}", "fields": fields}
-    if isinstance(obj, tuple):
-        return {"__tuple__": [_encode(v, tensors) for v in obj]}
-    if isinstance(obj, list):
-        return [_encode(v, tensors) for v in obj]
-    if isinstance(obj, dict):
-        return {str(k): _encode(v, tensors) for k, v in obj.items()}
-    if obj is None or isinstance(obj, (str, int, float, bool)):
-        return obj
-    raise TypeError(f"cannot checkpoint a {type(obj).__name__}")
+FORMAT = 1  # progress.json "format"; folders without it come from older (pickle) versions
 
 
-def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(obj, list):
-        return [_decode(v, tensors) for v in obj]
-    if not isinstance(obj, dict):
-        return obj
-    if "__tensor__" in obj:
-        return tensors[obj["__tensor__"]]
-    if "__dtype__" in obj:
-        dtype = getattr(torch, obj["__dtype__"])
+class CorruptCheckpoint(Exception):
+    """A resume file that is missing, unreadable or does not fit the model."""
+
+
+def _record_types() -> dict[str, type]:
+    from llmctl.compress.quant.layer_methods import LinearRecord
+    from llmctl.runtime.formats.spec import QuantResult, QuantSpec
+    from llmctl.compress.sparse.prune import LayerSparsity
+
+    return {c.__name__: c for c in (LinearRecord, QuantResult, QuantSpec, LayerSparsity)}
+
+
+def _encode(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        tensors[key] = value.detach().to("cpu").contiguous().clone()
+        return {"tensor": key}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {"type": type(value).__name__,
+                "fields": {f.name: _encode(getattr(value, f.name), f"{key}.{f.name}", tensors)
+                           for f in dataclasses.fields(value)}}
+    if isinstance(value, (tuple, list)):
+        kind = "tuple" if isinstance(value, tuple) else "list"
+        return {kind: [_encode(v, f"{key}.{i}", tensors) for i, v in enumerate(value)]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"value": value}
+    raise TypeError(f"cannot checkpoint a {type(value).__name__}")
+
+
+def _decode(node: Any, tensors: dict[str, torch.Tensor], types: dict[str, type]) -> Any:
+    if not isinstance(node, dict) or len(node) not in (1, 2):
+        raise CorruptCheckpoint("malformed record")
+    if "tensor" in node:
+        if node["tensor"] not in tensors:
+            raise CorruptCheckpoint(f"record tensor {node['tensor']!r} missing")
+        return tensors[node["tensor"]]
+    if "dtype" in node:
+        dtype = getattr(torch, str(node["dtype"]), None)
         if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"not a dtype: {obj['__dtype__']!r}")
+            raise CorruptCheckpoint(f"unknown dtype {node['dtype']!r}")
         return dtype
-    if "__tuple__" in obj:
-        return tuple(_decode(v, tensors) for v in obj["__tuple__"])
-    if "__dataclass__" in obj:
-        return _dataclass(obj["__dataclass__"])(**{k: _decode(v, tensors) for k, v in obj["fields"].items()})
-    return {k: _decode(v, tensors) for k, v in obj.items()}
+    if "type" in node:
+        cls = types.get(node["type"])
+        if cls is None or not isinstance(node.get("fields"), dict):
+            raise CorruptCheckpoint(f"record type {node['type']!r} is not one llmctl writes")
+        try:
+            return cls(**{k: _decode(v, tensors, types) for k, v in node["fields"].items()})
+        except (TypeError, ValueError) as e:
+            raise CorruptCheckpoint(f"record {node['type']}: {e}") from None
+    for kind, make in (("tuple", tuple), ("list", list)):
+        if kind in node and isinstance(node[kind], list):
+            return make(_decode(v, tensors, types) for v in node[kind])
+    value = node.get("value")
+    if "value" in node and (value is None or isinstance(value, (bool, int, float, str))):
+        return value
+    raise CorruptCheckpoint("malformed record")
 
 
-def _dataclass(path: str) -> type:
-    module, _, name = path.partition(":")
-    if not module.startswith("llmctl.") or "." in name:
-        raise ValueError(f"refusing to rebuild {path!r}")
-    cls = getattr(importlib.import_module(module), name)
-    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
-        raise ValueError(f"{path!r} is not a dataclass")
-    return cls
-
-
-def _replace_json(path: Path, data: Any) -> None:
+def _replace_json(path: Path, doc: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
 
 
 def _replace_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp))
-    tmp.replace(path)
+    save_safetensors(tensors, tmp)
+    os.replace(tmp, path)
 
 
-def save_layer(ckpt: Path, fingerprint: str, i: int, state: dict[str, torch.Tensor], records: dict,
-               hidden: torch.Tensor) -> None:
-    """Layer i's state dict and records, then the inputs of layer i+1 [N, S, H], then the marker
-    (written last: a crash in between leaves the previous marker, whose files are all intact)."""
+def save(ckpt: Path, fingerprint: str, i: int, layer: nn.Module, records: dict[str, Any],
+         hidden: torch.Tensor) -> None:
+    """Layer i's weights and records, then the next inputs, then progress.json (written last)."""
     ckpt.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    meta = {"records": _encode(records, tensors), "state": list(state)}
-    tensors.update({f"state.{k}": v.detach().to("cpu").contiguous() for k, v in state.items()})
+    prefix = f"model.layers.{i}."
+    tensors = {f"state/{k}": v.detach().to("cpu").contiguous().clone()
+               for k, v in layer.state_dict().items()}
+    encoded = {name: _encode(rec, f"rec/{name}", tensors)
+               for name, rec in records.items() if name.startswith(prefix)}
     _replace_tensors(ckpt / f"layer_{i}.safetensors", tensors)
-    _replace_json(ckpt / f"layer_{i}.json", meta)
-    _replace_tensors(ckpt / HIDDEN, {"hidden": hidden.contiguous()})
-    _replace_json(ckpt / PROGRESS, {"done_layers": i + 1, "fingerprint": fingerprint})
+    _replace_json(ckpt / f"layer_{i}.json", {"records": encoded})
+    _replace_tensors(ckpt / "hidden.safetensors", {"hidden": hidden.contiguous()})
+    progress = {"format": FORMAT, "fingerprint": fingerprint, "done_layers": i + 1}
+    _replace_json(ckpt / "progress.json", progress)
 
 
-@dataclasses.dataclass
-class Checkpoint:
-    done_layers: int
-    states: list[dict[str, torch.Tensor]]  # per finished layer
-    records: dict
-    hidden: torch.Tensor  # inputs of layer done_layers [N, S, H]
+def _header(path: Path) -> dict[str, tuple[list[int], str]]:
+    """name -> (shape, dtype) from a safetensors header; the file's length is checked too."""
+    from safetensors import SafetensorError, safe_open
 
-
-def load_checkpoint(ckpt: Path, fingerprint: str,
-                    expected: list[dict[str, tuple[int, ...]]]) -> tuple[Checkpoint | None, str | None]:
-    """(checkpoint, None) to resume; (None, reason) when there is one but it cannot be used;
-    (None, None) when there is none or it is another run's. `expected[i]` maps layer i's state
-    names to shapes."""
-    marker = ckpt / PROGRESS
-    if not marker.is_file():
-        return None, None
     try:
-        info = json.loads(marker.read_text())
+        with safe_open(str(path), "pt") as f:
+            return {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype())
+                    for k in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise CorruptCheckpoint(f"{path.name}: {e}") from None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise CorruptCheckpoint(f"{path.name}: {e}") from None
+
+
+def _tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors of a (header-checked) safetensors file whose names start with `prefix`."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+
+
+def _check_layer(ckpt: Path, i: int, layer: nn.Module, types: dict[str, type]) -> dict[str, Any]:
+    """Check layer i's files against the layer; return its decoded records (weights not applied)."""
+    path = ckpt / f"layer_{i}.safetensors"
+    header = _header(path)
+    want = {f"state/{k}": list(v.shape) for k, v in layer.state_dict().items()}
+    got = {k: shape for k, (shape, _) in header.items() if k.startswith("state/")}
+    if got != want:
+        bad = sorted(set(want) ^ set(got)) or [k for k in want if want[k] != got[k]]
+        raise CorruptCheckpoint(f"{path.name}: weights do not fit the model (first: {bad[0]})")
+    doc = _read_json(ckpt / f"layer_{i}.json")
+    if not isinstance(doc, dict) or not isinstance(doc.get("records"), dict):
+        raise CorruptCheckpoint(f"layer_{i}.json: no records")
+    rec_tensors = _tensors(path, "rec/")
+    return {name: _decode(node, rec_tensors, types) for name, node in doc["records"].items()}
+
+
+def _apply_layer(ckpt: Path, i: int, layer: nn.Module) -> None:
+    state = _tensors(ckpt / f"layer_{i}.safetensors", "state/")
+    layer.load_state_dict({k[len("state/"):]: v for k, v in state.items()})
+
+
+def _load_checked(ckpt: Path, done: int, layers: nn.ModuleList, hidden_shape: tuple[int, ...]):
+    if not 0 < done <= len(layers):
+        raise CorruptCheckpoint(f"progress.json: {done} finished layers of {len(layers)}")
+    header = _header(ckpt / "hidden.safetensors")
+    if list(header) != ["hidden"] or tuple(header["hidden"][0]) != hidden_shape:
+        raise CorruptCheckpoint(f"hidden.safetensors: expected hidden states of shape "
+                                f"{list(hidden_shape)}")
+    types = _record_types()
+    records: dict[str, Any] = {}
+    for i in range(done):
+        records.update(_check_layer(ckpt, i, layers[i], types))
+    for i in range(done):
+        _apply_layer(ckpt, i, layers[i])
+    return records, _tensors(ckpt / "hidden.safetensors", "hidden")["hidden"]
+
+
+def load(ckpt: Path, fingerprint: str, layers: nn.ModuleList, hidden_shape: tuple[int, ...],
+         warn: Callable[[str], None]) -> tuple[int, torch.Tensor | None, dict[str, Any]]:
+    """(finished layers, next inputs, their records) of a previous run with this fingerprint, the
+    layers' weights loaded; (0, None, {}) when there is none, or (with a warning) when it is
+    damaged."""
+    if not (ckpt / "progress.json").exists():
+        return 0, None, {}
+    try:
+        info = _read_json(ckpt / "progress.json")
+        if not isinstance(info, dict) or info.get("format") != FORMAT:
+            raise CorruptCheckpoint("written by an older llmctl (pickle files are never loaded)")
         if info.get("fingerprint") != fingerprint:
-            return None, None  # another run's leftovers: overwritten as this run goes
-        done = int(info["done_layers"])
-        if not 0 < done <= len(expected):
-            raise ValueError(f"{done} finished layers of {len(expected)}")
-        states, records = [], {}
-        for i in range(done):
-            state, recs = _load_layer(ckpt, i, expected[i])
-            states.append(state)
-            records.update(recs)
-        hidden = _read_tensors(ckpt / HIDDEN)["hidden"]
-    except Exception as e:  # noqa: BLE001 - any damage means the same thing: redo
-        return None, f"{type(e).__name__}: {e}"
-    return Checkpoint(done, states, records, hidden), None
+            _clear(ckpt)  # another run's leftovers (other settings): start over quietly
+            return 0, None, {}
+        done = info.get("done_layers")
+        if not isinstance(done, int) or isinstance(done, bool):
+            raise CorruptCheckpoint("progress.json: no layer count")
+        records, hidden = _load_checked(ckpt, done, layers, hidden_shape)
+    except CorruptCheckpoint as e:
+        warn(f"resume state in {ckpt} is damaged ({e}); redoing every layer")
+        _clear(ckpt)
+        return 0, None, {}
+    return done, hidden, records
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
-
-
-def _load_layer(ckpt: Path, i: int, shapes: dict[str, tuple[int, ...]]):
-    tensors = _read_tensors(ckpt / f"layer_{i}.safetensors")
-    meta = json.loads((ckpt / f"layer_{i}.json").read_text())
-    state = {k: tensors[f"state.{k}"] for k in meta["state"]}
-    wrong = [k for k in shapes if k not in state or tuple(state[k].shape) != tuple(shapes[k])]
-    extra = sorted(set(state) - set(shapes))
-    if wrong or extra:
-        raise ValueError(f"layer {i}: state does not match the model ({(wrong or extra)[0]})")
-    return state, _decode(meta["records"], tensors)
-
+def _clear(ckpt: Path) -> None:
+    shutil.rmtree(ckpt, ignore_errors=True)

@@ -5,8 +5,8 @@ device), captures the inputs of its linears with forward hooks, hands them to a 
 sub-layer group by sub-layer group (q/k/v, then o, then gate/up, then down: each group is
 calibrated on the outputs of the groups already processed), then produces the next layer's inputs
 from the processed layer. After each layer it checkpoints (layer weights, the method's records,
-the next layer's inputs) into `checkpoint_dir` (checkpoints.py: safetensors and JSON), so an
-interrupted run resumes after the last finished layer.
+the next layer's inputs; llmctl.compress.checkpoints: safetensors and JSON) into `checkpoint_dir`,
+so an interrupted run resumes after the last finished layer.
 
 A method implements the `LayerMethod` protocol below; `HessianMethod` adapts a per-linear function
 `fn(name, linear, H) -> record` (GPTQ, RTN, SparseGPT, Wanda) to it.
@@ -23,8 +23,9 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from llmctl.compress.checkpoints import load_checkpoint, save_layer
+from llmctl.compress import checkpoints
 from llmctl.compress.hessian import HessianAccumulator
+from llmctl.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,18 @@ SUBLAYER_GROUPS = (
 )
 
 
+LINEAR_NAMES = tuple(rel for group in SUBLAYER_GROUPS for rel in group.linears)
+
+
+def decoder_linears(config) -> list[tuple[str, int, int]]:
+    """(full name, out_features, in_features) of every decoder linear, from a ModelConfig alone
+    (no weights), in forward order."""
+    h, f, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    shapes = dict(zip(LINEAR_NAMES, ((q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f))))
+    return [(f"model.layers.{i}.{rel}", *shapes[rel])
+            for i in range(config.num_layers) for rel in LINEAR_NAMES]
+
+
 class LayerMethod(Protocol):
     def observe(self, name: str, x: torch.Tensor) -> None:
         """x [B, S, in]: inputs of linear `name` (full module name) for one calibration batch."""
@@ -54,18 +67,33 @@ class LayerMethod(Protocol):
 
 
 def make_ignore(patterns: list[str]) -> Callable[[str], bool]:
-    """Predicate on full module names: glob patterns, or `re:REGEX` (compressed-tensors style)."""
+    """Predicate on full module names: glob patterns, or `re:REGEX` (compressed-tensors style).
+    A pattern that is not a string or a regex that does not compile is refused here, up front."""
+    regexes = {}
+    for p in patterns:
+        if not isinstance(p, str) or not p:
+            raise UsageError(f"--ignore takes module names, globs or re:REGEX, got {p!r}")
+        if p.startswith("re:"):
+            try:
+                regexes[p] = re.compile(p[3:])
+            except re.error as e:
+                raise UsageError(f"--ignore {p!r}: invalid regular expression ({e})") from None
 
     def ignored(name: str) -> bool:
         for p in patterns:
-            if p.startswith("re:"):
-                if re.fullmatch(p[3:], name) or re.search(p[3:], name):
+            if p in regexes:
+                if regexes[p].search(name):
                     return True
             elif name == p or fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, f"*.{p}"):
                 return True
         return False
 
     return ignored
+
+
+def unmatched_patterns(patterns: list[str], names: list[str]) -> list[str]:
+    """The --ignore patterns that match none of `names` (worth a warning: likely a typo)."""
+    return [p for p in patterns if not any(make_ignore([p])(n) for n in names)]
 
 
 @dataclass
@@ -99,12 +127,13 @@ def calibrate_layers(
     fingerprint: str = "",
     progress: Callable[[int, int], None] | None = None,
     batch_size: int = 8,
-    warn: Callable[[str], None] = lambda message: None,
+    warn: Callable[[str], None] = lambda msg: None,
 ) -> DriverResult:
     """Run `method` over every decoder layer of `model` (our LlamaForCausalLM) on input_ids [N, S].
 
     progress(done_layers, total_layers) is called after each layer. With `checkpoint_dir`, a previous
-    run with the same `fingerprint` is resumed from its last finished layer.
+    run with the same `fingerprint` is resumed from its last finished layer (a damaged checkpoint is
+    redone, with a warning).
     """
     layers = model.model.layers
     n_layers = len(layers)
@@ -113,7 +142,10 @@ def calibrate_layers(
     start = 0
     hidden = None
     if checkpoint_dir is not None:
-        start, hidden = _resume(checkpoint_dir, fingerprint, layers, result, warn)
+        shape = (*input_ids.shape, model.model.embed_tokens.embedding_dim)
+        start, hidden, records = checkpoints.load(checkpoint_dir, fingerprint, layers, shape, warn)
+        result.records.update(records)
+        result.resumed_layers = start
     if hidden is None:
         hidden = model.model.embed_tokens(input_ids.to(model.model.embed_tokens.weight.device)).to("cpu")
     if progress and start:
@@ -123,33 +155,40 @@ def calibrate_layers(
         home = next(layer.parameters()).device
         layer.to(device)
         for group in SUBLAYER_GROUPS:
-            names = [f"model.layers.{i}.{rel}" for rel in group.linears if not ignore(f"model.layers.{i}.{rel}")]
-            if not names:
-                continue
-            # the hook of the group's last linear stops the forward: later parts are not needed yet
-            last = group.linears[-1]
-            hooks = [
-                layer.get_submodule(n.split(".", 3)[3]).register_forward_hook(
-                    _observer(method, n, stop=n.endswith(last))
-                )
-                for n in names
-            ]
-            if not names[-1].endswith(last):
-                hooks.append(layer.get_submodule(last).register_forward_hook(_stopper))
-            try:
-                _run_layer(layer, hidden, positions, device, batch_size, keep=False)
-            finally:
-                for h in hooks:
-                    h.remove()
-            result.records.update(method.process_group(i, layer, group, names))
+            names = [f"model.layers.{i}.{rel}" for rel in group.linears
+                     if not ignore(f"model.layers.{i}.{rel}")]
+            if names:
+                _observe_group(method, layer, group, names, lambda: _run_layer(
+                    layer, hidden, positions, device, batch_size, keep=False))
+                result.records.update(method.process_group(i, layer, group, names))
         result.records.update(method.finish_layer(i, layer))
         hidden = _run_layer(layer, hidden, positions, device, batch_size, keep=True)
         layer.to(home)
         if checkpoint_dir is not None:
-            _save(checkpoint_dir, fingerprint, i, layer, result.records, hidden)
+            checkpoints.save(checkpoint_dir, fingerprint, i, layer, result.records, hidden)
         if progress:
             progress(i + 1, n_layers)
     return result
+
+
+def _observe_group(method: LayerMethod, layer: nn.Module, group: SubLayerGroup, names: list[str],
+                   run: Callable[[], None]) -> None:
+    """Run the layer forward (`run`) with hooks that hand the group's inputs to `method`; the hook
+    of the group's last linear stops the forward: later parts are not needed yet."""
+    last = group.linears[-1]
+    hooks = [
+        layer.get_submodule(n.split(".", 3)[3]).register_forward_hook(
+            _observer(method, n, stop=n.endswith(last))
+        )
+        for n in names
+    ]
+    if not names[-1].endswith(last):
+        hooks.append(layer.get_submodule(last).register_forward_hook(_stopper))
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 class _StopForward(Exception):
@@ -167,27 +206,6 @@ def _observer(method: LayerMethod, name: str, stop: bool):
             raise _StopForward
 
     return hook
-
-
-def _save(ckpt: Path, fingerprint: str, i: int, layer: nn.Module, records: dict, hidden: torch.Tensor) -> None:
-    prefix = f"model.layers.{i}."
-    mine = {k: v for k, v in records.items() if k.startswith(prefix)}
-    save_layer(ckpt, fingerprint, i, layer.state_dict(), mine, hidden)
-
-
-def _resume(ckpt: Path, fingerprint: str, layers: nn.ModuleList, result: DriverResult,
-            warn: Callable[[str], None]):
-    expected = [{k: tuple(v.shape) for k, v in layer.state_dict().items()} for layer in layers]
-    saved, damage = load_checkpoint(ckpt, fingerprint, expected)
-    if damage is not None:
-        warn(f"the checkpoint in {ckpt} is unusable ({damage}); calibrating from the first layer again")
-    if saved is None:
-        return 0, None
-    for layer, state in zip(layers, saved.states):
-        layer.load_state_dict(state)
-    result.records.update(saved.records)
-    result.resumed_layers = saved.done_layers
-    return saved.done_layers, saved.hidden
 
 
 class HessianMethod:

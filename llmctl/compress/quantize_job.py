@@ -1,14 +1,17 @@
-"""The whole `llmctl quantize` job, below the CLI: load, calibrate, quantize, evaluate, write.
+"""The whole `llmctl quantize` job, below the CLI: check, load, calibrate, quantize, evaluate and
+write.
 
 Owns: `QuantizeArgs` (the resolved arguments, saved as recipe.yaml), `QuantizeReport` and
-`run_quantize`. The command module only parses options and prints the report.
+`run_quantize`. Every option is checked before the model loads (llmctl.compress.job_common, and
+the group size / format rules here, from the model's config); the output is written into the
+output folder's work folder and moved into place at the end (llmctl.compress.output_dir). The
+command module only parses options and prints the report.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,15 +20,17 @@ from typing import Callable
 import torch
 
 from llmctl.runtime.formats import FORMATS
+from llmctl.compress.job_common import (
+    Prepared, calibration_summary, check_common_options, eval_tokens, load_job_calibration, prepare,
+    settle,
+)
+from llmctl.compress.output_dir import copy_side_files, output_config, writing
+from llmctl.runtime.formats.spec import BITS, parse_group_size, resolve_group_size
 from llmctl.errors import UsageError
-from llmctl.runtime.evaluate import HELDOUT_MAX_TOKENS, HELDOUT_METHOD, heldout_perplexity
+from llmctl.runtime.evaluate import HELDOUT_METHOD, heldout_perplexity
 
 METHODS = ("awq", "gptq", "rtn")
-TMP_DIR = ".llmctl-quantize-tmp"
-COPIED_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
-    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
-)
+Finish = Callable[[Path], None]  # called with the finished result folder before it moves into place
 
 
 @dataclass
@@ -34,7 +39,7 @@ class QuantizeArgs:
     output: str
     method: str
     bits: int = 4
-    group_size: int = 128
+    group_size: int | str = "auto"  # a power of two >= 16, "channel" or "auto" (resolved per model)
     symmetric: bool | None = None  # None: the method's default (AWQ asymmetric, GPTQ/RTN symmetric)
     calib: str | None = None
     eval_data: str | None = None
@@ -46,28 +51,37 @@ class QuantizeArgs:
     act_order: bool = True
     dampening: float = 0.01
     overwrite: bool = False
+    report_json: str | None = None
 
     def resolve(self) -> "QuantizeArgs":
+        """Every check that needs no model; raises UsageError naming the flag."""
         if self.method not in METHODS:
             raise UsageError(f"unknown method {self.method!r}; use --awq, --gptq or --rtn")
         if self.format not in FORMATS:
             raise UsageError(f"unknown --format {self.format!r}; choose one of {', '.join(FORMATS)}")
+        if self.bits not in BITS or isinstance(self.bits, bool):
+            raise UsageError(f"--bits must be 4 or 8, got {self.bits!r}")
         if self.format == "awq" and self.bits != 4:
             raise UsageError("--format awq stores 4-bit weights only; use --bits 4 or --format compressed-tensors")
-        if self.num_samples < 1 or self.seq_len < 2:
-            raise UsageError("--num-samples must be >= 1 and --seq-len >= 2")
-        if not 0 < self.dampening < 1:
-            raise UsageError("--dampening must be in (0, 1)")
+        self.group_size = parse_group_size(self.group_size)
+        if self.format == "awq" and self.group_size == "channel":
+            resolve_group_size("channel", [], channel_format="awq")  # raises with the one message
+        check_common_options(self)
         if self.symmetric is None:
             self.symmetric = self.method != "awq"
         return self
+
+    @property
+    def spec_group_size(self) -> int | None:
+        """The resolved group size as QuantSpec takes it (None: per channel)."""
+        return None if self.group_size == "channel" else int(self.group_size)
 
 
 @dataclass
 class QuantizeReport:
     method: str
     bits: int
-    group_size: int
+    group_size: int | str  # the size used, or "channel"
     symmetric: bool
     format: str
     output: str
@@ -82,6 +96,7 @@ class QuantizeReport:
     resumed_layers: int = 0
     warnings: list[str] = field(default_factory=list)
     perplexity_method: str = HELDOUT_METHOD
+    group_size_note: str | None = None  # why --group-size auto did not choose 128
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -89,56 +104,27 @@ class QuantizeReport:
 
 def _fingerprint(args: QuantizeArgs, model_path: Path) -> str:
     d = asdict(args)
-    d.pop("overwrite")
+    for k in ("overwrite", "report_json"):
+        d.pop(k)
     d["model_path"] = str(model_path.resolve())
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def prepare_output_folder(out: Path, overwrite: bool, tmp_dir: str) -> None:
-    """Create the output folder -o; refuse a file, or a non-empty folder (other than our resume
-    folder `tmp_dir`) unless overwrite. Shared by quantize and sparsify."""
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"-o {out} is a file; give a folder")
-    if out.is_dir():
-        others = [p.name for p in out.iterdir() if p.name != tmp_dir]
-        if others and not overwrite:
-            raise UsageError(f"output folder {out} is not empty; choose another -o or pass --overwrite")
-    out.mkdir(parents=True, exist_ok=True)
-
-
-def _prepare_output(out: Path, overwrite: bool) -> None:
-    prepare_output_folder(out, overwrite, TMP_DIR)
-
-
-def _quantized_linears(model, ignored) -> list[tuple[str, int]]:
-    names = []
-    for i, layer in enumerate(model.model.layers):
-        for rel in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-            name = f"model.layers.{i}.{rel}"
-            if not ignored(name):
-                names.append((name, layer.get_submodule(rel).in_features))
-    return names
-
-
-def _check_shapes(linears: list[tuple[str, int]], args: QuantizeArgs, model) -> None:
-    """Refuse, before any work, group sizes that do not divide a layer and formats' packing limits."""
-    from llmctl.runtime.formats.spec import working_group_sizes
-
-    bad = [(n, k) for n, k in linears if k % args.group_size]
-    if bad:
-        ok = working_group_sizes([k for _, k in linears])
-        hint = f"group sizes that work for every layer: {', '.join(map(str, ok))}" if ok else "no common group size fits"
-        raise UsageError(
-            f"{bad[0][0]}: {bad[0][1]} input features are not a multiple of --group-size {args.group_size}"
-            f" ({len(bad)} layers affected); {hint}"
-        )
+def check_layers(args: QuantizeArgs, linears: list[tuple[str, int, int]]) -> str | None:
+    """The checks the model's shapes decide, before any work: resolves args.group_size ("auto")
+    and refuses sizes and formats that cannot store these layers. Returns the group-size note."""
+    if not linears:
+        raise UsageError("--ignore leaves no layer to quantize")
+    channel_format = "awq" if args.format == "awq" else None
+    widths = [(n, k) for n, _, k in linears]
+    group, note = resolve_group_size(args.group_size, widths, channel_format=channel_format)
+    args.group_size = "channel" if group is None else group
     if args.format in ("awq", "gptq"):
         per = 32 // args.bits
-        for n, _ in linears:
-            out_f = model.get_submodule(n).out_features
+        for n, out_f, _ in linears:
             if out_f % per:
                 raise UsageError(f"{n}: {out_f} output features are not a multiple of {per}, which --format {args.format} needs")
+    return note
 
 
 def _method(args: QuantizeArgs, spec):
@@ -155,7 +141,8 @@ def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
-def _write_output(out: Path, model_path: Path, model, records: dict, spec, args: QuantizeArgs, out_dtype) -> None:
+def _write_output(out: Path, model_path: Path, model, records: dict, spec, args: QuantizeArgs,
+                  out_dtype, note: str | None) -> None:
     from llmctl.runtime.formats import write_quantized
 
     linears = {name: rec.result for name, rec in records.items()}
@@ -167,23 +154,68 @@ def _write_output(out: Path, model_path: Path, model, records: dict, spec, args:
     if model.config.tie_word_embeddings:
         dense.pop("lm_head.weight", None)
     qcfg = write_quantized(out, args.format, dense, linears, spec, args.ignore, out_dtype)
-    config = json.loads((model_path / "config.json").read_text())
-    config["quantization_config"] = qcfg
+    raw = json.loads((model_path / "config.json").read_text())
+    config = output_config(raw, {"quantization_config": qcfg})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name in COPIED_FILES:
-        if (model_path / name).is_file():
-            shutil.copy2(model_path / name, out / name)
-    _write_recipe(out / "recipe.yaml", args, model_path)
+    copy_side_files(model_path, out)
+    write_recipe(out / "recipe.yaml", args, model_path, note)
 
 
-def _write_recipe(path: Path, args: QuantizeArgs, model_path: Path) -> None:
+def write_recipe(path: Path, args: QuantizeArgs, model_path: Path, note: str | None = None) -> None:
     import yaml
 
     d = asdict(args)
-    d.pop("overwrite")
+    for k in ("overwrite", "report_json"):
+        d.pop(k)
     d["model"] = str(model_path)
-    path.write_text("# llmctl quantize: resolved arguments of the run that wrote this folder\n"
-                    + yaml.safe_dump({"quantize": d}, sort_keys=False))
+    comment = f"# {note}\n" if note else ""
+    header = "# llmctl quantize: resolved arguments of the run that wrote this folder\n"
+    path.write_text(header + comment + yaml.safe_dump({"quantize": d}, sort_keys=False))
+
+
+def check_format_available(fmt: str) -> None:
+    """--format compressed-tensors needs its package: fail now, not after calibrating."""
+    from llmctl.runtime.formats.ct import require_package
+
+    if fmt == "compressed-tensors":
+        require_package(UsageError, " or choose --format awq or gptq")
+
+
+@dataclass
+class _Job:
+    """One run between its checks and its report."""
+
+    args: QuantizeArgs
+    prep: Prepared
+    ignored: Callable[[str], bool]
+    group_note: str | None
+    warn: Callable[[str], None]
+    warnings: list[str]
+    t0: float
+
+
+def _check(args: QuantizeArgs, warn: Callable[[str], None]) -> _Job:
+    """Every check, before the model loads; warnings go to `warn` and into the report."""
+    from llmctl.compress.driver import make_ignore
+
+    warnings: list[str] = []
+
+    def note(msg: str) -> None:
+        warnings.append(msg)
+        warn(msg)
+
+    t0 = time.perf_counter()
+    args.resolve()
+    prep = prepare(args)
+    if prep.config.raw.get("quantization_config"):
+        raise UsageError(f"{prep.model_path} is already quantized")
+    check_format_available(args.format)
+    ignored = make_ignore(args.ignore)
+    group_note = check_layers(args, [t for t in prep.linears if not ignored(t[0])])
+    settle(args, prep, note)
+    if group_note:
+        note(group_note)
+    return _Job(args, prep, ignored, group_note, note, warnings, t0)
 
 
 def run_quantize(
@@ -191,60 +223,49 @@ def run_quantize(
     *,
     progress: Callable[[int, int], None] | None = None,
     warn: Callable[[str], None] = lambda msg: None,
+    finish: Finish | None = None,
 ) -> QuantizeReport:
-    from llmctl.compress.calib_data import DEFAULT_WARNING, load_calibration
-    from llmctl.compress.driver import calibrate_layers, make_ignore
+    """Quantize args.model into args.output. finish(result folder), when given, runs after the
+    files are written and before they move into place (it may add files, or raise to stop)."""
+    from llmctl.compress.driver import calibrate_layers
     from llmctl.runtime.formats.spec import QuantSpec
     from llmctl.runtime.loader import load_runtime
-    from llmctl.runtime.resolve import resolve_device, resolve_dtype
+    from llmctl.runtime.resolve import resolve_dtype
 
-    args.resolve()
-    t0 = time.perf_counter()
-    out = Path(args.output)
-    rt = load_runtime(args.model, dtype="float32", device="cpu")  # calibrate in float32, layer by layer on --device
-    if rt.config.raw.get("quantization_config"):
-        raise UsageError(f"{rt.model_path} is already quantized")
-    device = resolve_device(args.device)
-    out_dtype = resolve_dtype("auto", rt.config, "cuda")  # the checkpoint's own dtype (float16 stays float16)
-    model = rt.model
-    ignored = make_ignore(args.ignore)
-    targets = _quantized_linears(model, ignored)
-    if not targets:
-        raise UsageError("--ignore leaves no layer to quantize")
-    _check_shapes(targets, args, model)
-    _prepare_output(out, args.overwrite)
+    job = _check(args, warn)
+    out = job.prep.out
+    # calibrate in float32 on the CPU, one layer at a time on --device
+    rt = load_runtime(job.prep.model_path, dtype="float32", device="cpu")
+    out_dtype = resolve_dtype("auto", rt.config, "cuda")  # the checkpoint's own dtype
     scale_dtype = torch.float16 if args.format in ("awq", "gptq") else out_dtype
-    spec = QuantSpec(args.bits, args.group_size, bool(args.symmetric), scale_dtype)
-
-    calib = load_calibration(
-        Path(args.calib) if args.calib else None, rt, num_samples=args.num_samples, seq_len=args.seq_len,
-        eval_data=Path(args.eval_data) if args.eval_data else None,
-        separator=rt.eos_token_ids[0] if rt.eos_token_ids else None,
-    )
-    if args.method == "rtn":  # RTN reads only the weights: the data only scores perplexity
-        calib.warnings = [w for w in calib.warnings if w != DEFAULT_WARNING]
-    for w in calib.warnings:
-        warn(w)
-    ppl_before = heldout_perplexity(model, calib.heldout)
-
+    spec = QuantSpec(args.bits, args.spec_group_size, bool(args.symmetric), scale_dtype)
+    # RTN reads only the weights: it uses the data for perplexity alone
+    calib = load_job_calibration(args, rt, job.warn, calibrates=args.method != "rtn")
+    ppl_before = heldout_perplexity(rt.model, calib.heldout)
     result = calibrate_layers(
-        model, calib.input_ids, _method(args, spec), device=device, ignore=ignored,
-        checkpoint_dir=out / TMP_DIR, fingerprint=_fingerprint(args, rt.model_path), progress=progress,
-        warn=warn,
+        rt.model, calib.input_ids, _method(args, spec), device=job.prep.device, ignore=job.ignored,
+        warn=job.warn, checkpoint_dir=out.resume_dir, fingerprint=_fingerprint(args, rt.model_path),
+        progress=progress,
     )
     if result.resumed_layers:
-        warn(f"resumed after layer {result.resumed_layers} of an interrupted run in {out / TMP_DIR}")
-    ppl_after = heldout_perplexity(model, calib.heldout)
-    _write_output(out, rt.model_path, model, result.records, spec, args, out_dtype)
-    shutil.rmtree(out / TMP_DIR, ignore_errors=True)
-    layers = [result.records[n].to_dict() for n, _ in targets]
+        job.warn(f"resumed after layer {result.resumed_layers} of an interrupted run in "
+                 f"{out.resume_dir}")
+    ppl_after = heldout_perplexity(rt.model, calib.heldout)
+    folder = out.fresh_result()
+    with writing(f"-o {out.final}"):
+        _write_output(folder, rt.model_path, rt.model, result.records, spec, args, out_dtype,
+                      job.group_note)
+        if finish is not None:
+            finish(folder)
+    out.commit()
     return QuantizeReport(
         method=args.method, bits=args.bits, group_size=args.group_size, symmetric=bool(args.symmetric),
-        format=args.format, output=str(out), wall_time_s=round(time.perf_counter() - t0, 3),
-        size_before_bytes=_size(rt.model_path), size_after_bytes=_size(out),
+        format=args.format, output=str(out.final),
+        wall_time_s=round(time.perf_counter() - job.t0, 3),
+        size_before_bytes=_size(rt.model_path), size_after_bytes=_size(out.final),
         perplexity_before=ppl_before, perplexity_after=ppl_after,
-        eval_tokens=0 if calib.heldout is None else min(calib.heldout.numel(), HELDOUT_MAX_TOKENS),
-        calibration={"source": calib.source, "num_samples": int(calib.input_ids.shape[0]),
-                     "seq_len": int(calib.input_ids.shape[1])},
-        layers=layers, resumed_layers=result.resumed_layers, warnings=calib.warnings,
+        eval_tokens=eval_tokens(calib.heldout),
+        calibration=calibration_summary(calib),
+        layers=[result.records[n].to_dict() for n, _, _ in job.prep.linears if n in result.records],
+        resumed_layers=result.resumed_layers, warnings=job.warnings, group_size_note=job.group_note,
     )

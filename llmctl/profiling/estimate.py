@@ -46,17 +46,11 @@ def normalize_dtype(name: str, table: dict[str, Any], what: str) -> str:
 
 
 def linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:
-    """(out_features, in_features) of the 7 linear layers of one decoder layer."""
-    h, f = config.hidden_size, config.intermediate_size
-    return [
-        (config.q_size, h),  # q_proj
-        (config.kv_size, h),  # k_proj
-        (config.kv_size, h),  # v_proj
-        (h, config.q_size),  # o_proj
-        (f, h),  # gate_proj
-        (f, h),  # up_proj
-        (h, f),  # down_proj
-    ]
+    """(out_features, in_features) of the 7 linear layers of one decoder layer (q, k, v, o, gate,
+    up, down), as llmctl.compress.driver.decoder_linears names them."""
+    from llmctl.compress.driver import LINEAR_NAMES, decoder_linears
+
+    return [(o, i) for _, o, i in decoder_linears(config)[: len(LINEAR_NAMES)]]
 
 
 @dataclass(frozen=True)
@@ -230,17 +224,27 @@ def parse_bandwidth(text: str) -> float:
     return float(m.group(1)) * _RATE_UNITS[unit]
 
 
-def parse_group_size(text: str | int | None) -> int | None:
-    """'128' -> 128; 'channel' -> None (one group per output row)."""
-    if text is None or str(text).lower() in ("channel", "per-channel", "none"):
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise UsageError(f"--group-size must be a positive integer or 'channel', got {text!r}") from None
-    if value < 1:
-        raise UsageError(f"--group-size must be a positive integer or 'channel', got {text!r}")
-    return value
+def parse_group_size(text: str | int | None) -> int | str | None:
+    """--group-size by quantize's rule (llmctl.runtime.formats.spec.parse_group_size): '128' -> 128,
+    'channel' -> None (one group per output row), 'auto' -> 'auto' (see `group_size_for`)."""
+    from llmctl.runtime.formats.spec import parse_group_size as parse
+
+    value = parse("channel" if text is None else text)
+    return None if value == "channel" else value
+
+
+def group_size_for(config: ModelConfig, text: str | int,
+                   quantize_embeddings: bool = False) -> tuple[int | None, str | None]:
+    """(group size or None for per channel, note) for this config's quantized matrices, by the
+    rule `llmctl quantize` applies: a size it refuses is refused here too, and auto resolves the
+    same way."""
+    from llmctl.compress.driver import decoder_linears
+    from llmctl.runtime.formats.spec import resolve_group_size
+
+    widths = [(name, k) for name, _, k in decoder_linears(config)]
+    if quantize_embeddings:
+        widths += [("model.embed_tokens", config.hidden_size), ("lm_head", config.hidden_size)]
+    return resolve_group_size(text, widths)
 
 
 def find_config(target: str) -> tuple[ModelConfig, str]:

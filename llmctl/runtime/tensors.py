@@ -1,14 +1,18 @@
 """Tensors of a folder of safetensors, and the one path that puts dense tensors into our model.
 
 Owns: `weight_files` (the safetensors index when present, else every *.safetensors; pickles are
-refused), `iter_tensors` / `read_tensors`, and `assign_dense`: copy dense tensors into a model
+refused), `iter_tensors` / `read_tensors`, `save_safetensors` (a file whose mode follows the umask,
+not safetensors' 0600, and whose I/O failures are OSError), and `assign_dense`: copy dense tensors into a model
 built on the meta device (checked names and shapes, tied embeddings, owned aligned copies), shared
 by dense and quantized checkpoints.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import re
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -76,3 +80,31 @@ def assign_dense(model, tensors: Iterable[tuple[str, str, "torch.Tensor"]], conf
     model.load_state_dict(loaded, strict=False, assign=True)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _file_mode() -> int:
+    """0666 minus the process umask (read without changing it, where /proc says it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def save_safetensors(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file (which writes a 0600 temp file and renames it), then the mode a
+    plain file would get; its I/O failures come back as OSError (for `writing`)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        found = re.search(r"os error (\d+)", str(e))
+        code = int(found.group(1)) if found else errno.EIO
+        raise OSError(code, os.strerror(code), str(path)) from None
+    os.chmod(path, _file_mode())

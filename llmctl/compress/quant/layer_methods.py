@@ -25,7 +25,7 @@ from llmctl.compress.quant.awq import (
 )
 from llmctl.compress.quant.gptq import quantize_gptq
 from llmctl.compress.quant.rtn import quantize_rtn
-from llmctl.runtime.formats.spec import QuantResult, QuantSpec, check_group_size
+from llmctl.runtime.formats.spec import QuantResult, QuantSpec
 
 
 @dataclass
@@ -62,11 +62,12 @@ def gptq_method(
     construction; GPTQ's error feedback would refill them, hence the mask of exact zeros."""
     def fn(name: str, linear: nn.Linear, H: torch.Tensor) -> LinearRecord:
         w = linear.weight.detach().float().cpu().clone()
-        check_group_size(name, w.shape[1], spec.group_size)
+        lspec = spec.for_width(name, w.shape[1])
         H = H.cpu()
         # exact zeros stay exactly zero (sparse-then-quantize); a dense weight has next to none
         mask = (w == 0) if preserve_zeros and bool((w == 0).any()) else None
-        r = quantize_gptq(w, H, spec, percdamp=percdamp, block_size=block_size, act_order=act_order, mask=mask)
+        r = quantize_gptq(w, H, lspec, percdamp=percdamp, block_size=block_size,
+                          act_order=act_order, mask=mask)
         _set_weight(linear, r.weight)
         return LinearRecord(name, tuple(w.shape), r, relative_output_error(w, r.weight, H))
 
@@ -78,8 +79,7 @@ def rtn_method(spec: QuantSpec) -> HessianMethod:
 
     def fn(name: str, linear: nn.Linear, H: torch.Tensor) -> LinearRecord:
         w = linear.weight.detach().float().cpu().clone()
-        check_group_size(name, w.shape[1], spec.group_size)
-        r = quantize_rtn(w, spec)
+        r = quantize_rtn(w, spec.for_width(name, w.shape[1]))
         _set_weight(linear, r.weight)
         return LinearRecord(name, tuple(w.shape), r, relative_output_error(w, r.weight, H.cpu()))
 
@@ -113,8 +113,8 @@ class AwqMethod:
         return x
 
     def process_group(self, layer_index: int, layer: nn.Module, group: SubLayerGroup, names: list[str]) -> dict[str, Any]:
-        for n in names:
-            check_group_size(n, self.acc[n].H.shape[0], self.spec.group_size)
+        # the group's linears share their inputs, hence one width
+        spec = self.spec.for_width(names[0], self.acc[names[0]].H.shape[0])
         x = self._sample(names[0])
         H = self.acc[names[0]].H
         for n in names[1:]:
@@ -125,7 +125,7 @@ class AwqMethod:
         if self._can_fold(prev, linears):
             quantized = [layer.get_submodule(n.split(".", 3)[3]).weight.detach().float() for n in names]
             block = self._block(layer, group, names)
-            found = search_scales(x, quantized, self.spec, n_grid=self.n_grid, block=block)
+            found = search_scales(x, quantized, spec, n_grid=self.n_grid, block=block)
             s = found.scales
             if found.alpha > 0:
                 if isinstance(prev, nn.Linear):
@@ -180,7 +180,7 @@ class AwqMethod:
             w = linear.weight.detach().float().cpu().clone()
             # AutoAWQ leaves q/k unclipped: attention scores are too sensitive to their range
             clip = self.clip and not name.endswith(("q_proj", "k_proj"))
-            r = quantize_awq(w, x, self.spec, clip=clip)
+            r = quantize_awq(w, x, self.spec.for_width(name, w.shape[1]), clip=clip)
             _set_weight(linear, r.weight)
             records[name] = LinearRecord(name, tuple(w.shape), r, relative_output_error(w, r.weight, H), alpha)
         self.pending.clear()

@@ -1,26 +1,25 @@
 """Writing a pruned model as an ordinary dense Hugging Face folder (zeros stored as zeros).
 
 Owns: `save_dense_model` (safetensors shards with HF parameter names, config.json with a
-`sparsity_config` entry, tokenizer and generation files copied from the source folder) and
-`sparsity_config`, the metadata dict. transformers ignores the extra config key and loads the
+`sparsity_config` entry and without `auto_map`, tokenizer and generation files copied from the
+source folder; the shared rules are in llmctl.compress.output_dir) and `sparsity_config`, the
+metadata dict. transformers ignores the extra config key and loads the
 folder as a plain model; llmctl and other tools can read it to know the pattern.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from llmctl.compress.output_dir import copy_side_files, output_config
+from llmctl.runtime import tensors as tensor_io
 from llmctl.compress.sparse.masks import SparsityPattern
 
 SHARD_BYTES = 4 * 1024**3  # split weights into files of at most ~4 GiB, as HF does
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
-_SIDE_FILE_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "generation_config", "vocab", "merges",
-                       "chat_template", "license", "notice")
 _STORED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -86,8 +85,6 @@ def save_dense_model(
     extra_config: dict[str, Any],
 ) -> Path:
     """Write `model` to `out_dir` as HF safetensors in the source checkpoint's dtype; returns out_dir."""
-    from safetensors.torch import save_file
-
     out_dir.mkdir(parents=True, exist_ok=True)
     first = next(model.parameters())
     dtype = stored_dtype(raw_config, first.dtype)
@@ -96,29 +93,18 @@ def save_dense_model(
     for stale in out_dir.glob("model*.safetensors*"):
         stale.unlink()
     if len(shards) == 1:
-        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        tensor_io.save_safetensors(shards[0], out_dir / "model.safetensors", metadata={"format": "pt"})
     else:
         weight_map = {}
         for i, shard in enumerate(shards, 1):
             fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+            tensor_io.save_safetensors(shard, out_dir / fname, metadata={"format": "pt"})
             weight_map.update({name: fname for name in shard})
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     if source_dir is not None:
-        _copy_side_files(source_dir, out_dir)
-    config = {k: v for k, v in raw_config.items() if k != "quantization_config"}
-    config.update(extra_config)
+        copy_side_files(source_dir, out_dir)
+    config = output_config(raw_config, extra_config)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out_dir
-
-
-def _copy_side_files(source_dir: Path, out_dir: Path) -> None:
-    """Tokenizer, generation config, chat template and licence files; not weights, not reports
-    about the unpruned model (a train_report.json would describe weights we changed)."""
-    if source_dir.resolve() == out_dir.resolve():
-        return
-    for f in source_dir.iterdir():
-        if f.is_file() and f.name.lower().startswith(_SIDE_FILE_PREFIXES) and not f.name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copyfile(f, out_dir / f.name)

@@ -1,7 +1,10 @@
-"""The whole `llmctl sparsify` job, below the CLI: load, calibrate, prune, evaluate, write.
+"""The whole `llmctl sparsify` job, below the CLI: check, load, calibrate, prune, evaluate, write.
 
 Owns: `SparsifyArgs` (the resolved arguments; recipe.py saves them as the output's recipe.yaml), `SparsifyReport`
-and `run_sparsify`. The command module only parses options and prints the report. The output is a
+and `run_sparsify`. Every option is checked before the model loads (llmctl.compress.job_common);
+the output is written into the output folder's work folder and moved into place at the end
+(llmctl.compress.output_dir). The command module only parses options and prints the report.
+The output is a
 dense checkpoint (zeros stored as zeros) in the source dtype: smaller only after compression or
 quantization, faster only where a sparse kernel runs (2:4 on NVIDIA Ampere+; never on the CPU).
 """
@@ -10,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,12 +20,17 @@ from typing import Any, Callable
 
 import torch
 
+from llmctl.compress.job_common import (
+    Prepared, calibration_summary, check_common_options, eval_tokens, load_job_calibration, prepare,
+    settle,
+)
+from llmctl.compress.output_dir import writing
 from llmctl.compress.sparse.masks import parse_pattern
 from llmctl.compress.sparse.prune import METHODS, needs_calibration
 from llmctl.errors import UsageError
-from llmctl.runtime.evaluate import HELDOUT_MAX_TOKENS, HELDOUT_METHOD, heldout_perplexity
+from llmctl.runtime.evaluate import HELDOUT_METHOD, heldout_perplexity
 
-TMP_DIR = ".llmctl-sparsify-tmp"
+Finish = Callable[[Path], None]  # called with the finished result folder before it moves into place
 SPEED_NOTE = (
     "dense checkpoint with zeros: no speedup on the CPU; on NVIDIA Ampere+ GPUs 2:4 matmuls can run "
     "through PyTorch semi-structured sparsity (up to 2x per compatible matmul, ~1.1x end to end "
@@ -48,19 +55,22 @@ class SparsifyArgs:
     block_size: int = 128
     evaluate: bool = True
     overwrite: bool = False
+    report_json: str | None = None
 
     def resolve(self) -> "SparsifyArgs":
+        """Every check that needs no model; raises UsageError naming the flag."""
         if self.method not in METHODS:
             raise UsageError(f"unknown --method {self.method!r}; choose one of {', '.join(METHODS)}")
         pattern = parse_pattern(self.pattern, self.sparsity)  # raises UsageError on bad input
         if pattern.structured:
             self.pattern, self.sparsity = pattern.label(), None
-        if self.num_samples < 1 or self.seq_len < 2:
-            raise UsageError("--num-samples must be >= 1 and --seq-len >= 2")
-        if not 0 < self.dampening < 1:
-            raise UsageError("--dampening must be in (0, 1)")
+        check_common_options(self)
+        if self.block_size < 1:
+            raise UsageError(f"--block-size must be a positive number of columns, "
+                             f"got {self.block_size}")
         if pattern.structured and self.block_size % pattern.m:  # type: ignore[operator]
-            raise UsageError(f"--block-size {self.block_size} must be a multiple of the group width {pattern.m}")
+            raise UsageError(f"--block-size {self.block_size} must be a multiple of the pattern's "
+                             f"group width {pattern.m} (--pattern {pattern.label()})")
         return self
 
 
@@ -89,16 +99,10 @@ class SparsifyReport:
 
 def _fingerprint(args: SparsifyArgs, model_path: Path) -> str:
     d = asdict(args)
-    for k in ("overwrite", "evaluate", "eval_data", "output"):
+    for k in ("overwrite", "evaluate", "eval_data", "output", "report_json"):
         d.pop(k)
     d["model_path"] = str(model_path.resolve())
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _prepare_output(out: Path, overwrite: bool) -> None:
-    from llmctl.compress.quantize_job import prepare_output_folder
-
-    prepare_output_folder(out, overwrite, TMP_DIR)
 
 
 def _decoder_sparsity(model) -> float:
@@ -110,22 +114,64 @@ def _decoder_sparsity(model) -> float:
     return zeros / max(1, total)
 
 
-def _load_data(args: SparsifyArgs, rt) -> tuple[Any, torch.Tensor | None, list[str]]:
-    """(calibration set or None, held-out token ids or None, warnings) for this run."""
-    from llmctl.compress.calib_data import DEFAULT_WARNING, load_calibration, read_token_stream
+def _load_data(args: SparsifyArgs, rt,
+               warn: Callable[[str], None]) -> tuple[Any, torch.Tensor | None]:
+    """(calibration set or None, held-out token ids or None) for this run; warnings go to `warn`."""
+    from llmctl.compress.calib_data import read_token_stream
 
     if needs_calibration(args.method) or (args.evaluate and args.eval_data is None):
-        calib = load_calibration(
-            Path(args.calib) if args.calib else None, rt, num_samples=args.num_samples, seq_len=args.seq_len,
-            eval_data=Path(args.eval_data) if args.eval_data else None,
-            separator=rt.eos_token_ids[0] if rt.eos_token_ids else None,
-        )
-        # magnitude pruning only evaluates on this data: the "calibrating on built-in text" warning does not apply
-        warnings = [w for w in calib.warnings if needs_calibration(args.method) or w != DEFAULT_WARNING]
-        return calib, calib.heldout, warnings
+        # magnitude pruning only evaluates on this data: the built-in-text warning does not apply
+        calib = load_job_calibration(args, rt, warn, calibrates=needs_calibration(args.method))
+        return calib, calib.heldout
     if args.evaluate:
-        return None, torch.tensor(read_token_stream(Path(args.eval_data), rt), dtype=torch.long), []
-    return None, None, []
+        ids = read_token_stream(Path(args.eval_data), rt, vocab_size=rt.config.vocab_size)
+        return None, torch.tensor(ids, dtype=torch.long)
+    return None, None
+
+
+def check_targets(args: SparsifyArgs, linears: list[tuple[str, int, int]]) -> None:
+    """Refuse, before loading, a run that would prune nothing (from the config's layer shapes)."""
+    from llmctl.compress.driver import make_ignore
+
+    pattern = parse_pattern(args.pattern, args.sparsity)
+    ignored = make_ignore(args.ignore)
+    if not any(not ignored(name) and pattern.fits(k) for name, _, k in linears):
+        raise UsageError("no linear layer left to prune (--ignore, or no layer width divisible by "
+                         "the group width)")
+
+
+@dataclass
+class _Job:
+    """One run between its checks and its report."""
+
+    args: SparsifyArgs
+    prep: Prepared
+    warn: Callable[[str], None]
+    warnings: list[str]
+    t0: float
+
+
+def _check(args: SparsifyArgs, warn: Callable[[str], None]) -> _Job:
+    """Every check, before the model loads; warnings go to `warn` and into the report."""
+    warnings: list[str] = []
+
+    def note(msg: str) -> None:
+        warnings.append(msg)
+        warn(msg)
+
+    t0 = time.perf_counter()
+    args.resolve()
+    prep = prepare(args)
+    check_targets(args, prep.linears)
+    raw = prep.config.raw
+    if raw.get("quantization_config"):
+        raise UsageError(f"{prep.model_path} is quantized; sparsify the unquantized model, "
+                         "then quantize the result")
+    settle(args, prep, note)
+    if raw.get("sparsity_config"):
+        note(f"{prep.model_path} is already sparse ({raw['sparsity_config'].get('pattern')}); "
+             "pruning it again")
+    return _Job(args, prep, note, warnings, t0)
 
 
 def run_sparsify(
@@ -133,65 +179,69 @@ def run_sparsify(
     *,
     progress: Callable[[int, int], None] | None = None,
     warn: Callable[[str], None] = lambda msg: None,
+    finish: Finish | None = None,
 ) -> SparsifyReport:
     """Prune args.model into args.output (a dense HF folder) and report what was reached.
 
-    progress(done, total) follows decoder layers (linears for magnitude); warn(msg) gets warnings."""
-    from llmctl.compress.sparse.export import save_dense_model, sparsity_config
+    progress(done, total) follows decoder layers (linears for magnitude); warn(msg) gets warnings;
+    finish(result folder) runs after the files are written and before they move into place (it
+    may add files, or raise to stop); by default it writes the run's recipe.yaml."""
     from llmctl.compress.sparse.pipeline import SparsifySettings, sparsify_model, target_linears
     from llmctl.runtime.loader import load_runtime
-    from llmctl.runtime.resolve import resolve_device
 
-    args.resolve()
-    t0 = time.perf_counter()
-    out = Path(args.output)
+    job = _check(args, warn)
+    out = job.prep.out
     pattern = parse_pattern(args.pattern, args.sparsity)
-    rt = load_runtime(args.model, dtype="float32", device="cpu")  # calibrate in float32, layer by layer on --device
-    if rt.config.raw.get("quantization_config"):
-        raise UsageError(f"{rt.model_path} is quantized; sparsify the unquantized model, then quantize the result")
-    if rt.config.raw.get("sparsity_config"):
-        warn(f"{rt.model_path} is already sparse ({rt.config.raw['sparsity_config'].get('pattern')}); pruning it again")
+    # calibrate in float32 on the CPU, one layer at a time on --device
+    rt = load_runtime(job.prep.model_path, dtype="float32", device="cpu")
     settings = SparsifySettings(pattern, args.method, tuple(args.ignore), args.dampening, args.block_size)
-    model = rt.model
-    targets = target_linears(model, settings)
-    if not targets.names:
-        raise UsageError("no linear layer left to prune (--ignore, or no layer width divisible by the group width)")
-    _prepare_output(out, args.overwrite)
-    warnings: list[str] = []
+    targets = target_linears(rt.model, settings)
     for name, why in targets.skipped.items():
         if not why.startswith("ignored"):
-            warnings.append(f"{name} stays dense: {why}")
-
-    calib, heldout, data_warnings = _load_data(args, rt)
-    warnings += data_warnings
-    for w in warnings:
-        warn(w)
-    ppl_before = heldout_perplexity(model, heldout) if args.evaluate else None
-
+            job.warn(f"{name} stays dense: {why}")
+    calib, heldout = _load_data(args, rt, job.warn)
+    ppl_before = heldout_perplexity(rt.model, heldout) if args.evaluate else None
     result = sparsify_model(
-        model, settings, calib.input_ids if calib is not None else None, progress,
-        device=resolve_device(args.device), checkpoint_dir=out / TMP_DIR, fingerprint=_fingerprint(args, rt.model_path),
-        warn=warn,
+        rt.model, settings, calib.input_ids if calib is not None else None, progress,
+        device=job.prep.device, checkpoint_dir=out.resume_dir, warn=job.warn,
+        fingerprint=_fingerprint(args, rt.model_path),
     )
-    lines = result.lines
     if result.resumed_layers:
-        warn(f"resumed after layer {result.resumed_layers} of an interrupted run in {out / TMP_DIR}")
-    ppl_after = heldout_perplexity(model, heldout) if args.evaluate else None
+        job.warn(f"resumed after layer {result.resumed_layers} of an interrupted run in "
+                 f"{out.resume_dir}")
+    ppl_after = heldout_perplexity(rt.model, heldout) if args.evaluate else None
+    global_sparsity = _write(out, rt, args, pattern, result.lines, finish)
+    return SparsifyReport(
+        method=args.method, pattern=pattern.label(), output=str(out.final),
+        wall_time_s=round(time.perf_counter() - job.t0, 3),
+        global_sparsity=round(global_sparsity, 6),
+        model_sparsity=round(_decoder_sparsity(rt.model), 6), perplexity_before=ppl_before,
+        perplexity_after=ppl_after, eval_tokens=eval_tokens(heldout) if args.evaluate else 0,
+        perplexity_method=HELDOUT_METHOD,
+        calibration=(calibration_summary(calib)
+                     if calib is not None and needs_calibration(args.method) else None),
+        layers=[line.to_dict() for line in result.lines], skipped=targets.skipped,
+        resumed_layers=result.resumed_layers, warnings=job.warnings,
+    )
 
+
+def _write(out, rt, args: SparsifyArgs, pattern, lines, finish: Finish | None) -> float:
+    """Write the pruned model into the work folder, run `finish` (default: write recipe.yaml),
+    move it into place; returns the global sparsity of the pruned linears."""
+    from llmctl.compress.sparse.export import save_dense_model, sparsity_config
+
+    if finish is None:
+        from llmctl.compress.sparse.recipe import write_recipe
+
+        finish = lambda folder: write_recipe(folder / "recipe.yaml", args, None)  # noqa: E731
     pruned = sum(line.sparsity * line.shape[0] * line.shape[1] for line in lines)
     weights = sum(line.shape[0] * line.shape[1] for line in lines)
     global_sparsity = pruned / max(1, weights)
-    meta = sparsity_config(pattern, args.method, {l.name: l.sparsity for l in lines}, list(args.ignore), global_sparsity)
-    save_dense_model(model, rt.config.raw, rt.model_path, out, {"sparsity_config": meta})
-    shutil.rmtree(out / TMP_DIR, ignore_errors=True)
-    return SparsifyReport(
-        method=args.method, pattern=pattern.label(), output=str(out), wall_time_s=round(time.perf_counter() - t0, 3),
-        global_sparsity=round(global_sparsity, 6), model_sparsity=round(_decoder_sparsity(model), 6),
-        perplexity_before=ppl_before, perplexity_after=ppl_after,
-        eval_tokens=0 if heldout is None or not args.evaluate else min(heldout.numel(), HELDOUT_MAX_TOKENS),
-        perplexity_method=HELDOUT_METHOD,
-        calibration=None if calib is None or not needs_calibration(args.method) else {
-            "source": calib.source, "num_samples": int(calib.input_ids.shape[0]), "seq_len": int(calib.input_ids.shape[1])},
-        layers=[line.to_dict() for line in lines], skipped=targets.skipped, resumed_layers=result.resumed_layers, warnings=warnings,
-    )
-
+    per_layer = {line.name: line.sparsity for line in lines}
+    meta = sparsity_config(pattern, args.method, per_layer, list(args.ignore), global_sparsity)
+    folder = out.fresh_result()
+    with writing(f"-o {out.final}"):
+        save_dense_model(rt.model, rt.config.raw, rt.model_path, folder, {"sparsity_config": meta})
+        finish(folder)
+    out.commit()
+    return global_sparsity

@@ -45,6 +45,8 @@ class SparsityPattern:
 
 
 _NM = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+MAX_GROUP = 128  # the default SparseGPT block: every allowed M divides it
+PATTERN_RULE = f"N:M needs 0 < N < M and M a power of two up to {MAX_GROUP} (usually 2:4 or 4:8)"
 
 
 def parse_pattern(pattern: str | None, sparsity: float | None) -> SparsityPattern:
@@ -60,8 +62,8 @@ def parse_pattern(pattern: str | None, sparsity: float | None) -> SparsityPatter
     if not match:
         raise UsageError(f"--pattern must look like N:M (for example 2:4 or 4:8), got {text!r}")
     n, m = int(match.group(1)), int(match.group(2))
-    if m < 2 or not 0 < n < m:
-        raise UsageError(f"--pattern {text}: need 0 < N < M and M >= 2")
+    if not 0 < n < m or m & (m - 1) or m > MAX_GROUP:
+        raise UsageError(f"--pattern {text} is not allowed: {PATTERN_RULE}")
     return SparsityPattern(sparsity=1.0 - n / m, n=n, m=m)
 
 

@@ -74,7 +74,7 @@ def sparsify_model(
     device: str | torch.device = "cpu",
     checkpoint_dir: Path | None = None,
     fingerprint: str = "",
-    warn: Callable[[str], None] = lambda message: None,
+    warn: Callable[[str], None] = lambda msg: None,
 ) -> SparsifyResult:
     """Prune `model` in place; calib_ids [num_samples, seq_len] is required for wanda/sparsegpt.
 
@@ -85,8 +85,8 @@ def sparsify_model(
         return SparsifyResult(_magnitude(model, settings, targets, progress), targets)
     if calib_ids is None:
         raise ValueError(f"{settings.method} needs calibration token ids")
-    lines, resumed = _calibrated(model, settings, targets, calib_ids, progress, device, checkpoint_dir,
-                                 fingerprint, warn)
+    lines, resumed = _calibrated(model, settings, targets, calib_ids, progress, device,
+                                 checkpoint_dir, fingerprint, warn)
     return SparsifyResult(lines, targets, resumed)
 
 
@@ -113,7 +113,7 @@ def _calibrated(
     device: str | torch.device = "cpu",
     checkpoint_dir: Path | None = None,
     fingerprint: str = "",
-    warn: Callable[[str], None] = lambda message: None,
+    warn: Callable[[str], None] = lambda msg: None,
 ) -> tuple[list[LayerSparsity], int]:
     """Wanda/SparseGPT through the shared driver: each linear sees its inputs as produced by the
     already-pruned sub-layers and layers before it. Pruning runs where the layer is (--device)."""

@@ -1,9 +1,11 @@
 """Recipes: a YAML file that sparsifies and then (optionally) quantizes in one run.
 
-Owns: `Recipe` / `load_recipe` (validation with one-line errors), `merge_args` (recipe values as
-defaults, explicit command-line flags win), and `run_recipe`: prune into a staging folder, quantize
-that folder into the output with the quantize job, then check that every pruned weight is still
-exactly zero after quantization (the GPTQ mask), failing loudly when it is not.
+Owns: `Recipe` / `load_recipe` (keys and value types, with one-line errors), `merge_args` (recipe
+values as defaults, explicit command-line flags win), and `run_recipe`: check both stages against
+the model's config before any work (a later stage's bad setting is refused before pruning), prune
+into a staging folder inside the output's work folder, quantize that into the output with the
+quantize job, and check that every pruned weight is still exactly zero after quantization (the
+GPTQ mask) before the output moves into place, failing loudly (and writing nothing) when it is not.
 
 Format (see recipes/sparse-2of4-gptq-w4.yaml):
     calibration: {calib: FILE, eval_data: FILE, num_samples: 128, seq_len: 512}   # shared
@@ -13,7 +15,6 @@ Format (see recipes/sparse-2of4-gptq-w4.yaml):
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
@@ -26,7 +27,13 @@ from llmctl.errors import LlmctlError, UsageError
 CALIBRATION_KEYS = ("calib", "eval_data", "num_samples", "seq_len")
 SPARSIFY_KEYS = ("method", "pattern", "sparsity", "ignore", "dampening", "block_size")
 QUANTIZE_KEYS = ("method", "bits", "group_size", "symmetric", "format", "ignore", "act_order", "dampening")
-STAGE_DIR = ".llmctl-sparse-stage"
+STAGE_DIR = "sparse-stage"  # inside the output's work folder
+_TYPES: dict[str, tuple[type, ...]] = {
+    "calib": (str,), "eval_data": (str,), "num_samples": (int,), "seq_len": (int,),
+    "method": (str,), "pattern": (str,), "sparsity": (float, int), "ignore": (list,),
+    "dampening": (float, int), "block_size": (int,), "bits": (int,), "group_size": (int, str),
+    "symmetric": (bool,), "format": (str,), "act_order": (bool,),
+}
 
 
 @dataclass
@@ -43,10 +50,25 @@ def _section(doc: dict, name: str, allowed: tuple[str, ...], path: Path) -> dict
         return None
     if not isinstance(sec, dict):
         raise UsageError(f"{path}: `{name}` must be a mapping")
-    unknown = sorted(set(sec) - set(allowed))
+    unknown = sorted(set(sec) - set(allowed), key=str)
     if unknown:
         raise UsageError(f"{path}: unknown key {unknown[0]!r} in `{name}`; allowed: {', '.join(allowed)}")
-    return dict(sec)
+    if isinstance(sec.get("pattern"), int):  # YAML 1.1 reads an unquoted 2:4 as 124 (base 60)
+        raise UsageError(f'{path}: quote the pattern, for example pattern: "2:4"')
+    for key, value in sec.items():
+        _check_type(path, f"{name}.{key}", value, _TYPES[key])
+    return {k: v for k, v in sec.items() if v is not None}  # null: the default
+
+
+def _check_type(path: Path, key: str, value: Any, types: tuple[type, ...]) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, types) and (bool in types or not isinstance(value, bool))
+    if ok and types == (list,):
+        ok = all(isinstance(v, str) for v in value)
+    if not ok:
+        want = "a list of strings" if types == (list,) else " or ".join(t.__name__ for t in types)
+        raise UsageError(f"{path}: `{key}` must be {want}, got {value!r}")
 
 
 def load_recipe(path: Path) -> Recipe:
@@ -66,8 +88,6 @@ def load_recipe(path: Path) -> Recipe:
     sparsify = _section(doc, "sparsify", SPARSIFY_KEYS, path)
     if sparsify is None:
         raise UsageError(f"{path}: a recipe needs a `sparsify` section")
-    if isinstance(sparsify.get("pattern"), int):  # YAML 1.1 reads an unquoted 2:4 as 124 (base 60)
-        raise UsageError(f'{path}: quote the pattern, for example pattern: "2:4"')
     return Recipe(str(path), _section(doc, "calibration", CALIBRATION_KEYS, path) or {}, sparsify,
                   _section(doc, "quantize", QUANTIZE_KEYS, path))
 
@@ -112,38 +132,80 @@ def run_recipe(
 ) -> RecipeReport:
     """Sparsify (and quantize when the recipe says so) into args.output."""
     stage_progress = (lambda stage: (lambda d, t: progress(stage, d, t))) if progress else (lambda stage: None)
+    warn = _once(warn)
+    if recipe is not None:
+        from llmctl.compress.output_dir import check_output_file
+
+        check_output_file(args.report_json, "--report-json", (Path(recipe.path),), create_parents=True)
     if recipe is None or recipe.quantize is None:
         report = run_sparsify(args, progress=stage_progress("sparsify"), warn=warn)
-        write_recipe(Path(args.output) / "recipe.yaml", args, None)
         return RecipeReport(report, None, None, None if recipe is None else recipe.path)
 
-    from llmctl.compress.quantize_job import QuantizeArgs, run_quantize
+    from llmctl.compress.output_dir import OutputFolder
+    from llmctl.compress.quantize_job import run_quantize
 
-    out = Path(args.output)
-    if out.is_dir() and any(p.name != STAGE_DIR for p in out.iterdir()) and not args.overwrite:
-        raise UsageError(f"output folder {out} is not empty; choose another -o or pass --overwrite")
-    stage = out / STAGE_DIR
-    q = dict(recipe.quantize)
-    qargs = QuantizeArgs(
-        model=str(stage), output=str(out), method=q.pop("method", "gptq"), calib=args.calib, eval_data=args.eval_data,
-        num_samples=args.num_samples, seq_len=args.seq_len, device=args.device, overwrite=True, **q,
-    ).resolve()  # check the quantize settings before spending time on pruning
-    sparse_args = SparsifyArgs(**{**args.__dict__, "output": str(stage), "overwrite": True})
+    qargs, note = _check_quantize_stage(recipe, args, warn)
+    stage = OutputFolder.at(args.output).work / STAGE_DIR
+    qargs.model = str(stage)
+    sparse_args = SparsifyArgs(**{**args.__dict__, "output": str(stage), "overwrite": True,
+                                  "report_json": None})
     s_report = run_sparsify(sparse_args, progress=stage_progress("sparsify"), warn=warn)
     pruned_masks = _pruned_masks(stage, [line["name"] for line in s_report.layers])
-    q_report = run_quantize(qargs, progress=stage_progress("quantize"), warn=warn)
-    shutil.rmtree(stage, ignore_errors=True)
-    broken = zeros_not_kept(out, pruned_masks)
-    if broken:
-        raise LlmctlError(
-            f"quantization refilled pruned weights in {len(broken)} layer(s) (first: {broken[0]}); "
-            f"the output in {out} is not sparse. The quantize method must keep pruned weights at zero (GPTQ mask)"
-        )
-    write_recipe(out / "recipe.yaml", args, qargs)  # replaces quantize's own: the whole run, loadable by --recipe
+
+    def finish(folder: Path) -> None:
+        broken = zeros_not_kept(folder, pruned_masks)
+        if broken:
+            raise LlmctlError(
+                f"quantization refilled pruned weights in {len(broken)} layer(s) "
+                f"(first: {broken[0]}); nothing was written to {args.output}. The quantize "
+                "method must keep pruned weights at zero (GPTQ mask)"
+            )
+        write_recipe(folder / "recipe.yaml", args, qargs, note)  # the whole run, for --recipe
+
+    q_report = run_quantize(qargs, progress=stage_progress("quantize"), warn=warn, finish=finish)
+    q_report.group_size_note = note
     return RecipeReport(s_report, q_report, True, recipe.path)
 
 
-def write_recipe(path: Path, args: SparsifyArgs, qargs: Any | None) -> None:
+def _once(warn: Callable[[str], None]) -> Callable[[str], None]:
+    """warn, skipping repeats (both stages check the same data and options)."""
+    seen: set[str] = set()
+
+    def once(msg: str) -> None:
+        if msg not in seen:
+            seen.add(msg)
+            warn(msg)
+
+    return once
+
+
+def _check_quantize_stage(recipe: Recipe, args: SparsifyArgs, warn: Callable[[str], None]):
+    """Both stages' checks against the model's config, before pruning: returns the quantize
+    stage's resolved arguments and its group-size note."""
+    from llmctl.compress.driver import make_ignore
+    from llmctl.compress.job_common import prepare, settle
+    from llmctl.compress.quantize_job import QuantizeArgs, check_format_available, check_layers
+
+    args.resolve()
+    q = dict(recipe.quantize or {})
+    qargs = QuantizeArgs(
+        model=None, output=args.output, method=q.pop("method", "gptq"), calib=args.calib,
+        eval_data=args.eval_data, num_samples=args.num_samples, seq_len=args.seq_len,
+        device=args.device, overwrite=args.overwrite, report_json=args.report_json, **q,
+    ).resolve()
+    prep = prepare(args)  # the output folder, inputs and model
+    check_format_available(qargs.format)
+    ignored = make_ignore(qargs.ignore)
+    note = check_layers(qargs, [t for t in prep.linears if not ignored(t[0])])
+    settle(args, prep, warn)
+    qargs.seq_len = args.seq_len
+    if note:
+        warn(note)
+    return qargs, note
+
+
+def write_recipe(path: Path, args: SparsifyArgs, qargs: Any | None,
+                 note: str | None = None) -> None:
     """The resolved settings of this run in recipe form: `llmctl sparsify MODEL -o OUT --recipe path` repeats it."""
     import yaml
 
@@ -154,7 +216,7 @@ def write_recipe(path: Path, args: SparsifyArgs, qargs: Any | None) -> None:
     if qargs is not None:
         doc["quantize"] = {k: getattr(qargs, k) for k in QUANTIZE_KEYS}
     header = f"# llmctl sparsify: resolved settings of the run that wrote this folder (model: {args.model})\n"
-    path.write_text(header + yaml.safe_dump(doc, sort_keys=False))
+    path.write_text(header + (f"# {note}\n" if note else "") + yaml.safe_dump(doc, sort_keys=False))
 
 
 def _pruned_masks(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:

@@ -22,6 +22,9 @@ AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 def pack_awq(name: str, r: QuantResult, spec: QuantSpec, ignore: list[str], dtype: torch.dtype):
     if spec.bits != 4:
         raise UsageError("--format awq stores 4-bit weights only; use --bits 4 or --format compressed-tensors")
+    if spec.group_size is None:
+        raise UsageError("--format awq stores groups only; --group-size channel needs "
+                         "--format compressed-tensors or gptq")
     if r.codes.shape[0] % 8:
         raise UsageError(f"{name}: {r.codes.shape[0]} output features are not a multiple of 8, which --format awq needs")
     tensors = {

@@ -2,7 +2,8 @@
 package (vLLM and transformers load it).
 
 Per linear `name` [out, in]: name.weight_packed int32 [out, in * b / 32] (signed codes q - 2^(b-1)
-offset back to unsigned and packed densely), name.weight_scale [out, groups] in the model dtype,
+offset back to unsigned and packed densely), name.weight_scale [out, groups] in the model dtype
+(strategy `group`; `channel` has one group spanning the row),
 name.weight_shape int [2], and for asymmetric runs name.weight_zero_point packed along dim 0.
 The packing itself is the package's `PackedQuantizationCompressor.compress`, fed the dequantized
 weight and our scales/zero points so it reproduces our integer codes.
@@ -21,12 +22,29 @@ from llmctl.runtime.formats.spec import QuantResult, QuantSpec
 from llmctl.errors import ModelLoadError
 
 
+MIN_VERSION = "0.15"  # the first release with compressors.pack_quantized (pyproject's lower bound)
+
+
+def require_package(error: type[Exception] = ModelLoadError, hint: str = "") -> None:
+    """Raise `error` (one line) unless the compressed-tensors modules used here import."""
+    try:
+        import compressed_tensors.compressors.pack_quantized  # noqa: F401
+        import compressed_tensors.quantization  # noqa: F401
+    except ImportError as e:
+        raise error(f"the compressed-tensors format needs the compressed-tensors package >= "
+                    f"{MIN_VERSION}, which does not import here ({e}); "
+                    f"pip install 'compressed-tensors>={MIN_VERSION}'{hint}") from None
+
+
 def _scheme(spec: QuantSpec):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    args = QuantizationArgs(
-        num_bits=spec.bits, type="int", symmetric=spec.symmetric, strategy="group", group_size=spec.group_size
-    )
+    if spec.group_size is None:  # per channel: one scale (and zero point) per output row
+        args = QuantizationArgs(num_bits=spec.bits, type="int", symmetric=spec.symmetric,
+                                strategy="channel")
+    else:
+        args = QuantizationArgs(num_bits=spec.bits, type="int", symmetric=spec.symmetric,
+                                strategy="group", group_size=spec.group_size)
     return QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
 
 

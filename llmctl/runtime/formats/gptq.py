@@ -32,7 +32,7 @@ def pack_gptq(name: str, r: QuantResult, spec: QuantSpec, ignore: list[str], dty
     qcfg = {
         "quant_method": "gptq",
         "bits": b,
-        "group_size": spec.group_size,
+        "group_size": -1 if spec.group_size is None else spec.group_size,  # -1: per channel
         "desc_act": False,  # act-order uses static groups: g_idx is column // group_size
         "sym": spec.symmetric,
         "true_sequential": True,

@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 
 from llmctl.runtime.formats.awq import pack_awq, unpack_awq
-from llmctl.runtime.formats.ct import pack_ct, unpack_ct
+from llmctl.runtime.formats.ct import pack_ct, require_package, unpack_ct
 from llmctl.runtime.formats.gptq import pack_gptq, unpack_gptq
 from llmctl.runtime.formats.packing import UnpackedLinear
 from llmctl.runtime.formats.spec import QuantResult, QuantSpec
 from llmctl.errors import ModelLoadError, UsageError
-from llmctl.runtime.tensors import read_tensors
+from llmctl.runtime import tensors as tensor_io
 
 FORMATS = ("compressed-tensors", "awq", "gptq")
 PACKERS = {"compressed-tensors": pack_ct, "awq": pack_awq, "gptq": pack_gptq}
@@ -39,8 +39,6 @@ def write_quantized(
     dense: every tensor that stays unquantized (name -> tensor); linears: module name (no
     ".weight") -> result; their biases, if any, are in `dense`.
     """
-    from safetensors.torch import save_file
-
     pack = PACKERS.get(fmt)
     if pack is None:
         raise UsageError(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -50,7 +48,7 @@ def write_quantized(
         packed, qcfg = pack(name, r, spec, ignore, dtype)
         tensors.update({k: v.contiguous() for k, v in packed.items()})
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    tensor_io.save_safetensors(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     return qcfg
 
 
@@ -69,6 +67,8 @@ def read_quantized(path: str | Path) -> tuple[dict, dict[str, UnpackedLinear], d
     if not qcfg:
         raise ModelLoadError(f"{path}: config.json has no quantization_config")
     fmt = detect_format(qcfg)
-    tensors = read_tensors(path)  # through the safetensors index when there is one
+    if fmt == "compressed-tensors":
+        require_package()  # before reading any weights
+    tensors = tensor_io.read_tensors(path)  # through the safetensors index when there is one
     linears, dense = UNPACKERS[fmt](tensors, qcfg)
     return qcfg, linears, dense
