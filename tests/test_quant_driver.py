@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from llmctl.compress.driver import SUBLAYER_GROUPS, calibrate_layers, make_ignore
-from llmctl.compress.quant.layer_methods import AwqMethod, LinearRecord, gptq_method, rtn_method
+from llmctl.compress.quant.layer_methods import AwqMethod, gptq_method, rtn_method
+from llmctl.compress.records import LinearRecord
 from llmctl.runtime.formats.spec import QuantSpec
 from llmctl.models.llama import LlamaForCausalLM
 from llmctl.models.config import ModelConfig

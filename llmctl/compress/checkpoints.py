@@ -34,9 +34,8 @@ class CorruptCheckpoint(Exception):
 
 
 def _record_types() -> dict[str, type]:
-    from llmctl.compress.quant.layer_methods import LinearRecord
+    from llmctl.compress.records import LayerSparsity, LinearRecord
     from llmctl.runtime.formats.spec import QuantResult, QuantSpec
-    from llmctl.compress.sparse.prune import LayerSparsity
 
     return {c.__name__: c for c in (LinearRecord, QuantResult, QuantSpec, LayerSparsity)}
 

@@ -8,7 +8,6 @@ the layer (as AutoAWQ does), so folding 1/s into v_proj or up_proj happens befor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,30 +24,8 @@ from llmctl.compress.quant.awq import (
 )
 from llmctl.compress.quant.gptq import quantize_gptq
 from llmctl.compress.quant.rtn import quantize_rtn
-from llmctl.runtime.formats.spec import QuantResult, QuantSpec
-
-
-@dataclass
-class LinearRecord:
-    name: str
-    shape: tuple[int, int]
-    result: QuantResult
-    error: float  # relative output error on the calibration inputs, see relative_output_error
-    alpha: float | None = None  # AWQ: the chosen scale exponent for this linear's group
-
-    def to_dict(self) -> dict:
-        d = {"name": self.name, "shape": list(self.shape), "rel_output_error": round(self.error, 8)}
-        if self.alpha is not None:
-            d["awq_alpha"] = self.alpha
-        return d
-
-
-def relative_output_error(w: torch.Tensor, q: torch.Tensor, H: torch.Tensor) -> float:
-    """||X (W - Q)^T||^2 / ||X W^T||^2 over the calibration tokens, from H = 2 X X^T / n; w, q [out, in]."""
-    d = (w.float() - q.float())
-    num = torch.einsum("oi,ij,oj->", d, H, d)
-    den = torch.einsum("oi,ij,oj->", w.float(), H, w.float())
-    return float(num / den) if float(den) > 0 else 0.0
+from llmctl.compress.records import LinearRecord, relative_output_error
+from llmctl.runtime.formats.spec import QuantSpec
 
 
 def _set_weight(linear: nn.Linear, w: torch.Tensor) -> None:

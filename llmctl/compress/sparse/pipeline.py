@@ -16,7 +16,8 @@ import torch
 
 from llmctl.compress.driver import HessianMethod, SubLayerGroup, calibrate_layers, make_ignore
 from llmctl.compress.sparse.masks import SparsityPattern
-from llmctl.compress.sparse.prune import METHODS, LayerSparsity, needs_calibration, prune_linear
+from llmctl.compress.records import LayerSparsity
+from llmctl.compress.sparse.prune import METHODS, needs_calibration, prune_linear
 from llmctl.compress.sparse.wanda import InputNormAccumulator
 
 

@@ -7,12 +7,11 @@ line of the sparsify report.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
 from llmctl.compress.hessian import damped_cholesky_inverse, dead_inputs
-from llmctl.compress.quant.layer_methods import relative_output_error
+from llmctl.compress.records import LayerSparsity, relative_output_error
 from llmctl.compress.sparse.magnitude import magnitude_mask
 from llmctl.compress.sparse.masks import SparsityPattern, apply_mask, zero_fraction
 from llmctl.runtime.semi_structured import satisfies_nm
@@ -25,26 +24,6 @@ METHODS = ("magnitude", "wanda", "sparsegpt")
 def needs_calibration(method: str) -> bool:
     """Magnitude pruning looks at weights only; Wanda and SparseGPT need the layer's inputs."""
     return method != "magnitude"
-
-
-@dataclass
-class LayerSparsity:
-    name: str  # e.g. model.layers.0.mlp.down_proj
-    shape: tuple[int, int]  # (out_features, in_features)
-    sparsity: float  # fraction of exact zeros after pruning
-    pattern_ok: bool  # every group satisfies N:M (always True for unstructured)
-    loss: float | None = None  # SparseGPT's OBS error estimate, None for the others
-    rel_error: float | None = None  # ||X(W-W')^T||^2 / ||XW^T||^2 on calibration inputs; None without data
-
-    def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "shape": list(self.shape),
-            "sparsity": round(self.sparsity, 6),
-            "pattern_ok": self.pattern_ok,
-            **({"obs_loss": self.loss} if self.loss is not None else {}),
-            **({"rel_output_error": round(self.rel_error, 8)} if self.rel_error is not None else {}),
-        }
 
 
 def prune_linear(
