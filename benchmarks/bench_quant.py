@@ -52,10 +52,17 @@ TEXT = SHARED / "data" / "tinyshakespeare.txt"
 
 # ---------------------------------------------------------------- helpers
 
+
 def llmctl_cli(args: list[str], threads: int) -> tuple[float, subprocess.CompletedProcess]:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "llmctl.cli", *args], capture_output=True, text=True, env=env, cwd=REPO)
+    res = subprocess.run(
+        [sys.executable, "-m", "llmctl.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
     return time.perf_counter() - t0, res
 
 
@@ -64,14 +71,19 @@ def choose_group(folder: Path, wanted: int) -> tuple[int, str | None]:
     from llmctl.runtime.formats.spec import working_group_sizes
 
     c = json.loads((folder / "config.json").read_text())
-    widths = [c["hidden_size"], c["num_attention_heads"] * c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]),
-              c["intermediate_size"]]
+    widths = [
+        c["hidden_size"],
+        c["num_attention_heads"] * c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]),
+        c["intermediate_size"],
+    ]
     ok = working_group_sizes(widths)
     if wanted in ok:
         return wanted, None
     g = max([x for x in ok if x <= wanted] or ok)
-    return g, (f"--group-size {wanted} does not divide input widths {sorted(set(widths))}: llmctl quantize refuses it "
-               f"(group sizes that work: {', '.join(map(str, ok))}); using {g}")
+    return g, (
+        f"--group-size {wanted} does not divide input widths {sorted(set(widths))}: llmctl quantize refuses it "
+        f"(group sizes that work: {', '.join(map(str, ok))}); using {g}"
+    )
 
 
 def token_files() -> tuple[Path, Path, list[int]]:
@@ -95,19 +107,49 @@ def calibration_ids(model: Path, calib: Path, stub: Path, n: int, seq_len: int) 
     from llmctl.runtime.tokenizer import read_generation_eos
 
     eos = read_generation_eos(model, ModelConfig.from_file(model / "config.json"))
-    return load_calibration(calib, None, num_samples=n, seq_len=seq_len, eval_data=stub,
-                            separator=eos[0] if eos else None).input_ids
+    return load_calibration(
+        calib,
+        None,
+        num_samples=n,
+        seq_len=seq_len,
+        eval_data=stub,
+        separator=eos[0] if eos else None,
+    ).input_ids
 
 
 # ---------------------------------------------------------------- 1. decode
+
 
 def rtn_int4_folder(base: Path, group: int, stub: Path, threads: int) -> Path:
     out = CACHE / f"{base.name}-rtn-w4g{group}"
     if (out / "recipe.yaml").exists():
         return out
-    _, res = llmctl_cli(["quantize", str(base), "-o", str(out), "--rtn", "--bits", "4", "--group-size", str(group),
-                         "--calib", str(stub), "--eval-data", str(stub), "--num-samples", "1", "--seq-len", "2",
-                         "--device", "cpu", "--overwrite", "--quiet"], threads)
+    _, res = llmctl_cli(
+        [
+            "quantize",
+            str(base),
+            "-o",
+            str(out),
+            "--rtn",
+            "--bits",
+            "4",
+            "--group-size",
+            str(group),
+            "--calib",
+            str(stub),
+            "--eval-data",
+            str(stub),
+            "--num-samples",
+            "1",
+            "--seq-len",
+            "2",
+            "--device",
+            "cpu",
+            "--overwrite",
+            "--quiet",
+        ],
+        threads,
+    )
     if res.returncode:
         raise RuntimeError(f"llmctl quantize --rtn failed:\n{res.stderr[-3000:]}")
     return out
@@ -116,15 +158,21 @@ def rtn_int4_folder(base: Path, group: int, stub: Path, threads: int) -> Path:
 def kernel_usage(model) -> dict:
     from llmctl.models.qlinear import QuantLinear, _int4_block_rows
 
-    per: dict[str, list[int]] = {}  # projection name -> [linears on the int4 kernel, quantized linears]
+    per: dict[
+        str, list[int]
+    ] = {}  # projection name -> [linears on the int4 kernel, quantized linears]
     for name, m in model.named_modules():
         if isinstance(m, QuantLinear):
             counts = per.setdefault(name.rsplit(".", 1)[-1], [0, 0])
             counts[0] += m.use_int4_kernel
             counts[1] += 1
     used = sum(u for u, _ in per.values())
-    return {"int4_kernel_linears": used, "quant_linears": sum(t for _, t in per.values()),
-            "by_projection": {k: f"{u}/{t}" for k, (u, t) in per.items()}, "int4_block_rows": _int4_block_rows()}
+    return {
+        "int4_kernel_linears": used,
+        "quant_linears": sum(t for _, t in per.values()),
+        "by_projection": {k: f"{u}/{t}" for k, (u, t) in per.items()},
+        "int4_block_rows": _int4_block_rows(),
+    }
 
 
 def weight_bytes_per_decode_step(model) -> int:
@@ -148,15 +196,24 @@ def weight_bytes_per_decode_step(model) -> int:
     return total
 
 
-def decode_bench(folder: Path, prompt_len: int, tokens: int, repeats: int, bandwidth_gbs: float,
-                 dtype: str = "bfloat16") -> dict:
+def decode_bench(
+    folder: Path,
+    prompt_len: int,
+    tokens: int,
+    repeats: int,
+    bandwidth_gbs: float,
+    dtype: str = "bfloat16",
+) -> dict:
     from llmctl import LLM, SamplingParams  # load_runtime + LLMEngine
 
     llm = LLM(str(folder), dtype=dtype, device="cpu", max_num_seqs=1, enable_prefix_caching=False)
     vocab = llm.runtime.config.vocab_size
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    llm.generate([torch.randint(10, vocab, (16,), generator=g).tolist()], SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.generate(
+        [torch.randint(10, vocab, (16,), generator=g).tolist()],
+        SamplingParams(max_tokens=4, ignore_eos=True),
+    )
     ttft, tpot = [], []
     for _ in range(repeats):  # one request at a time: batch 1, a fresh prompt each time
         r = llm.generate([torch.randint(10, vocab, (prompt_len,), generator=g).tolist()], params)[0]
@@ -165,9 +222,15 @@ def decode_bench(folder: Path, prompt_len: int, tokens: int, repeats: int, bandw
     model = llm.runtime.model
     wbytes = weight_bytes_per_decode_step(model)
     tok_s = 1 / statistics.median(tpot)
-    return {"ttft_s": statistics.median(ttft), "decode_tok_s": tok_s, "decode_tok_s_all": [1 / t for t in tpot],
-            "weight_bytes_per_step": wbytes, "weight_gbs": wbytes * tok_s / 1e9,
-            "mbu": wbytes * tok_s / (bandwidth_gbs * 1e9), **kernel_usage(model)}
+    return {
+        "ttft_s": statistics.median(ttft),
+        "decode_tok_s": tok_s,
+        "decode_tok_s_all": [1 / t for t in tpot],
+        "weight_bytes_per_step": wbytes,
+        "weight_gbs": wbytes * tok_s / 1e9,
+        "mbu": wbytes * tok_s / (bandwidth_gbs * 1e9),
+        **kernel_usage(model),
+    }
 
 
 def decode_section(args, machine: dict, stub: Path) -> dict:
@@ -176,34 +239,81 @@ def decode_section(args, machine: dict, stub: Path) -> dict:
     if note:
         print(f"note: {note}", flush=True)
     int4 = rtn_int4_folder(base, group, stub, args.threads)
-    out = {"config": args.config, "group_size": group, "group_note": note, "prompt_len": args.prompt_len,
-           "decode_tokens": args.decode_tokens, "repeats": args.repeats}
+    out = {
+        "config": args.config,
+        "group_size": group,
+        "group_note": note,
+        "prompt_len": args.prompt_len,
+        "decode_tokens": args.decode_tokens,
+        "repeats": args.repeats,
+    }
     for dtype in args.dtypes.split(","):
         short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}[dtype]
         for name, folder in ((short, base), (f"int4_{short}", int4)):
-            out[name] = decode_bench(folder, args.prompt_len, args.decode_tokens, args.repeats,
-                                     machine["memory_read_gbs"], dtype)
+            out[name] = decode_bench(
+                folder,
+                args.prompt_len,
+                args.decode_tokens,
+                args.repeats,
+                machine["memory_read_gbs"],
+                dtype,
+            )
             r = out[name]
-            print(f"{name}: TTFT {r['ttft_s'] * 1e3:.1f} ms, decode {r['decode_tok_s']:.1f} tok/s, "
-                  f"{r['weight_bytes_per_step'] / 1e6:.1f} MB/step, MBU {r['mbu']:.0%}", flush=True)
+            print(
+                f"{name}: TTFT {r['ttft_s'] * 1e3:.1f} ms, decode {r['decode_tok_s']:.1f} tok/s, "
+                f"{r['weight_bytes_per_step'] / 1e6:.1f} MB/step, MBU {r['mbu']:.0%}",
+                flush=True,
+            )
         u = out[f"int4_{short}"]
-        print(f"int4 kernel: {u['int4_kernel_linears']}/{u['quant_linears']} linears {u['by_projection']} "
-              f"(layout row block {u['int4_block_rows']})", flush=True)
-        speed = out[f"decode_speedup_int4_over_{short}"] = u["decode_tok_s"] / out[short]["decode_tok_s"]
+        print(
+            f"int4 kernel: {u['int4_kernel_linears']}/{u['quant_linears']} linears {u['by_projection']} "
+            f"(layout row block {u['int4_block_rows']})",
+            flush=True,
+        )
+        speed = out[f"decode_speedup_int4_over_{short}"] = (
+            u["decode_tok_s"] / out[short]["decode_tok_s"]
+        )
         ttft = out[f"ttft_ratio_int4_over_{short}"] = u["ttft_s"] / out[short]["ttft_s"]
-        print(f"int4 / {short} decode speedup {speed:.2f}x, TTFT ratio {ttft:.2f} (activations in {dtype})", flush=True)
+        print(
+            f"int4 / {short} decode speedup {speed:.2f}x, TTFT ratio {ttft:.2f} (activations in {dtype})",
+            flush=True,
+        )
     return out
 
 
 # ---------------------------------------------------------------- 2. GPTQ time
 
+
 def llmctl_gptq(base: Path, out: Path, group: int, calib: Path, stub: Path, args) -> dict:
     shutil.rmtree(out, ignore_errors=True)  # no resume from an earlier run
     report = out.with_suffix(".report.json")
-    wall, res = llmctl_cli(["quantize", str(base), "-o", str(out), "--gptq", "--bits", "4", "--group-size", str(group),
-                            "--calib", str(calib), "--eval-data", str(stub), "--num-samples", str(args.num_samples),
-                            "--seq-len", str(args.seq_len), "--device", "cpu", "--report-json", str(report), "--quiet"],
-                           args.threads)
+    wall, res = llmctl_cli(
+        [
+            "quantize",
+            str(base),
+            "-o",
+            str(out),
+            "--gptq",
+            "--bits",
+            "4",
+            "--group-size",
+            str(group),
+            "--calib",
+            str(calib),
+            "--eval-data",
+            str(stub),
+            "--num-samples",
+            str(args.num_samples),
+            "--seq-len",
+            str(args.seq_len),
+            "--device",
+            "cpu",
+            "--report-json",
+            str(report),
+            "--quiet",
+        ],
+        args.threads,
+    )
     if res.returncode:
         return {"error": res.stderr[-3000:]}
     r = json.loads(report.read_text())
@@ -214,13 +324,27 @@ def llmc_gptq(python: str, base: Path, out: Path, group: int, ids: torch.Tensor,
     if not Path(python).exists():
         return {"error": f"LLMC_PYTHON {python} not found (see the docstring to create the venv)"}
     shutil.rmtree(out, ignore_errors=True)
-    spec = {"model": str(base), "tokenizer": str(TS_MODEL), "output": str(out), "input_ids": ids.tolist(), "bits": 4, "group_size": group,
-            "threads": args.threads, "dampening": 0.01, "actorder": "static"}
+    spec = {
+        "model": str(base),
+        "tokenizer": str(TS_MODEL),
+        "output": str(out),
+        "input_ids": ids.tolist(),
+        "bits": 4,
+        "group_size": group,
+        "threads": args.threads,
+        "dampening": 0.01,
+        "actorder": "static",
+    }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     t0 = time.perf_counter()
-    res = subprocess.run([python, str(Path(__file__).with_name("llmc_worker.py")), f.name], capture_output=True, text=True, env=env)
+    res = subprocess.run(
+        [python, str(Path(__file__).with_name("llmc_worker.py")), f.name],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     wall = time.perf_counter() - t0
     os.unlink(f.name)
     log = out.with_name(out.name + ".log")
@@ -228,7 +352,10 @@ def llmc_gptq(python: str, base: Path, out: Path, group: int, ids: torch.Tensor,
     for line in res.stdout.splitlines():
         if line.startswith("RESULT "):
             return {"process_s": wall, "log": str(log), **json.loads(line[7:])}
-    return {"error": f"worker exited {res.returncode} without a result: {res.stderr[-2000:]}", "log": str(log)}
+    return {
+        "error": f"worker exited {res.returncode} without a result: {res.stderr[-2000:]}",
+        "log": str(log),
+    }
 
 
 def heldout_ppl(folder: Path, heldout: list[int], seq_len: int) -> float | str:
@@ -247,22 +374,43 @@ def gptq_section(name: str, base: Path, calib: Path, stub: Path, heldout: list[i
     if note:
         print(f"note ({name}): {note}", flush=True)
     ids = calibration_ids(base, calib, stub, args.num_samples, args.seq_len)
-    out = {"model": str(base), "group_size": group, "group_note": note, "num_samples": ids.shape[0], "seq_len": ids.shape[1]}
+    out = {
+        "model": str(base),
+        "group_size": group,
+        "group_note": note,
+        "num_samples": ids.shape[0],
+        "seq_len": ids.shape[1],
+    }
     dirs = {"llmctl": CACHE / f"{name}-gptq-llmctl", "llm_compressor": CACHE / f"{name}-gptq-llmc"}
     out["llmctl"] = llmctl_gptq(base, dirs["llmctl"], group, calib, stub, args)
-    out["llm_compressor"] = llmc_gptq(os.environ.get("LLMC_PYTHON", "/work/venvs/llmc/bin/python"), base,
-                                      dirs["llm_compressor"], group, ids, args)
+    out["llm_compressor"] = llmc_gptq(
+        os.environ.get("LLMC_PYTHON", "/work/venvs/llmc/bin/python"),
+        base,
+        dirs["llm_compressor"],
+        group,
+        ids,
+        args,
+    )
     for side in ("llmctl", "llm_compressor"):
         r = out[side]
         if "error" in r:
             print(f"{name} {side}: FAILED: {r['error']}", flush=True)
         else:
-            print(f"{name} {side}: whole command {r['process_s']:.1f} s, in-process {r['quantize_s']:.1f} s", flush=True)
+            print(
+                f"{name} {side}: whole command {r['process_s']:.1f} s, in-process {r['quantize_s']:.1f} s",
+                flush=True,
+            )
     if "error" not in out["llmctl"] and "error" not in out["llm_compressor"]:
         a, b = out["llm_compressor"], out["llmctl"]
-        out["llmctl_speedup"] = {"command": a["process_s"] / b["process_s"], "in_process": a["quantize_s"] / b["quantize_s"]}
-        print(f"{name}: llmctl speedup over llm-compressor {out['llmctl_speedup']['command']:.2f}x whole command, "
-              f"{out['llmctl_speedup']['in_process']:.2f}x in-process", flush=True)
+        out["llmctl_speedup"] = {
+            "command": a["process_s"] / b["process_s"],
+            "in_process": a["quantize_s"] / b["quantize_s"],
+        }
+        print(
+            f"{name}: llmctl speedup over llm-compressor {out['llmctl_speedup']['command']:.2f}x whole command, "
+            f"{out['llmctl_speedup']['in_process']:.2f}x in-process",
+            flush=True,
+        )
     if args.eval_tokens:
         text = heldout[: args.eval_tokens]
         out["heldout_tokens"] = len(text)
@@ -276,20 +424,44 @@ def gptq_section(name: str, base: Path, calib: Path, stub: Path, heldout: list[i
 
 # ---------------------------------------------------------------- main
 
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="smollm2-135m", help="shared/configs shape for the decode test")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--config", default="smollm2-135m", help="shared/configs shape for the decode test"
+    )
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--group-size", type=int, default=128, help="wanted; the largest size <= it that llmctl accepts is used")
-    ap.add_argument("--dtypes", default="bfloat16,float32",
-                    help="activation dtypes: the dense model and the int4 model are each decoded in every one")
+    ap.add_argument(
+        "--group-size",
+        type=int,
+        default=128,
+        help="wanted; the largest size <= it that llmctl accepts is used",
+    )
+    ap.add_argument(
+        "--dtypes",
+        default="bfloat16,float32",
+        help="activation dtypes: the dense model and the int4 model are each decoded in every one",
+    )
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3, help="batch-1 requests per model (medians reported)")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="batch-1 requests per model (medians reported)"
+    )
     ap.add_argument("--num-samples", type=int, default=128, help="GPTQ calibration sequences")
-    ap.add_argument("--seq-len", type=int, default=512, help="GPTQ calibration sequence length (and perplexity window)")
-    ap.add_argument("--eval-tokens", type=int, default=32768, help="held-out tokens for perplexity (0: skip)")
-    ap.add_argument("--gptq-smollm", action="store_true", help="also time GPTQ on the random smollm2-135m shape")
+    ap.add_argument(
+        "--seq-len",
+        type=int,
+        default=512,
+        help="GPTQ calibration sequence length (and perplexity window)",
+    )
+    ap.add_argument(
+        "--eval-tokens", type=int, default=32768, help="held-out tokens for perplexity (0: skip)"
+    )
+    ap.add_argument(
+        "--gptq-smollm", action="store_true", help="also time GPTQ on the random smollm2-135m shape"
+    )
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-gptq", action="store_true")
     ap.add_argument("--json", default=None)
@@ -302,10 +474,16 @@ def main() -> None:
         print(f"machine: {report['machine']}", flush=True)
         report["decode"] = decode_section(args, report["machine"], stub)
     if not args.skip_gptq:
-        report["gptq"] = {"tinyshakespeare-5m": gptq_section("tinyshakespeare-5m", TS_MODEL, calib, stub, heldout, args)}
+        report["gptq"] = {
+            "tinyshakespeare-5m": gptq_section(
+                "tinyshakespeare-5m", TS_MODEL, calib, stub, heldout, args
+            )
+        }
         if args.gptq_smollm:
             base = random_model_folder("smollm2-135m")
-            report["gptq"]["smollm2-135m"] = gptq_section("smollm2-135m", base, calib, stub, heldout, args)
+            report["gptq"]["smollm2-135m"] = gptq_section(
+                "smollm2-135m", base, calib, stub, heldout, args
+            )
     print(json.dumps(report, indent=2, default=str))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import environment
 from make_draft import TARGET, TEXT, ensure_draft
 
@@ -42,14 +41,16 @@ def ints(text: str) -> list[int]:
 
 def held_out_text() -> str:
     text = TEXT.read_text()
-    return text[int(0.9 * len(text)):]  # make_draft trains on the first 90%
+    return text[int(0.9 * len(text)) :]  # make_draft trains on the first 90%
 
 
 def text_prompts(rt, n: int, length: int, seed: int = 0) -> list[list[int]]:
     """n prompts of `length` tokens from seeded offsets of the held-out text."""
     ids = rt.encode(held_out_text())
     g = torch.Generator().manual_seed(seed)
-    return [ids[s:s + length] for s in torch.randint(0, len(ids) - length, (n,), generator=g).tolist()]
+    return [
+        ids[s : s + length] for s in torch.randint(0, len(ids) - length, (n,), generator=g).tolist()
+    ]
 
 
 def copy_prompts(rt, n: int, chars: int, words: int = 3, seed: int = 1) -> list[list[int]]:
@@ -59,7 +60,7 @@ def copy_prompts(rt, n: int, chars: int, words: int = 3, seed: int = 1) -> list[
     out = []
     for s in torch.randint(0, len(text) - 2 * chars, (n,), generator=g).tolist():
         start = text.index("\n", s) + 1
-        passage = text[start:text.index("\n", start + chars)]
+        passage = text[start : text.index("\n", start + chars)]
         out.append(rt.encode(f"{passage}\n\n{passage}\n\n" + " ".join(passage.split(" ")[:words])))
     return out
 
@@ -72,10 +73,17 @@ class Engines:
 
     def __call__(self, method: str | None, k: int = 4):
         if (method, k) not in self.cache:
-            cfg = EngineConfig(speculative=method, draft_model=str(self.draft) if method == "draft" else None,
-                               num_speculative_tokens=k, speculative_max_batch=None, enable_prefix_caching=False,
-                               max_num_seqs=max(self.args.batch_sizes))
-            engine = load_runtime(self.args.target, dtype=self.args.dtype, device="cpu").start_engine(cfg)
+            cfg = EngineConfig(
+                speculative=method,
+                draft_model=str(self.draft) if method == "draft" else None,
+                num_speculative_tokens=k,
+                speculative_max_batch=None,
+                enable_prefix_caching=False,
+                max_num_seqs=max(self.args.batch_sizes),
+            )
+            engine = load_runtime(
+                self.args.target, dtype=self.args.dtype, device="cpu"
+            ).start_engine(cfg)
             generate(engine, [[5, 6, 7, 8]], 8)  # warm-up
             self.cache[method, k] = engine
         return self.cache[method, k]
@@ -95,10 +103,17 @@ def generate(engine, prompts: list[list[int]], max_tokens: int):
 
 
 def spec_stats(before, after) -> dict:
-    proposed, accepted = after.spec_proposed - before.spec_proposed, after.spec_accepted - before.spec_accepted
-    return {"spec_proposed": proposed, "spec_accepted": accepted,
-            "acceptance_rate": accepted / proposed if proposed else None,
-            "tokens_per_step": (after.output_tokens - before.output_tokens) / max(1, after.steps - before.steps)}
+    proposed, accepted = (
+        after.spec_proposed - before.spec_proposed,
+        after.spec_accepted - before.spec_accepted,
+    )
+    return {
+        "spec_proposed": proposed,
+        "spec_accepted": accepted,
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "tokens_per_step": (after.output_tokens - before.output_tokens)
+        / max(1, after.steps - before.steps),
+    }
 
 
 def single(engine, prompts, max_tokens: int, repeats: int):
@@ -107,9 +122,16 @@ def single(engine, prompts, max_tokens: int, repeats: int):
     rates, ttfts = [], []
     for _ in range(repeats):
         outs = [generate(engine, [p], max_tokens)[0][0] for p in prompts]
-        rates.append(sum(len(o.output_token_ids) - 1 for o in outs) / sum(o.finish_time - o.first_token_time for o in outs))
+        rates.append(
+            sum(len(o.output_token_ids) - 1 for o in outs)
+            / sum(o.finish_time - o.first_token_time for o in outs)
+        )
         ttfts += [o.ttft for o in outs]
-    res = {"decode_tok_s": statistics.median(rates), "ttft_ms": 1e3 * statistics.median(ttfts), **spec_stats(before, engine.stats)}
+    res = {
+        "decode_tok_s": statistics.median(rates),
+        "ttft_ms": 1e3 * statistics.median(ttfts),
+        **spec_stats(before, engine.stats),
+    }
     return res, [o.output_token_ids for o in outs]
 
 
@@ -120,7 +142,9 @@ def batched(engine, prompts, max_tokens: int, repeats: int):
     for _ in range(repeats):
         outs, dt = generate(engine, prompts, max_tokens)
         rates.append(sum(len(o.output_token_ids) for o in outs) / dt)
-    return {"output_tok_s": statistics.median(rates), **spec_stats(before, engine.stats)}, [o.output_token_ids for o in outs]
+    return {"output_tok_s": statistics.median(rates), **spec_stats(before, engine.stats)}, [
+        o.output_token_ids for o in outs
+    ]
 
 
 class GreedyCheck:
@@ -143,23 +167,38 @@ class GreedyCheck:
         gaps = [round(self.gap(p, w, g), 5) for p, w, g in zip(prompts, want, got) if w != g]
         exact = self.args.dtype == "float32"
         ok = not gaps if exact else all(x <= self.args.tie_tol for x in gaps)
-        self.results[name] = {"requests": len(got), "identical": len(got) - len(gaps), "divergence_fp32_logit_gaps": gaps}
+        self.results[name] = {
+            "requests": len(got),
+            "identical": len(got) - len(gaps),
+            "divergence_fp32_logit_gaps": gaps,
+        }
         why = "" if not gaps else f"; the others diverge at near-ties, float32 logit gaps {gaps}"
-        print(f"  greedy check ({name}): {len(got) - len(gaps)}/{len(got)} identical to plain decoding{why}", flush=True)
-        assert ok, f"{name}: speculative greedy output differs from plain decoding beyond a near-tie: {gaps}"
+        print(
+            f"  greedy check ({name}): {len(got) - len(gaps)}/{len(got)} identical to plain decoding{why}",
+            flush=True,
+        )
+        assert ok, (
+            f"{name}: speculative greedy output differs from plain decoding beyond a near-tie: {gaps}"
+        )
 
 
 def single_section(engines, method: str, ks, prompts, args, check) -> dict:
     base, want = single(engines(None), prompts, args.max_tokens, args.repeats)
     rows = {"off": base}
-    print(f"  {'off':>10}  decode {base['decode_tok_s']:7.1f} tok/s  TTFT {base['ttft_ms']:6.1f} ms", flush=True)
+    print(
+        f"  {'off':>10}  decode {base['decode_tok_s']:7.1f} tok/s  TTFT {base['ttft_ms']:6.1f} ms",
+        flush=True,
+    )
     for k in ks:
         res, got = single(engines(method, k), prompts, args.max_tokens, args.repeats)
         res["speedup"] = res["decode_tok_s"] / base["decode_tok_s"]
         rows[f"{method}_k{k}"] = res
-        print(f"  {method + ' K=' + str(k):>10}  decode {res['decode_tok_s']:7.1f} tok/s  TTFT {res['ttft_ms']:6.1f} ms  "
-              f"acceptance {res['acceptance_rate']:.3f} ({res['spec_accepted']}/{res['spec_proposed']})  "
-              f"tokens/step {res['tokens_per_step']:.2f}  speedup {res['speedup']:.2f}x", flush=True)
+        print(
+            f"  {method + ' K=' + str(k):>10}  decode {res['decode_tok_s']:7.1f} tok/s  TTFT {res['ttft_ms']:6.1f} ms  "
+            f"acceptance {res['acceptance_rate']:.3f} ({res['spec_accepted']}/{res['spec_proposed']})  "
+            f"tokens/step {res['tokens_per_step']:.2f}  speedup {res['speedup']:.2f}x",
+            flush=True,
+        )
         check(f"single {method} K={k}", prompts, got, want)
     return rows
 
@@ -173,8 +212,15 @@ def crossover_section(engines, workloads: dict, args, check) -> dict:
             off, want = batched(engines(None), prompts[:b], args.max_tokens, args.repeats)
             spec, got = batched(engines(method, k), prompts[:b], args.max_tokens, args.repeats)
             check(f"batch {b} {method} K={k}", prompts[:b], got, want)
-            rows.append({"batch": b, "off_tok_s": off["output_tok_s"], "spec_tok_s": spec["output_tok_s"],
-                         "speedup": spec["output_tok_s"] / off["output_tok_s"], "acceptance_rate": spec["acceptance_rate"]})
+            rows.append(
+                {
+                    "batch": b,
+                    "off_tok_s": off["output_tok_s"],
+                    "spec_tok_s": spec["output_tok_s"],
+                    "speedup": spec["output_tok_s"] / off["output_tok_s"],
+                    "acceptance_rate": spec["acceptance_rate"],
+                }
+            )
         out[method] = {"k": k, "rows": rows, **crossover(rows)}
     print_crossover(out)
     return out
@@ -193,51 +239,96 @@ def print_crossover(out: dict) -> None:
         print(f"  {'batch':>5} {'off':>9} {method:>9} {'speedup':>8} {'accept':>7}")
         for r in res["rows"]:
             acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
-            print(f"  {r['batch']:>5} {r['off_tok_s']:9.1f} {r['spec_tok_s']:9.1f} {r['speedup']:7.2f}x {acc:>7}")
-        print(f"  {method}: speculation pays up to batch {res['pays_up_to_batch']} (0: not even alone); "
-              f"crossover (first batch where it does not) {res['crossover_batch']}", flush=True)
+            print(
+                f"  {r['batch']:>5} {r['off_tok_s']:9.1f} {r['spec_tok_s']:9.1f} {r['speedup']:7.2f}x {acc:>7}"
+            )
+        print(
+            f"  {method}: speculation pays up to batch {res['pays_up_to_batch']} (0: not even alone); "
+            f"crossover (first batch where it does not) {res['crossover_batch']}",
+            flush=True,
+        )
     auto = {m: r["pays_up_to_batch"] for m, r in out.items()}
-    print(f"\n  measured AUTO_SPEC_MAX_BATCH (largest batch where speculation pays): {auto}; "
-          f"llmctl/engine/config.py has {AUTO_SPEC_MAX_BATCH}", flush=True)
+    print(
+        f"\n  measured AUTO_SPEC_MAX_BATCH (largest batch where speculation pays): {auto}; "
+        f"llmctl/engine/config.py has {AUTO_SPEC_MAX_BATCH}",
+        flush=True,
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--target", default=str(TARGET))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--draft", default=None, help="draft model folder; default: make_draft's, built when missing")
+    ap.add_argument(
+        "--draft",
+        default=None,
+        help="draft model folder; default: make_draft's, built when missing",
+    )
     ap.add_argument("--draft-layers", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64, help="tokens per text prompt")
-    ap.add_argument("--copy-chars", type=int, default=200, help="characters of the passage in copy prompts")
-    ap.add_argument("--num-prompts", type=int, default=4, help="requests per single-request measurement")
-    ap.add_argument("--repeats", type=int, default=3, help="measurements per point; the median is reported")
+    ap.add_argument(
+        "--copy-chars", type=int, default=200, help="characters of the passage in copy prompts"
+    )
+    ap.add_argument(
+        "--num-prompts", type=int, default=4, help="requests per single-request measurement"
+    )
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="measurements per point; the median is reported"
+    )
     ap.add_argument("--ks", type=ints, default=[2, 4, 6], help="K for the draft model")
     ap.add_argument("--ngram-ks", type=ints, default=[2, 4])
     ap.add_argument("--batch-sizes", type=ints, default=[1, 2, 4, 8, 16])
     ap.add_argument("--crossover-k", type=int, default=4)
-    ap.add_argument("--tie-tol", type=float, default=0.1,
-                    help="bfloat16 only: largest float32 logit gap at which a greedy divergence counts as a tie")
+    ap.add_argument(
+        "--tie-tol",
+        type=float,
+        default=0.1,
+        help="bfloat16 only: largest float32 logit gap at which a greedy divergence counts as a tie",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     draft = Path(args.draft) if args.draft else ensure_draft(args.draft_layers)
-    draft_info = json.loads((draft / "draft_report.json").read_text()) if (draft / "draft_report.json").is_file() else {}
+    draft_info = (
+        json.loads((draft / "draft_report.json").read_text())
+        if (draft / "draft_report.json").is_file()
+        else {}
+    )
     engines = Engines(args, draft)
     rt = engines(None).runtime
     n = max(args.num_prompts, max(args.batch_sizes))
     texts, copies = text_prompts(rt, n, args.prompt_len), copy_prompts(rt, n, args.copy_chars)
-    report = {"environment": environment(), "args": vars(args), "draft": str(draft),
-              "draft_agreement": {k: draft_info.get(k) for k in ("before", "after", "steps", "train_seconds", "train_cpu_seconds")},
-              "auto_spec_max_batch_now": AUTO_SPEC_MAX_BATCH}
+    report = {
+        "environment": environment(),
+        "args": vars(args),
+        "draft": str(draft),
+        "draft_agreement": {
+            k: draft_info.get(k)
+            for k in ("before", "after", "steps", "train_seconds", "train_cpu_seconds")
+        },
+        "auto_spec_max_batch_now": AUTO_SPEC_MAX_BATCH,
+    }
     check = GreedyCheck(args)
     print(f"target {args.target} ({args.dtype}, {args.threads} threads), draft {draft}", flush=True)
-    print(f"\n1. one request at a time, draft model, {args.max_tokens} new tokens, {args.num_prompts} prompts", flush=True)
-    report["single_draft"] = single_section(engines, "draft", args.ks, texts[:args.num_prompts], args, check)
+    print(
+        f"\n1. one request at a time, draft model, {args.max_tokens} new tokens, {args.num_prompts} prompts",
+        flush=True,
+    )
+    report["single_draft"] = single_section(
+        engines, "draft", args.ks, texts[: args.num_prompts], args, check
+    )
     print("\n2. one request at a time, n-gram lookup on copy prompts", flush=True)
-    report["single_ngram_copy"] = single_section(engines, "ngram", args.ngram_ks, copies[:args.num_prompts], args, check)
-    print("\n3. crossover (draft on text prompts, n-gram on copy prompts), speculative_max_batch=None", flush=True)
+    report["single_ngram_copy"] = single_section(
+        engines, "ngram", args.ngram_ks, copies[: args.num_prompts], args, check
+    )
+    print(
+        "\n3. crossover (draft on text prompts, n-gram on copy prompts), speculative_max_batch=None",
+        flush=True,
+    )
     report["crossover"] = crossover_section(engines, {"draft": texts, "ngram": copies}, args, check)
     report["greedy_check"] = check.results
     if args.json:

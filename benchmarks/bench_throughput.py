@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import environment, measure_machine, random_model_folder, workload
 
 
@@ -38,18 +37,25 @@ def model_folder(config: str) -> Path:
 
     text = path.read_text()
     key = hashlib.sha256(text.encode()).hexdigest()[:12]
-    out = Path(os.environ.get("LLMCTL_BENCH_CACHE", "/tmp/llmctl-bench")) / f"{path.stem}-{key}-bfloat16-0"
+    out = (
+        Path(os.environ.get("LLMCTL_BENCH_CACHE", "/tmp/llmctl-bench"))
+        / f"{path.stem}-{key}-bfloat16-0"
+    )
     if (out / "model.safetensors").exists():
         return out
     cfg = json.loads(text)
     cfg.pop("torch_dtype", None)
     hf_config = transformers.AutoConfig.for_model(**cfg)
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).save_pretrained(
+        out, safe_serialization=True
+    )
     return out
 
 
-def run_llmctl(folder, prompts, outs, device: str = "cpu", dtype: str = "bfloat16", **engine_kwargs) -> dict:
+def run_llmctl(
+    folder, prompts, outs, device: str = "cpu", dtype: str = "bfloat16", **engine_kwargs
+) -> dict:
     from llmctl import LLM, SamplingParams
 
     llm = LLM(str(folder), dtype=dtype, device=device, **engine_kwargs)
@@ -62,36 +68,66 @@ def run_llmctl(folder, prompts, outs, device: str = "cpu", dtype: str = "bfloat1
     dt = time.perf_counter() - t0
     n_out = sum(len(r.output_token_ids) for r in results)
     ttft = sorted(r.ttft for r in results)
-    return {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt,
-            "ttft_p50_s": ttft[len(ttft) // 2], "steps": llm.engine.stats.steps,
-            "preemptions": llm.engine.scheduler.num_preemptions}
+    return {
+        "seconds": dt,
+        "output_tokens": n_out,
+        "output_tok_s": n_out / dt,
+        "ttft_p50_s": ttft[len(ttft) // 2],
+        "steps": llm.engine.stats.steps,
+        "preemptions": llm.engine.scheduler.num_preemptions,
+    }
 
 
-def run_transformers(folder, prompts, outs, batch_size: int, device: str = "cpu", dtype: str = "bfloat16") -> dict:
+def run_transformers(
+    folder, prompts, outs, batch_size: int, device: str = "cpu", dtype: str = "bfloat16"
+) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype)).to(device).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype))
+        .to(device)
+        .eval()
+    )
     model.generation_config.eos_token_id = None
     pad = 0
     if device != "cpu":  # warm-up (CUDA context, kernels), as run_llmctl does
         with torch.inference_mode():
             warm = torch.tensor([prompts[0][:16]], device=device)
-            model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False, pad_token_id=pad)
+            model.generate(
+                warm,
+                attention_mask=torch.ones_like(warm),
+                max_new_tokens=4,
+                do_sample=False,
+                pad_token_id=pad,
+            )
     _sync(device)
     t0 = time.perf_counter()
     n_out = 0
     for i in range(0, len(prompts), batch_size):
-        batch, want = prompts[i:i + batch_size], outs[i:i + batch_size]
+        batch, want = prompts[i : i + batch_size], outs[i : i + batch_size]
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)  # left padding
+        ids = torch.tensor(
+            [[pad] * (width - len(p)) + p for p in batch], device=device
+        )  # left padding
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(want), min_new_tokens=max(want),
-                           do_sample=False, pad_token_id=pad)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max(want),
+                min_new_tokens=max(want),
+                do_sample=False,
+                pad_token_id=pad,
+            )
         n_out += sum(want)  # only the tokens each request asked for count
     _sync(device)
     dt = time.perf_counter() - t0
-    return {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt, "batch_size": batch_size}
+    return {
+        "seconds": dt,
+        "output_tokens": n_out,
+        "output_tok_s": n_out / dt,
+        "batch_size": batch_size,
+    }
 
 
 def shared_prefix(folder, n: int, vocab: int, device: str = "cpu", dtype: str = "bfloat16") -> dict:
@@ -100,7 +136,13 @@ def shared_prefix(folder, n: int, vocab: int, device: str = "cpu", dtype: str = 
 
     g = torch.Generator().manual_seed(1)
     system = torch.randint(10, vocab, (400,), generator=g).tolist()
-    prompts = [system + torch.randint(10, vocab, (int(torch.randint(16, 49, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    prompts = [
+        system
+        + torch.randint(
+            10, vocab, (int(torch.randint(16, 49, (1,), generator=g)),), generator=g
+        ).tolist()
+        for _ in range(n)
+    ]
     res = {}
     for caching in (False, True):
         llm = LLM(str(folder), dtype=dtype, device=device, enable_prefix_caching=caching)
@@ -115,9 +157,18 @@ def shared_prefix(folder, n: int, vocab: int, device: str = "cpu", dtype: str = 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="smollm2-135m", help="a shared/configs name, or a path to a config.json")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both engines run (default: cpu)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--config", default="smollm2-135m", help="a shared/configs name, or a path to a config.json"
+    )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where both engines run (default: cpu)",
+    )
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
@@ -134,20 +185,40 @@ def main() -> None:
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     prompts, outs = workload(args.num_prompts, vocab=vocab)
     # machine: this CPU's peaks (skipped with --device cuda, where they say nothing about the run)
-    report = {"environment": environment(), "machine": measure_machine(args.dtype) if args.device == "cpu" else None,
-              "config": args.config, "device": args.device, "dtype": args.dtype, "num_prompts": args.num_prompts,
-              "prompt_tokens": sum(map(len, prompts)), "requested_output_tokens": sum(outs)}
+    report = {
+        "environment": environment(),
+        "machine": measure_machine(args.dtype) if args.device == "cpu" else None,
+        "config": args.config,
+        "device": args.device,
+        "dtype": args.dtype,
+        "num_prompts": args.num_prompts,
+        "prompt_tokens": sum(map(len, prompts)),
+        "requested_output_tokens": sum(outs),
+    }
     if args.device == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
-    report["llmctl"] = run_llmctl(folder, prompts, outs, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                                  kv_cache_memory=4 * 1024**3)
+    report["llmctl"] = run_llmctl(
+        folder,
+        prompts,
+        outs,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_memory=4 * 1024**3,
+    )
     print(json.dumps(report["llmctl"]), flush=True)
     if not args.skip_transformers:
-        report["transformers"] = run_transformers(folder, prompts, outs, args.hf_batch_size, args.device, args.dtype)
-        report["speedup_vs_transformers"] = report["llmctl"]["output_tok_s"] / report["transformers"]["output_tok_s"]
+        report["transformers"] = run_transformers(
+            folder, prompts, outs, args.hf_batch_size, args.device, args.dtype
+        )
+        report["speedup_vs_transformers"] = (
+            report["llmctl"]["output_tok_s"] / report["transformers"]["output_tok_s"]
+        )
         print(json.dumps(report["transformers"]), flush=True)
     if args.prefix_prompts:
-        report["shared_prefix_prefill"] = shared_prefix(folder, args.prefix_prompts, vocab, args.device, args.dtype)
+        report["shared_prefix_prefill"] = shared_prefix(
+            folder, args.prefix_prompts, vocab, args.device, args.dtype
+        )
     print(json.dumps(report, indent=2))
     if args.json:
         with open(args.json, "w") as f:

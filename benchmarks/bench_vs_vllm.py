@@ -25,17 +25,33 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_throughput import run_llmctl, run_transformers  # noqa: E402
-from common import (decode_bytes_per_token, environment, measure_machine, random_model_folder,  # noqa: E402
-                    workload, workload_flops)
+from common import (
+    decode_bytes_per_token,
+    environment,
+    measure_machine,
+    random_model_folder,  # noqa: E402
+    workload,
+    workload_flops,
+)
 
 
 def run_vllm(python: str, folder: Path, prompts, outs, threads: int, dtype: str) -> dict:
-    spec = {"model": str(folder), "prompts": prompts, "outputs": outs, "threads": threads, "dtype": dtype,
-            "max_model_len": max(len(p) + o for p, o in zip(prompts, outs)) + 16}
+    spec = {
+        "model": str(folder),
+        "prompts": prompts,
+        "outputs": outs,
+        "threads": threads,
+        "dtype": dtype,
+        "max_model_len": max(len(p) + o for p, o in zip(prompts, outs)) + 16,
+    }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
-    res = subprocess.run([python, str(Path(__file__).with_name("vllm_worker.py")), f.name],
-                         capture_output=True, text=True, timeout=7200)
+    res = subprocess.run(
+        [python, str(Path(__file__).with_name("vllm_worker.py")), f.name],
+        capture_output=True,
+        text=True,
+        timeout=7200,
+    )
     for line in res.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
@@ -49,59 +65,127 @@ def run_llmctl_cli(folder: Path, prompts, outs, dtype: str, threads: int) -> dic
 
     with tempfile.TemporaryDirectory() as d:
         inp, out = Path(d) / "in.jsonl", Path(d) / "out.jsonl"
-        inp.write_text("".join(json.dumps({"id": i, "prompt_token_ids": p, "max_tokens": o}) + "\n"
-                               for i, (p, o) in enumerate(zip(prompts, outs))))
+        inp.write_text(
+            "".join(
+                json.dumps({"id": i, "prompt_token_ids": p, "max_tokens": o}) + "\n"
+                for i, (p, o) in enumerate(zip(prompts, outs))
+            )
+        )
         summary = Path(d) / "summary.json"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         t0 = time.perf_counter()
-        res = subprocess.run([sys.executable, "-m", "llmctl.cli", "run-batch", str(inp), "-o", str(out), "--model",
-                              str(folder), "--dtype", dtype, "--device", "cpu", "--ignore-eos", "--max-num-seqs", "256",
-                              "-q", "--summary-json", str(summary)], env=env, capture_output=True, text=True)
-        dt = time.perf_counter() - t0  # includes start-up and loading the model, which the others do before timing
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "llmctl.cli",
+                "run-batch",
+                str(inp),
+                "-o",
+                str(out),
+                "--model",
+                str(folder),
+                "--dtype",
+                dtype,
+                "--device",
+                "cpu",
+                "--ignore-eos",
+                "--max-num-seqs",
+                "256",
+                "-q",
+                "--summary-json",
+                str(summary),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        dt = (
+            time.perf_counter() - t0
+        )  # includes start-up and loading the model, which the others do before timing
         if res.returncode != 0:
             raise RuntimeError(f"llmctl run-batch exited {res.returncode}: {res.stderr[-2000:]}")
-        n = sum(json.loads(line)["usage"]["completion_tokens"] for line in out.read_text().splitlines())
+        n = sum(
+            json.loads(line)["usage"]["completion_tokens"] for line in out.read_text().splitlines()
+        )
         job = json.loads(summary.read_text())
     # The job's own clock starts after the model is loaded, as vLLM's and run_llmctl's timings do.
-    return {"seconds_including_model_load": dt, "output_tokens": n, "output_tok_s_including_load": n / dt,
-            "job_seconds": job["elapsed_s"], "output_tok_s": n / job["elapsed_s"]}
+    return {
+        "seconds_including_model_load": dt,
+        "output_tokens": n,
+        "output_tok_s_including_load": n / dt,
+        "job_seconds": job["elapsed_s"],
+        "output_tok_s": n / job["elapsed_s"],
+    }
 
 
-def batch1_decode(folder: Path, dtype: str, machine: dict, vocab: int, prompt_len: int = 128, out_len: int = 256) -> dict:
+def batch1_decode(
+    folder: Path, dtype: str, machine: dict, vocab: int, prompt_len: int = 128, out_len: int = 256
+) -> dict:
     """One request alone: decode tokens/s after the first token, and MBU against the measured bandwidth."""
     from llmctl import LLM, SamplingParams
 
     llm = LLM(str(folder), dtype=dtype, device="cpu")
     prompt = workload(1, (prompt_len, prompt_len), vocab=vocab, seed=7)[0][0]
     llm.generate([prompt[:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    r = llm.generate([prompt], SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True))[0]
+    r = llm.generate([prompt], SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True))[
+        0
+    ]
     tok_s = 1 / r.tpot
     nbytes = decode_bytes_per_token(folder, dtype, prompt_len + out_len // 2)
-    return {"prompt_len": prompt_len, "output_len": out_len, "ttft_s": r.ttft, "decode_tok_s": tok_s,
-            "bytes_per_step": nbytes, "achieved_gbs": nbytes * tok_s / 1e9,
-            "mbu": nbytes * tok_s / (machine["memory_read_gbs"] * 1e9)}
+    return {
+        "prompt_len": prompt_len,
+        "output_len": out_len,
+        "ttft_s": r.ttft,
+        "decode_tok_s": tok_s,
+        "bytes_per_step": nbytes,
+        "achieved_gbs": nbytes * tok_s / 1e9,
+        "mbu": nbytes * tok_s / (machine["memory_read_gbs"] * 1e9),
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", default="smollm2-135m")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                    help="float32 on CPUs without native bf16 (AVX2), where bf16 matmuls are several times slower")
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="float32 on CPUs without native bf16 (AVX2), where bf16 matmuls are several times slower",
+    )
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--repeats", type=int, default=1, help="alternated runs of each engine; medians are reported")
-    ap.add_argument("--cli-only", action="store_true", help="only the `llmctl run-batch` leg (no peers)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="alternated runs of each engine; medians are reported",
+    )
+    ap.add_argument(
+        "--cli-only", action="store_true", help="only the `llmctl run-batch` leg (no peers)"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     folder = random_model_folder(args.config)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-    prompts, outs = workload(args.num_prompts, output_range=(args.output_len, args.output_len), vocab=vocab)
+    prompts, outs = workload(
+        args.num_prompts, output_range=(args.output_len, args.output_len), vocab=vocab
+    )
     machine = measure_machine(args.dtype)
-    report = {"environment": environment(), "machine": machine, "config": args.config, "dtype": args.dtype,
-              "num_prompts": args.num_prompts, "prompt_tokens": sum(map(len, prompts)), "output_len": args.output_len}
+    report = {
+        "environment": environment(),
+        "machine": machine,
+        "config": args.config,
+        "dtype": args.dtype,
+        "num_prompts": args.num_prompts,
+        "prompt_tokens": sum(map(len, prompts)),
+        "output_len": args.output_len,
+    }
     if args.cli_only:
         report["llmctl_run_batch"] = run_llmctl_cli(folder, prompts, outs, args.dtype, args.threads)
         print(json.dumps(report, indent=2))
@@ -119,19 +203,31 @@ def main() -> None:
         print(json.dumps({"llmctl": runs["llmctl"][-1]}), flush=True)
     flops = workload_flops(folder, prompts, outs)
     for name, results in runs.items():
-        median = sorted(results, key=lambda r: r["seconds"])[(len(results) - 1) // 2]  # the lower median
-        report[name] = dict(median, mfu=flops / median["seconds"] / (machine["compute_peak_gflops"] * 1e9))
+        median = sorted(results, key=lambda r: r["seconds"])[
+            (len(results) - 1) // 2
+        ]  # the lower median
+        report[name] = dict(
+            median, mfu=flops / median["seconds"] / (machine["compute_peak_gflops"] * 1e9)
+        )
         if len(results) > 1:
             report[name]["all_seconds"] = [r["seconds"] for r in results]
-    report["paired_ratios"] = [v["seconds"] / m["seconds"] for v, m in zip(runs["vllm_cpu"], runs["llmctl"])]
+    report["paired_ratios"] = [
+        v["seconds"] / m["seconds"] for v, m in zip(runs["vllm_cpu"], runs["llmctl"])
+    ]
     report["llmctl_batch1"] = batch1_decode(folder, args.dtype, machine, vocab)
     report["llmctl_run_batch"] = run_llmctl_cli(folder, prompts, outs, args.dtype, args.threads)
     print(json.dumps({"llmctl_run_batch": report["llmctl_run_batch"]}), flush=True)
-    report["llmctl_over_vllm"] = report["llmctl"]["output_tok_s"] / report["vllm_cpu"]["output_tok_s"]
-    report["run_batch_over_vllm"] = report["llmctl_run_batch"]["output_tok_s"] / report["vllm_cpu"]["output_tok_s"]
+    report["llmctl_over_vllm"] = (
+        report["llmctl"]["output_tok_s"] / report["vllm_cpu"]["output_tok_s"]
+    )
+    report["run_batch_over_vllm"] = (
+        report["llmctl_run_batch"]["output_tok_s"] / report["vllm_cpu"]["output_tok_s"]
+    )
     if not args.skip_transformers:
         report["transformers"] = run_transformers(folder, prompts, outs, 32, dtype=args.dtype)
-        report["llmctl_over_transformers"] = report["llmctl"]["output_tok_s"] / report["transformers"]["output_tok_s"]
+        report["llmctl_over_transformers"] = (
+            report["llmctl"]["output_tok_s"] / report["transformers"]["output_tok_s"]
+        )
     print(json.dumps(report, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

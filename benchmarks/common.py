@@ -13,11 +13,16 @@ import torch
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
 
 
-def random_model_folder(config_name: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
+def random_model_folder(
+    config_name: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> Path:
     """Save (once, cached under /tmp) a randomly initialised HF model with the shape of shared/configs/NAME."""
     import transformers
 
-    out = Path(os.environ.get("LLMCTL_BENCH_CACHE", "/tmp/llmctl-bench")) / f"{config_name}-{str(dtype)[6:]}-{seed}"
+    out = (
+        Path(os.environ.get("LLMCTL_BENCH_CACHE", "/tmp/llmctl-bench"))
+        / f"{config_name}-{str(dtype)[6:]}-{seed}"
+    )
     if (out / "model.safetensors").exists():
         return out
     cfg = json.loads((SHARED / "configs" / f"{config_name}.json").read_text())
@@ -29,7 +34,9 @@ def random_model_folder(config_name: str, dtype: torch.dtype = torch.bfloat16, s
     return out
 
 
-def workload(n: int, prompt_range=(32, 512), output_range=(64, 256), vocab: int = 49152, seed: int = 0):
+def workload(
+    n: int, prompt_range=(32, 512), output_range=(64, 256), vocab: int = 49152, seed: int = 0
+):
     """n random-token prompts and output lengths, uniformly drawn from the ranges (inclusive)."""
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(prompt_range[0], prompt_range[1] + 1, (n,), generator=g).tolist()
@@ -66,8 +73,13 @@ def measure_machine(dtype: str = "bfloat16", seconds: float = 1.0) -> dict:
         x.sum()
         n += 1
     bw = x.numel() * 4 * n / (time.perf_counter() - t0)
-    return {"matmul_dtype": dtype, "matmul_gflops": flops, "float32_matmul_gflops": fp32,
-            "compute_peak_gflops": max(flops, fp32), "memory_read_gbs": bw / 1e9}
+    return {
+        "matmul_dtype": dtype,
+        "matmul_gflops": flops,
+        "float32_matmul_gflops": fp32,
+        "compute_peak_gflops": max(flops, fp32),
+        "memory_read_gbs": bw / 1e9,
+    }
 
 
 def environment() -> dict:
@@ -79,15 +91,20 @@ def environment() -> dict:
                 break
     except OSError:
         pass
-    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu, "date": time.strftime("%Y-%m-%d")}
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": cpu,
+        "date": time.strftime("%Y-%m-%d"),
+    }
 
 
 def workload_flops(folder: Path, prompts, outs) -> float:
     """Useful forward FLOPs of a workload: the decoder's linears on every prompt and output token,
     attention (Q.K^T and P.V) over each token's context, and lm_head only where a token is sampled
     (one per output token), which is what an engine that skips prompt logits computes."""
-    from llmctl.profiling.estimate import linear_shapes
     from llmctl.models.config import ModelConfig
+    from llmctl.profiling.estimate import linear_shapes
 
     c = ModelConfig.from_file(Path(folder) / "config.json")
     per_token = 2 * c.num_layers * sum(o * i for o, i in linear_shapes(c))
@@ -95,15 +112,17 @@ def workload_flops(folder: Path, prompts, outs) -> float:
     total = 0.0
     for p, o in zip(prompts, outs):
         n = len(p) + o - 1  # tokens that go through the decoder (the last sampled one never does)
-        total += per_token * n + attn_per_ctx * n * (n + 1) / 2 + 2 * c.vocab_size * c.hidden_size * o
+        total += (
+            per_token * n + attn_per_ctx * n * (n + 1) / 2 + 2 * c.vocab_size * c.hidden_size * o
+        )
     return total
 
 
 def decode_bytes_per_token(folder: Path, dtype: str, context: int) -> int:
     """Bytes one batch-1 decode step must read: every weight (embeddings once: one row is read from
     the embedding table, lm_head reads it all) plus the KV cache of `context` tokens."""
-    from llmctl.profiling.estimate import kv_bytes_per_token, weight_bytes
     from llmctl.models.config import ModelConfig
+    from llmctl.profiling.estimate import kv_bytes_per_token, weight_bytes
 
     c = ModelConfig.from_file(Path(folder) / "config.json")
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]

@@ -24,22 +24,43 @@ def run(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ids = spec["input_ids"]
-    res = {"llmcompressor": llmcompressor.__version__, "torch": torch.__version__,
-           "import_s": time.perf_counter() - t_import}
+    res = {
+        "llmcompressor": llmcompressor.__version__,
+        "torch": torch.__version__,
+        "import_s": time.perf_counter() - t_import,
+    }
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)  # llmctl calibrates in float32 too
+    model = AutoModelForCausalLM.from_pretrained(
+        spec["model"], dtype=torch.float32
+    )  # llmctl calibrates in float32 too
     res["load_s"] = time.perf_counter() - t0
     data = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
-    weights = QuantizationArgs(num_bits=spec["bits"], type="int", symmetric=True, strategy="group",
-                               group_size=spec["group_size"])
-    recipe = GPTQModifier(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
-                          ignore=["lm_head"], actorder=spec["actorder"], dampening_frac=spec["dampening"],
-                          block_size=128)
+    weights = QuantizationArgs(
+        num_bits=spec["bits"],
+        type="int",
+        symmetric=True,
+        strategy="group",
+        group_size=spec["group_size"],
+    )
+    recipe = GPTQModifier(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
+        ignore=["lm_head"],
+        actorder=spec["actorder"],
+        dampening_frac=spec["dampening"],
+        block_size=128,
+    )
     t1 = time.perf_counter()
     # oneshot wants a processor whenever a dataset is given, even a tokenized one: the tokenizer that made the ids
     tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
-    oneshot(model=model, dataset=data, recipe=recipe, processor=tokenizer, num_calibration_samples=len(ids),
-            max_seq_length=len(ids[0]), shuffle_calibration_samples=False)
+    oneshot(
+        model=model,
+        dataset=data,
+        recipe=recipe,
+        processor=tokenizer,
+        num_calibration_samples=len(ids),
+        max_seq_length=len(ids[0]),
+        shuffle_calibration_samples=False,
+    )
     res["oneshot_s"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     model.save_pretrained(spec["output"], save_compressed=True)

@@ -51,8 +51,11 @@ def truncated_student(target, layers: int):
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = cfg.layer_types[:layers]
     student = LlamaForCausalLM(cfg)
-    keep = {k: v for k, v in target.state_dict().items()
-            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    keep = {
+        k: v
+        for k, v in target.state_dict().items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
+    }
     student.load_state_dict(keep, strict=True)
     return student
 
@@ -77,18 +80,33 @@ def agreement(student, target, held: torch.Tensor, seq_len: int, windows: int) -
     return {"top1_agreement": match / ids.numel(), "kl": kl / ids.numel(), "tokens": ids.numel()}
 
 
-def train(student, target, data: torch.Tensor, steps: int, batch: int, seq_len: int, lr: float, seed: int = 0) -> list[float]:
+def train(
+    student,
+    target,
+    data: torch.Tensor,
+    steps: int,
+    batch: int,
+    seq_len: int,
+    lr: float,
+    seed: int = 0,
+) -> list[float]:
     """AdamW on KL to the target; warm-up then cosine to lr/10. Returns the loss every 10 steps."""
     opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
     warm = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: (i + 1) / warm if i < warm else 0.1 + 0.45 * (1 + math.cos(math.pi * (i - warm) / max(1, steps - warm))))
+        opt,
+        lambda i: (
+            (i + 1) / warm
+            if i < warm
+            else 0.1 + 0.45 * (1 + math.cos(math.pi * (i - warm) / max(1, steps - warm)))
+        ),
+    )
     g = torch.Generator().manual_seed(seed)
     student.train()
     losses = []
     for step in range(steps):
         starts = torch.randint(0, len(data) - seq_len, (batch,), generator=g)
-        ids = torch.stack([data[s:s + seq_len] for s in starts.tolist()])
+        ids = torch.stack([data[s : s + seq_len] for s in starts.tolist()])
         with torch.no_grad():
             t = target(ids).logits
         loss = kl_loss(student(ids).logits, t)
@@ -126,29 +144,61 @@ def check_loads(out: Path, student, probe: torch.Tensor) -> None:
         ours = rt.model.forward_dense(probe[None])[0]
         ref = student(probe[None]).logits[0]
     assert rt.config.num_layers == student.config.num_hidden_layers and rt.tokenizer is not None
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1)), "llmctl and transformers disagree on the draft"
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1)), (
+        "llmctl and transformers disagree on the draft"
+    )
 
 
-def make_draft(layers: int = 2, target_dir: Path = TARGET, out: Path | None = None, steps: int = 200, batch: int = 8,
-               seq_len: int = 256, lr: float = 1e-3, eval_windows: int = 64) -> Path:
+def make_draft(
+    layers: int = 2,
+    target_dir: Path = TARGET,
+    out: Path | None = None,
+    steps: int = 200,
+    batch: int = 8,
+    seq_len: int = 256,
+    lr: float = 1e-3,
+    eval_windows: int = 64,
+) -> Path:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     out = out or draft_dir(layers)
     t0 = time.perf_counter()
-    target = LlamaForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval().requires_grad_(False)
+    target = (
+        LlamaForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
+        .eval()
+        .requires_grad_(False)
+    )
     train_ids, held = token_splits(AutoTokenizer.from_pretrained(str(target_dir)))
     student = truncated_student(target, layers).eval()
     before = agreement(student, target, held, seq_len, eval_windows)
-    print(f"draft {layers}L before training: held-out top-1 agreement {before['top1_agreement']:.3f}, KL {before['kl']:.3f}", flush=True)
+    print(
+        f"draft {layers}L before training: held-out top-1 agreement {before['top1_agreement']:.3f}, KL {before['kl']:.3f}",
+        flush=True,
+    )
     t1, c1 = time.perf_counter(), time.process_time()
     losses = train(student, target, train_ids, steps, batch, seq_len, lr)
     train_s, train_cpu = time.perf_counter() - t1, time.process_time() - c1
     after = agreement(student, target, held, seq_len, eval_windows)
-    print(f"draft {layers}L after {steps} steps ({train_s:.0f} s wall, {train_cpu:.0f} s CPU): held-out top-1 agreement "
-          f"{after['top1_agreement']:.3f}, KL {after['kl']:.3f}", flush=True)
-    report = {"target": str(target_dir), "layers": layers, "steps": steps, "batch": batch, "seq_len": seq_len, "lr": lr,
-              "threads": torch.get_num_threads(), "train_seconds": train_s, "train_cpu_seconds": train_cpu, "total_seconds": time.perf_counter() - t0,
-              "before": before, "after": after, "losses_every_10_steps": losses}
+    print(
+        f"draft {layers}L after {steps} steps ({train_s:.0f} s wall, {train_cpu:.0f} s CPU): held-out top-1 agreement "
+        f"{after['top1_agreement']:.3f}, KL {after['kl']:.3f}",
+        flush=True,
+    )
+    report = {
+        "target": str(target_dir),
+        "layers": layers,
+        "steps": steps,
+        "batch": batch,
+        "seq_len": seq_len,
+        "lr": lr,
+        "threads": torch.get_num_threads(),
+        "train_seconds": train_s,
+        "train_cpu_seconds": train_cpu,
+        "total_seconds": time.perf_counter() - t0,
+        "before": before,
+        "after": after,
+        "losses_every_10_steps": losses,
+    }
     save(student, target_dir, out, report)
     check_loads(out, student, held[:64])
     print(f"saved {out} (loads in llmctl)", flush=True)
@@ -162,14 +212,21 @@ def ensure_draft(layers: int = 2, **kw) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--target", default=str(TARGET))
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--eval-windows", type=int, default=64, help="held-out windows of SEQ_LEN tokens for the agreement")
+    ap.add_argument(
+        "--eval-windows",
+        type=int,
+        default=64,
+        help="held-out windows of SEQ_LEN tokens for the agreement",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="default: /tmp/llmctl-bench/ts-draft-{layers}L")
     ap.add_argument("--force", action="store_true", help="remake even when the folder exists")
@@ -177,9 +234,20 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out else draft_dir(args.layers)
     if (out / "model.safetensors").is_file() and not args.force:
-        print(f"{out} exists (--force remakes it): {json.loads((out / 'draft_report.json').read_text())['after']}")
+        print(
+            f"{out} exists (--force remakes it): {json.loads((out / 'draft_report.json').read_text())['after']}"
+        )
         return
-    make_draft(args.layers, Path(args.target), out, args.steps, args.batch, args.seq_len, args.lr, args.eval_windows)
+    make_draft(
+        args.layers,
+        Path(args.target),
+        out,
+        args.steps,
+        args.batch,
+        args.seq_len,
+        args.lr,
+        args.eval_windows,
+    )
 
 
 if __name__ == "__main__":

@@ -18,13 +18,25 @@ if __name__ == "__main__":  # vLLM starts worker processes: everything under the
     os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "7200")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), skip_tokenizer_init=True, max_model_len=spec["max_model_len"],
-              max_num_seqs=spec.get("max_num_seqs", 256), enable_prefix_caching=False)
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec.get("dtype", "bfloat16"),
+        skip_tokenizer_init=True,
+        max_model_len=spec["max_model_len"],
+        max_num_seqs=spec.get("max_num_seqs", 256),
+        enable_prefix_caching=False,
+    )
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
-    params = [SamplingParams(max_tokens=o, min_tokens=o, temperature=0, ignore_eos=True, detokenize=False) for o in spec["outputs"]]
+    params = [
+        SamplingParams(max_tokens=o, min_tokens=o, temperature=0, ignore_eos=True, detokenize=False)
+        for o in spec["outputs"]
+    ]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    print("RESULT " + json.dumps({"seconds": dt, "output_tokens": n, "output_tok_s": n / dt}), flush=True)
+    print(
+        "RESULT " + json.dumps({"seconds": dt, "output_tokens": n, "output_tok_s": n / dt}),
+        flush=True,
+    )

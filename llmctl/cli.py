@@ -12,7 +12,8 @@ import sys
 import typer
 
 from llmctl import __version__
-from llmctl.commands import distill, eval as eval_cmd, profile, quantize, run_batch, sparsify
+from llmctl.commands import distill, profile, quantize, run_batch, sparsify
+from llmctl.commands import eval as eval_cmd
 
 app = typer.Typer(
     name="llmctl",
@@ -32,7 +33,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
 ) -> None:
     """llmctl: quantize, sparsify, distill, batch-serve, profile and evaluate Llama-family models."""
 
@@ -69,9 +72,14 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         if os.environ.get("LLMCTL_DEBUG"):
             raise
-        print(f"llmctl: internal error: {type(e).__name__}: {e} (set LLMCTL_DEBUG=1 for a traceback)", file=sys.stderr)
+        print(
+            f"llmctl: internal error: {type(e).__name__}: {e} (set LLMCTL_DEBUG=1 for a traceback)",
+            file=sys.stderr,
+        )
         return 1
-    return rc if isinstance(rc, int) else 0  # with standalone_mode=False, click returns typer.Exit codes
+    return (
+        rc if isinstance(rc, int) else 0
+    )  # with standalone_mode=False, click returns typer.Exit codes
 
 
 if __name__ == "__main__":

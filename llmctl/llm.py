@@ -12,7 +12,13 @@ from llmctl.runtime.loader import load_runtime
 class LLM:
     """A loaded model with its engine. Engine keywords: see `EngineConfig` (block_size, kv_cache_memory, ...)."""
 
-    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto", **engine_kwargs: Any):
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        **engine_kwargs: Any,
+    ):
         self.runtime = load_runtime(model, dtype=dtype, device=device)
         self.engine = self.runtime.start_engine(EngineConfig(**engine_kwargs))
 
@@ -39,5 +45,7 @@ class LLM:
                     on_finish(out)
         return [results[str(i)] for i in range(len(prompts))]
 
-    def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None) -> list[RequestOutput]:
+    def chat(
+        self, conversations: list[list[dict]], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
         return self.generate([self.runtime.apply_chat_template(c) for c in conversations], params)

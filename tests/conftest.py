@@ -39,10 +39,27 @@ def make_random_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Pa
     import torch
     import transformers
 
-    cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[arch]
-    kw = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.2,
-              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cls = {
+        "llama": "LlamaConfig",
+        "mistral": "MistralConfig",
+        "qwen2": "Qwen2Config",
+        "qwen3": "Qwen3Config",
+    }[arch]
+    kw = dict(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     if arch == "mistral":
         kw["sliding_window"] = None
     kw.update(overrides)

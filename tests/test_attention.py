@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from llmctl.kernels.attention import GatherWorkspace, PagedAttentionMetadata, _decode, decode_attention, length_groups
+from llmctl.kernels.attention import (
+    GatherWorkspace,
+    PagedAttentionMetadata,
+    _decode,
+    decode_attention,
+    length_groups,
+)
 
 
 def _naive(q, kc, vc, tables, lens, scale, bs):
@@ -20,7 +26,12 @@ def _naive(q, kc, vc, tables, lens, scale, bs):
 
 
 def test_length_groups_split_sorted_lengths_into_equal_runs():
-    assert length_groups([40, 33, 20, 17, 9, 4, 2, 1], 4) == [(0, 2, 10), (2, 4, 5), (4, 6, 3), (6, 8, 1)]
+    assert length_groups([40, 33, 20, 17, 9, 4, 2, 1], 4) == [
+        (0, 2, 10),
+        (2, 4, 5),
+        (4, 6, 3),
+        (6, 8, 1),
+    ]
     assert length_groups([5, 3, 1], 4, max_groups=4) == [(0, 1, 2), (1, 2, 1), (2, 3, 1)]
 
 
@@ -33,18 +44,22 @@ def test_grouped_decode_attention_equals_naive_attention():
     tables, used = [], 0
     for n in lens:
         need = -(-n // bs)
-        tables.append(perm[used:used + need] + [0] * (6 - need))  # padded with a valid block id
+        tables.append(perm[used : used + need] + [0] * (6 - need))  # padded with a valid block id
         used += need
     q = torch.randn(len(lens), heads, d)
     t, l = torch.tensor(tables), torch.tensor(lens)
     ref = _naive(q, kc, vc, tables, lens, 0.3, bs)
-    torch.testing.assert_close(decode_attention(q, kc, vc, t, l, 0.3, bs), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        decode_attention(q, kc, vc, t, l, 0.3, bs), ref, rtol=1e-5, atol=1e-5
+    )
     ws = GatherWorkspace()
     meta = PagedAttentionMetadata(None, len(lens), t, l, [], bs, length_groups(lens, bs), ws)
     torch.testing.assert_close(_decode(q, kc, vc, meta, 0.3, None), ref, rtol=1e-5, atol=1e-5)
     first = ws.get(1, kc)[0]
     torch.testing.assert_close(_decode(q, kc, vc, meta, 0.3, None), ref, rtol=1e-5, atol=1e-5)
-    assert ws.get(1, kc)[0].data_ptr() == first.data_ptr()  # the buffers are reused, not reallocated
+    assert (
+        ws.get(1, kc)[0].data_ptr() == first.data_ptr()
+    )  # the buffers are reused, not reallocated
 
 
 def test_chunk_attention_after_cached_prefix_lower_right_bias_equals_explicit_mask():
@@ -67,4 +82,6 @@ def test_chunk_attention_after_cached_prefix_lower_right_bias_equals_explicit_ma
         kk = k_all[: prefix + t + 1].repeat_interleave(heads // kvh, dim=1)  # [L, heads, D]
         vv = v_all[: prefix + t + 1].repeat_interleave(heads // kvh, dim=1)
         p = torch.softmax(torch.einsum("hd,lhd->hl", q[t], kk) * d**-0.5, dim=-1)
-        torch.testing.assert_close(explicit[t], torch.einsum("hl,lhd->hd", p, vv), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            explicit[t], torch.einsum("hl,lhd->hd", p, vv), rtol=1e-5, atol=1e-5
+        )

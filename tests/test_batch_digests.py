@@ -7,8 +7,13 @@ import io
 
 import pytest
 
-from llmctl.batch.digests import (FileHasher, NotVerifiedYet, PrefixChanged, StreamHasher,
-                                  parquet_hasher)
+from llmctl.batch.digests import (
+    FileHasher,
+    NotVerifiedYet,
+    PrefixChanged,
+    StreamHasher,
+    parquet_hasher,
+)
 from llmctl.batch.inputs import open_input
 
 
@@ -16,8 +21,12 @@ def blake(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=32).hexdigest()
 
 
-DATA = (b'\n  \n{"prompt": "a"}\n\n\n{"prompt": "b"}\n \t \n{oops\n'
-        + b'{"prompt": "' + b"x" * 300 + b'"}\n\n{"prompt": "last, no newline"}')
+DATA = (
+    b'\n  \n{"prompt": "a"}\n\n\n{"prompt": "b"}\n \t \n{oops\n'
+    + b'{"prompt": "'
+    + b"x" * 300
+    + b'"}\n\n{"prompt": "last, no newline"}'
+)
 
 
 def test_stream_digests_at_every_row_boundary_equal_the_hash_of_the_prefix():
@@ -38,11 +47,12 @@ def test_runs_of_blank_lines_keep_no_hash_state():
     stream = StreamHasher(io.BytesIO(data))
     rows = list(open_input("-", stdin=stream).rows())
     assert len(rows) == 1 and len(stream._marks) <= 3  # not one per blank line
-    assert stream.digest_at(rows[0].position) == blake(data[:rows[0].position])
+    assert stream.digest_at(rows[0].position) == blake(data[: rows[0].position])
 
 
-@pytest.mark.parametrize("other, ok", [(DATA, True), (DATA.replace(b'"a"', b'"c"'), False),
-                                       (DATA[:20], False)])
+@pytest.mark.parametrize(
+    "other, ok", [(DATA, True), (DATA.replace(b'"a"', b'"c"'), False), (DATA[:20], False)]
+)
 def test_a_stream_read_again_is_checked_against_the_recorded_prefix(other, ok):
     position = DATA.index(b"{oops")
     stream = StreamHasher(io.BytesIO(other))
@@ -79,9 +89,12 @@ def test_parquet_hash_covers_the_row_groups_consumed(tmp_path):
         return parquet_hasher(tmp_path / name)
 
     texts = [f"line {i}" for i in range(40)]
-    base, same, late, early = (write("a.parquet", texts), write("b.parquet", texts),
-                               write("c.parquet", texts[:35] + ["changed"] * 5),
-                               write("d.parquet", ["changed"] + texts[1:]))
+    base, same, late, early = (
+        write("a.parquet", texts),
+        write("b.parquet", texts),
+        write("c.parquet", texts[:35] + ["changed"] * 5),
+        write("d.parquet", ["changed"] + texts[1:]),
+    )
     for p in (0, 5, 10, 25):
         assert base.digest_at(p) == same.digest_at(p) == late.digest_at(p)
     assert early.digest_at(5) != base.digest_at(5)

@@ -16,17 +16,23 @@ def _source(data: bytes, fmt: str = "jsonl", seekable: bool = True, **kw) -> Jso
 
 
 def test_simple_jsonl_rows_ids_and_overrides():
-    data = b"".join([
-        b'{"prompt": "ROMEO:", "max_tokens": 5, "temperature": 0.5, "stop": ["\\n"], "seed": 3, "extra": 1}\n',
-        b"\n",  # blank: skipped, keeps its line number
-        b'{"id": "q7", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}\n',
-        b'{"id": 42, "prompt_token_ids": [1, 2, 3]}',  # no final newline
-    ])
+    data = b"".join(
+        [
+            b'{"prompt": "ROMEO:", "max_tokens": 5, "temperature": 0.5, "stop": ["\\n"], "seed": 3, "extra": 1}\n',
+            b"\n",  # blank: skipped, keeps its line number
+            b'{"id": "q7", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}\n',
+            b'{"id": 42, "prompt_token_ids": [1, 2, 3]}',  # no final newline
+        ]
+    )
     rows = list(_source(data).rows())
     assert [r.index for r in rows] == [0, 2, 3]
     assert [r.id for r in rows] == [1, "q7", 42]
-    assert rows[0].prompt == "ROMEO:" and rows[0].overrides == {"max_tokens": 5, "temperature": 0.5,
-                                                                  "stop": ["\n"], "seed": 3}
+    assert rows[0].prompt == "ROMEO:" and rows[0].overrides == {
+        "max_tokens": 5,
+        "temperature": 0.5,
+        "stop": ["\n"],
+        "seed": 3,
+    }
     assert rows[1].messages == [{"role": "user", "content": "hi"}]
     assert rows[2].prompt_token_ids == [1, 2, 3]
     assert all(r.error is None for r in rows)
@@ -77,26 +83,66 @@ def test_an_overlong_line_is_skipped_without_being_kept():
 
 def test_openai_batch_requests():
     lines = [
-        {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 7, "seed": 1}},
-        {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "ROMEO:", "max_tokens": 4, "top_k": 5}},
+        {
+            "custom_id": "a",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "x",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_completion_tokens": 7,
+                "seed": 1,
+            },
+        },
+        {
+            "custom_id": "b",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "ROMEO:", "max_tokens": 4, "top_k": 5},
+        },
         {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": [5, 6]}},
         {"custom_id": "d", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
         {"custom_id": "e", "method": "GET", "url": "/v1/completions", "body": {}},
-        {"custom_id": "f", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": 2}},
+        {
+            "custom_id": "f",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "x", "n": 2},
+        },
         {"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}},
-        {"custom_id": "h", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "bot", "content": "x"}]}},
+        {
+            "custom_id": "h",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "bot", "content": "x"}]},
+        },
     ]
     data = "".join(json.dumps(x) + "\n" for x in lines).encode()
     src = open_input("-", stdin=io.BytesIO(data))
     assert src.format == "openai"
     rows = list(src.rows())
-    assert rows[0].endpoint == "chat" and rows[0].custom_id == "a" and rows[0].overrides == {"max_tokens": 7, "seed": 1}
-    assert rows[1].endpoint == "completions" and rows[1].prompt == "ROMEO:" and rows[1].overrides == {"max_tokens": 4, "top_k": 5}
+    assert (
+        rows[0].endpoint == "chat"
+        and rows[0].custom_id == "a"
+        and rows[0].overrides == {"max_tokens": 7, "seed": 1}
+    )
+    assert (
+        rows[1].endpoint == "completions"
+        and rows[1].prompt == "ROMEO:"
+        and rows[1].overrides == {"max_tokens": 4, "top_k": 5}
+    )
     assert rows[2].prompt_token_ids == [5, 6]
     codes = [r.error.code if r.error else None for r in rows]
-    assert codes == [None, None, None, "unsupported_url", "invalid_method", "unsupported_parameter",
-                     "invalid_custom_id", "unknown_role"]
+    assert codes == [
+        None,
+        None,
+        None,
+        "unsupported_url",
+        "invalid_method",
+        "unsupported_parameter",
+        "invalid_custom_id",
+        "unknown_role",
+    ]
 
 
 def test_format_detection_and_stdin_with_leading_blank_lines():
@@ -131,8 +177,15 @@ def _write_parquet(path, table_dict, row_group_size):
 def test_parquet_rows_by_row_group_and_resume(tmp_path):
     path = tmp_path / "in.parquet"
     n = 23
-    _write_parquet(path, {"text": [f"p{i}" if i != 4 else None for i in range(n)], "key": [f"k{i}" for i in range(n)],
-                          "max_tokens": [i % 3 + 1 for i in range(n)]}, row_group_size=5)
+    _write_parquet(
+        path,
+        {
+            "text": [f"p{i}" if i != 4 else None for i in range(n)],
+            "key": [f"k{i}" for i in range(n)],
+            "max_tokens": [i % 3 + 1 for i in range(n)],
+        },
+        row_group_size=5,
+    )
     src = open_input(str(path), prompt_column="text", id_column="key")
     assert isinstance(src, ParquetSource) and src.count_rows() == n
     rows = list(src.rows())
@@ -152,7 +205,10 @@ def test_parquet_messages_column_as_structs_or_json_text(tmp_path):
     assert rows[0].messages == [{"role": "user", "content": "hi"}] and rows[0].id == 1
     assert rows[1].error.code == "unknown_role"
     rows = list(open_input(str(path), messages_column="j").rows())
-    assert rows[0].messages == [{"role": "user", "content": "hi"}] and rows[1].error.code == "unknown_role"
+    assert (
+        rows[0].messages == [{"role": "user", "content": "hi"}]
+        and rows[1].error.code == "unknown_role"
+    )
 
 
 def test_parquet_binary_prompts_and_missing_columns(tmp_path):

@@ -9,9 +9,9 @@ import pytest
 
 from llmctl.batch.fake import FakeEngine, FakeRuntime
 from llmctl.batch.inputs import DETECT_LINES, MAX_LINE_BYTES, JsonlSource, open_input
-from llmctl.batch.rows import BOM, parse_line, parse_simple
 from llmctl.batch.job import BatchJob
 from llmctl.batch.outputs import RowResult, encode_record, openai_record, simple_record
+from llmctl.batch.rows import BOM, parse_line, parse_simple
 from llmctl.batch.summary import BatchStats
 from llmctl.engine.params import SamplingParams
 from llmctl.errors import RequestError, UsageError
@@ -42,8 +42,14 @@ class _Sink:
 def _serve(rows) -> list[dict]:
     """Run rows through the job loop on the fake engine; the output records."""
     engine, sink = FakeEngine(), _Sink()
-    BatchJob(engine, FakeRuntime(engine), iter(rows), sink, lambda row, r: encode_record(
-        simple_record(row, r)), SamplingParams(max_tokens=2)).run()
+    BatchJob(
+        engine,
+        FakeRuntime(engine),
+        iter(rows),
+        sink,
+        lambda row, r: encode_record(simple_record(row, r)),
+        SamplingParams(max_tokens=2),
+    ).run()
     return [json.loads(line) for line in sink.lines]
 
 
@@ -51,9 +57,17 @@ def _serve(rows) -> list[dict]:
 
 
 def test_huge_integers_and_deep_nesting_are_error_rows_and_the_rows_around_are_served():
-    data = b"\n".join([b'{"prompt": "first"}', b'{"prompt": ' + HUGE + b'}',
-                       b'{"prompt": "x", "max_tokens": ' + HUGE + b'}', DEEP,
-                       b'{"prompt": "x", "stop": ' + DEEP + b'}', b'{"prompt": "last"}', b""])
+    data = b"\n".join(
+        [
+            b'{"prompt": "first"}',
+            b'{"prompt": ' + HUGE + b'}',
+            b'{"prompt": "x", "max_tokens": ' + HUGE + b'}',
+            DEEP,
+            b'{"prompt": "x", "stop": ' + DEEP + b'}',
+            b'{"prompt": "last"}',
+            b"",
+        ]
+    )
     rows = _rows(data)
     assert _codes(rows) == [None] + ["invalid_json"] * 4 + [None]
     assert "more than 4300 digits" in rows[1].error.message
@@ -75,8 +89,10 @@ def test_an_unexpected_exception_while_parsing_a_row_is_that_rows_error():
 def test_nested_values_in_sampling_fields_get_short_messages():
     deep = "[" * 500 + "]" * 500
     lines = [f'{{"prompt": "x", "{k}": {deep}}}' for k in ("max_tokens", "ignore_eos")]
-    lines += ['{"prompt": "x", "stop": {"a": 1}}',
-              '{"prompt": "x", "seed": "' + "9" * 10_000 + '"}']
+    lines += [
+        '{"prompt": "x", "stop": {"a": 1}}',
+        '{"prompt": "x", "seed": "' + "9" * 10_000 + '"}',
+    ]
     data = "\n".join(lines).encode()
     out = _serve(_rows(data))
     assert [r["error"]["code"] for r in out] == ["invalid_parameter"] * 4
@@ -88,8 +104,9 @@ def test_nested_values_in_sampling_fields_get_short_messages():
 # -- byte-order marks and format detection ----------------------------------------------------
 
 
-OPENAI_LINE = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
-                          "body": {"prompt": "ROMEO:"}}).encode()
+OPENAI_LINE = json.dumps(
+    {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "ROMEO:"}}
+).encode()
 
 
 @pytest.mark.parametrize("line,fmt", [(b'{"prompt": "hi"}', "jsonl"), (OPENAI_LINE, "openai")])
@@ -124,8 +141,17 @@ def test_utf16_input_is_refused_with_one_line(tmp_path, from_stdin):
 
 @pytest.mark.parametrize("from_stdin", [False, True])
 def test_an_openai_batch_with_a_bad_first_line_is_still_an_openai_batch(tmp_path, from_stdin):
-    good = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                        "body": {"prompt": f"p{i}"}}).encode() for i in range(3)]
+    good = [
+        json.dumps(
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"prompt": f"p{i}"},
+            }
+        ).encode()
+        for i in range(3)
+    ]
     data = b"\n".join([OPENAI_LINE[:30], b"", b"[1, 2]", *good, b""])  # truncated, blank, array
     (tmp_path / "in.jsonl").write_bytes(data)
     src = _open(tmp_path / "in.jsonl", from_stdin)
@@ -158,13 +184,16 @@ def test_the_summary_says_which_format_was_read():
 # -- text that is not text ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("line", [
-    b'{"prompt": "ab\\ud800"}',
-    b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
-    b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "x\\ud83d"}]}]}',
-    b'{"prompt": "x", "stop": "\\ud800"}',
-    b'{"prompt": "x", "stop": ["ok", "\\udc00"]}',
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"prompt": "ab\\ud800"}',
+        b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "x\\ud83d"}]}]}',
+        b'{"prompt": "x", "stop": "\\ud800"}',
+        b'{"prompt": "x", "stop": ["ok", "\\udc00"]}',
+    ],
+)
 def test_a_lone_surrogate_is_invalid_text(line):
     (row,) = _rows(line + b"\n")
     assert row.error.code == "invalid_text" and "lone surrogate" in row.error.message
@@ -181,12 +210,25 @@ def _req(cid: str, **body) -> bytes:
 
 def test_a_duplicate_custom_id_is_an_error_row_also_after_a_resume():
     long_id = "L" * 500
-    lines = [_req("a", prompt="1"), _req(long_id, prompt="2"), _req("b", prompt="3"),
-             _req("a", prompt="4"), _req(long_id, prompt="5"), b"", _req("b", prompt="6")]
+    lines = [
+        _req("a", prompt="1"),
+        _req(long_id, prompt="2"),
+        _req("b", prompt="3"),
+        _req("a", prompt="4"),
+        _req(long_id, prompt="5"),
+        b"",
+        _req("b", prompt="6"),
+    ]
     data = b"\n".join(lines) + b"\n"
     rows = _rows(data, "openai")
-    assert _codes(rows) == [None, None, None, "duplicate_custom_id", "duplicate_custom_id",
-                            "duplicate_custom_id"]
+    assert _codes(rows) == [
+        None,
+        None,
+        None,
+        "duplicate_custom_id",
+        "duplicate_custom_id",
+        "duplicate_custom_id",
+    ]
     assert rows[3].custom_id == "a" and "already used" in rows[3].error.message
     resume = rows[2]  # a session that committed rows 0-1 resumes: the ids before still count
     for seekable in (True, False):
@@ -195,9 +237,14 @@ def test_a_duplicate_custom_id_is_an_error_row_also_after_a_resume():
         assert _codes(again) == _codes(rows[2:]) and [r.index for r in again] == [2, 3, 4, 6]
 
 
-@pytest.mark.parametrize("prompt,message", [
-    (["a", "b"], "list of 2 strings"), ([[1, 2], [3]], "list of 2 prompts"),
-    ({"text": "x"}, "must be a string, a list of token ids")])
+@pytest.mark.parametrize(
+    "prompt,message",
+    [
+        (["a", "b"], "list of 2 strings"),
+        ([[1, 2], [3]], "list of 2 prompts"),
+        ({"text": "x"}, "must be a string, a list of token ids"),
+    ],
+)
 def test_openai_prompt_lists_are_refused_for_what_they_are(prompt, message):
     (row,) = _rows(_req("x", prompt=prompt) + b"\n", "openai")
     assert message in row.error.message
@@ -205,11 +252,24 @@ def test_openai_prompt_lists_are_refused_for_what_they_are(prompt, message):
     assert (ok[0].prompt, ok[1].prompt_token_ids) == ("one", [5, 6])
 
 
-@pytest.mark.parametrize("field,value", [
-    ("stream", True), ("tools", [{"type": "function"}]),
-    ("response_format", {"type": "json_object"}),
-    ("n", 2), ("n", True), ("logprobs", True), ("top_logprobs", 3), ("logit_bias", {"5": 1}),
-    ("echo", True), ("best_of", 2), ("suffix", "x"), ("guided_json", {}), ("frobnicate", 1)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("stream", True),
+        ("tools", [{"type": "function"}]),
+        ("response_format", {"type": "json_object"}),
+        ("n", 2),
+        ("n", True),
+        ("logprobs", True),
+        ("top_logprobs", 3),
+        ("logit_bias", {"5": 1}),
+        ("echo", True),
+        ("best_of", 2),
+        ("suffix", "x"),
+        ("guided_json", {}),
+        ("frobnicate", 1),
+    ],
+)
 def test_an_unsupported_body_field_is_refused_naming_it(field, value):
     (row,) = _rows(_req("x", prompt="hi", **{field: value}) + b"\n", "openai")
     assert row.error.code == "unsupported_parameter" and row.error.param == field
@@ -217,18 +277,32 @@ def test_an_unsupported_body_field_is_refused_naming_it(field, value):
 
 
 def test_neutral_and_harmless_body_fields_are_accepted():
-    body = dict(prompt="hi", stream=False, n=1, logprobs=False, tools=[], echo=False, user="u",
-                model="m", response_format={"type": "text"}, max_completion_tokens=3, seed=None)
+    body = dict(
+        prompt="hi",
+        stream=False,
+        n=1,
+        logprobs=False,
+        tools=[],
+        echo=False,
+        user="u",
+        model="m",
+        response_format={"type": "text"},
+        max_completion_tokens=3,
+        seed=None,
+    )
     (row,) = _rows(_req("x", **body) + b"\n", "openai")
     assert row.error is None and row.overrides == {"max_tokens": 3}
-    (chat,) = _rows(_req("c", messages=[{"role": "user", "content": "hi"}], prompt="no") + b"\n",
-                    "openai")
+    (chat,) = _rows(
+        _req("c", messages=[{"role": "user", "content": "hi"}], prompt="no") + b"\n", "openai"
+    )
     assert chat.error.param == "prompt"  # a chat body has no prompt field
 
 
 def test_simple_rows_refuse_generation_features_but_keep_their_own_columns():
-    rows = _rows(b'{"prompt": "a", "stream": true}\n{"prompt": "b", "n": 3}\n'
-                 b'{"prompt": "c", "source": "wiki", "n": 1, "max_completion_tokens": 4}\n')
+    rows = _rows(
+        b'{"prompt": "a", "stream": true}\n{"prompt": "b", "n": 3}\n'
+        b'{"prompt": "c", "source": "wiki", "n": 1, "max_completion_tokens": 4}\n'
+    )
     assert _codes(rows) == ["unsupported_parameter", "unsupported_parameter", None]
     assert rows[2].overrides == {"max_tokens": 4}
 
@@ -236,14 +310,18 @@ def test_simple_rows_refuse_generation_features_but_keep_their_own_columns():
 def test_a_failed_openai_row_has_the_shape_openai_writes():
     row = parse_simple({"prompt": "x"}, 0, 0, 1)
     row.custom_id, row.endpoint = "q", "completions"
-    error = RequestError("unsupported_parameter", "body.stream=True is not supported",
-                         param="stream")
+    error = RequestError(
+        "unsupported_parameter", "body.stream=True is not supported", param="stream"
+    )
     rec = openai_record(row, RowResult.failed(error), "m", 7)
     assert rec["error"] is None and rec["custom_id"] == "q"
     assert rec["response"]["status_code"] == 400
     assert rec["response"]["body"]["error"] == {
-        "message": error.message, "type": "invalid_request_error", "param": "stream",
-        "code": "unsupported_parameter"}
+        "message": error.message,
+        "type": "invalid_request_error",
+        "param": "stream",
+        "code": "unsupported_parameter",
+    }
 
 
 def test_a_custom_id_with_a_lone_surrogate_is_answered_not_a_crash():
@@ -259,7 +337,7 @@ def test_a_custom_id_with_a_lone_surrogate_is_answered_not_a_crash():
 
 def test_out_of_range_seeds_and_huge_stop_lists_are_refused():
     with pytest.raises(RequestError, match="seed must be between"):
-        SamplingParams(seed=10 ** 30)  # torch's manual_seed raised inside the engine: job died
+        SamplingParams(seed=10**30)  # torch's manual_seed raised inside the engine: job died
     with pytest.raises(RequestError, match="at most 64"):
         SamplingParams(stop=["x"] * 20_000)  # each is searched after every token
     assert SamplingParams(seed=-(1 << 63)).seed == -(1 << 63)
@@ -278,14 +356,24 @@ def test_parquet_float_columns_of_whole_numbers_and_wrong_types(tmp_path):
     import pyarrow as pa
 
     path = tmp_path / "in.parquet"
-    _write_parquet(path, {"prompt": ["a", "b", "c"], "max_tokens": [3.0, float("nan"), 2.5],
-                          "seed": pa.array([1.0, None, 2.0]), "key": pa.array([7.0, None, 8.5])})
+    _write_parquet(
+        path,
+        {
+            "prompt": ["a", "b", "c"],
+            "max_tokens": [3.0, float("nan"), 2.5],
+            "seed": pa.array([1.0, None, 2.0]),
+            "key": pa.array([7.0, None, 8.5]),
+        },
+    )
     rows = list(open_input(str(path), id_column="key").rows())
     assert rows[0].overrides == {"max_tokens": 3, "seed": 1}  # pandas' int-with-nulls columns
     assert [r.id for r in rows] == [7, 2, 3] and rows[2].error.code == "invalid_id"
     out = _serve(rows)
     assert [r["error"]["code"] if r["error"] else None for r in out] == [
-        None, "invalid_parameter", "invalid_id"]
+        None,
+        "invalid_parameter",
+        "invalid_id",
+    ]
     _write_parquet(path, {"prompt": [[1, 2], None]})
     assert _codes(open_input(str(path)).rows()) == ["invalid_type", "missing_prompt"]
 
@@ -294,12 +382,13 @@ def test_an_unreadable_parquet_row_group_is_error_rows_and_the_others_are_read(t
     import pyarrow.parquet as pq
 
     path = tmp_path / "in.parquet"
-    _write_parquet(path, {"prompt": [f"prompt number {i} " * 20 for i in range(30)]},
-                   row_group_size=10)
+    _write_parquet(
+        path, {"prompt": [f"prompt number {i} " * 20 for i in range(30)]}, row_group_size=10
+    )
     column = pq.ParquetFile(str(path)).metadata.row_group(1).column(0)
     raw = bytearray(path.read_bytes())
     start = column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
-    raw[start:start + column.total_compressed_size] = b"\xff" * column.total_compressed_size
+    raw[start : start + column.total_compressed_size] = b"\xff" * column.total_compressed_size
     path.write_bytes(bytes(raw))
     rows = list(open_input(str(path)).rows())
     assert [r.index for r in rows] == list(range(30))

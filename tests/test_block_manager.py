@@ -37,7 +37,9 @@ def test_allocation_sharing_and_reference_counts():
 def test_last_prompt_token_is_never_a_cache_hit():
     bm = BlockManager(num_blocks=8, block_size=4)
     admit(bm, seq("a", list(range(10))))
-    exact = seq("c", list(range(8)))  # two full blocks, both cached, but the last token must be computed
+    exact = seq(
+        "c", list(range(8))
+    )  # two full blocks, both cached, but the last token must be computed
     assert bm.find_cached_prefix(exact) == [0]
 
 

@@ -9,45 +9,56 @@ import tracemalloc
 import pytest
 
 from llmctl.batch.fake import FakeEngine
-from llmctl.batch.rows import InputRow
 from llmctl.batch.job import BatchJob
 from llmctl.batch.outputs import encode_record, simple_record
+from llmctl.batch.rows import InputRow
 from llmctl.engine.params import SamplingParams
 from llmctl.errors import RequestError
 from llmctl.runtime.chat_template import ChatTemplate, TemplateLimits
 from llmctl.runtime.loader import Runtime
 from llmctl.runtime.resolve import DEMO_MODEL_DIR
 
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
-          "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
-          "{{ '<|im_start|>assistant\n' }}{% endif %}")
-LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
-          "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ "
-          "message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
-          "{% set content = bos_token + content %}{% endif %}"
-          "{{ content }}{% endfor %}{% if add_generation_prompt %}"
-          "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
-MISTRAL = ("{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != "
-           "(loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate "
-           "user/assistant/user/assistant/...') }}{% endif %}{% if message['role'] == 'user' %}"
-           "{{ '[INST] ' + message['content'] + ' [/INST]' }}"
-           "{% elif message['role'] == 'assistant' %}"
-           "{{ message['content'] + eos_token}}{% endif %}{% endfor %}")
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ "
+    "message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}"
+    "{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+MISTRAL = (
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != "
+    "(loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate "
+    "user/assistant/user/assistant/...') }}{% endif %}{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ message['content'] + eos_token}}{% endif %}{% endfor %}"
+)
 # namespace, loops with filters, tojson, indent, format, str.format, macros, map/join, generation
-RICH = ("{%- set ns = namespace(sys='') -%}{%- for m in messages if m.role == 'system' -%}"
-        "{%- set ns.sys = ns.sys ~ m.content -%}{%- endfor -%}{{ ns.sys | tojson }}"
-        "{% for m in messages | rejectattr('role', 'equalto', 'system') %}"
-        "{{ '<%s>' | format(m.role) }}"
-        "{% generation %}{{ m.content | indent(2) }}{% endgeneration %}"
-        "{{ '{:>6}'.format(loop.index) }}"
-        "{% endfor %}{% macro f(x) %}[{{ x | upper }}]{% endmacro %}{{ f('end') }}"
-        "{{ messages|map(attribute='role')|join(', ') }}{{ (messages|length * 3) ~ ('-' * 3) }}"
-        "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}")
+RICH = (
+    "{%- set ns = namespace(sys='') -%}{%- for m in messages if m.role == 'system' -%}"
+    "{%- set ns.sys = ns.sys ~ m.content -%}{%- endfor -%}{{ ns.sys | tojson }}"
+    "{% for m in messages | rejectattr('role', 'equalto', 'system') %}"
+    "{{ '<%s>' | format(m.role) }}"
+    "{% generation %}{{ m.content | indent(2) }}{% endgeneration %}"
+    "{{ '{:>6}'.format(loop.index) }}"
+    "{% endfor %}{% macro f(x) %}[{{ x | upper }}]{% endmacro %}{{ f('end') }}"
+    "{{ messages|map(attribute='role')|join(', ') }}{{ (messages|length * 3) ~ ('-' * 3) }}"
+    "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}"
+)
 CHATS = [
     [{"role": "user", "content": "Who art thou?"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi\nthere "},
-     {"role": "assistant", "content": "Hello"},
-     {"role": "user", "content": "More ünïcode ✓ {{ x }}"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": " Hi\nthere "},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "More ünïcode ✓ {{ x }}"},
+    ],
 ]
 
 
@@ -58,8 +69,15 @@ def _demo_tokenizer():
 
 
 def _runtime(tok) -> Runtime:
-    return Runtime(model=None, config=None, tokenizer=tok, model_path=DEMO_MODEL_DIR, dtype=None,
-                   device="cpu", eos_token_ids=())
+    return Runtime(
+        model=None,
+        config=None,
+        tokenizer=tok,
+        model_path=DEMO_MODEL_DIR,
+        dtype=None,
+        device="cpu",
+        eos_token_ids=(),
+    )
 
 
 def _their_ids(tok, chat) -> list[int]:
@@ -67,8 +85,11 @@ def _their_ids(tok, chat) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-@pytest.mark.parametrize("template", [None, CHATML, LLAMA3, MISTRAL, RICH],
-                         ids=["demo", "chatml", "llama3", "mistral", "rich"])
+@pytest.mark.parametrize(
+    "template",
+    [None, CHATML, LLAMA3, MISTRAL, RICH],
+    ids=["demo", "chatml", "llama3", "mistral", "rich"],
+)
 def test_normal_templates_render_exactly_as_transformers(template):
     tok = _demo_tokenizer()
     if template is not None:
@@ -96,8 +117,7 @@ def _fake_clock(step: float = 0.01):
 
 
 HOSTILE = {  # template -> what must stop it
-    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}":
-        "longer than",
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}": "longer than",
     "{% macro f(n) %}{% for i in range(100000) %}{{ f(n) if n else '' }}{% endfor %}{% endmacro %}"
     "{{ f(0) }}{% for i in range(100000) %}{{ f(0) }}{% endfor %}": "longer than",
     "{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}": "output passed",
@@ -127,8 +147,7 @@ HOSTILE = {  # template -> what must stop it
     "{{ ('<>' * 500000) | striptags }}": "steps",
     "{% set l = [['x' * 1000] * 1000] * 1000 %}{{ l | tojson }}": "would build",
     "{{ range(100000) | map('replace', '', 'x' * 100000) | join }}": "in all",
-    "{% set s = 'x'.center(1000000) %}{% for i in range(100000) %}{% set t = s ~ '' %}{% endfor %}":
-        "in all",
+    "{% set s = 'x'.center(1000000) %}{% for i in range(100000) %}{% set t = s ~ '' %}{% endfor %}": "in all",
 }
 
 
@@ -158,11 +177,12 @@ def test_template_errors_name_the_problem_and_the_next_render_works():
         chat.render(CHATS[1])
     assert e.value.code == "chat_template_error"
     assert chat.render(CHATS[0]).startswith("<|endoftext|>[INST] Who art thou?")
-    for template, message in [("{% for %}", "cannot be used: TemplateSyntaxError"),
-                              ("{{ foo() }}", "UndefinedError"),
-                              ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
-                               "nests too deeply"),
-                              ("{{ ''.__class__.__mro__() }}", "failed")]:
+    for template, message in [
+        ("{% for %}", "cannot be used: TemplateSyntaxError"),
+        ("{{ foo() }}", "UndefinedError"),
+        ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "nests too deeply"),
+        ("{{ ''.__class__.__mro__() }}", "failed"),
+    ]:
         tok.chat_template = template
         with pytest.raises(RequestError, match=message) as e:
             ChatTemplate(tok).render(CHATS[0])
@@ -172,10 +192,16 @@ def test_template_errors_name_the_problem_and_the_next_render_works():
 def test_a_hostile_template_fails_its_rows_and_the_job_serves_the_others():
     tok = _demo_tokenizer()
     tok.chat_template = "{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}"
-    given = [{"prompt": "ROMEO:"}, {"messages": CHATS[0]}, {"prompt": "JULIET:"},
-             {"messages": CHATS[1]}]
-    rows = [InputRow(index=i, position=i, end_position=i + 1, id=i + 1, **kw)
-            for i, kw in enumerate(given)]
+    given = [
+        {"prompt": "ROMEO:"},
+        {"messages": CHATS[0]},
+        {"prompt": "JULIET:"},
+        {"messages": CHATS[1]},
+    ]
+    rows = [
+        InputRow(index=i, position=i, end_position=i + 1, id=i + 1, **kw)
+        for i, kw in enumerate(given)
+    ]
     out = []
 
     class Sink:
@@ -185,9 +211,14 @@ def test_a_hostile_template_fails_its_rows_and_the_job_serves_the_others():
         def commit(self):
             return 0
 
-    job = BatchJob(FakeEngine(), _runtime(tok), iter(rows), Sink(),
-                   lambda row, r: encode_record(simple_record(row, r)),
-                   SamplingParams(max_tokens=2))
+    job = BatchJob(
+        FakeEngine(),
+        _runtime(tok),
+        iter(rows),
+        Sink(),
+        lambda row, r: encode_record(simple_record(row, r)),
+        SamplingParams(max_tokens=2),
+    )
     stats = job.run()
     assert stats.rows == 4 and stats.errors_by_code == {"chat_template_limit": 2}
     assert [b'"error":null' in line for line in out] == [True, False, True, False]
@@ -203,16 +234,42 @@ def test_run_batch_on_a_model_whose_template_builds_gigabytes(tmp_path):
     model = tmp_path / "model"
     shutil.copytree(DEMO_MODEL_DIR, model)
     config = json.loads((model / "tokenizer_config.json").read_text())
-    config["chat_template"] = ("{{ 'x' * 100000000 }}"
-                               "{% for m in messages %}{{ m.content }}{% endfor %}")
+    config["chat_template"] = (
+        "{{ 'x' * 100000000 }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     inp, out, summary = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "s.json"
-    inp.write_text("".join(json.dumps(r) + "\n" for r in [
-        {"prompt": "ROMEO:"}, {"messages": CHATS[0]}, {"prompt": "JULIET:"}]))
-    assert main(["run-batch", str(inp), "-o", str(out), "--model", str(model), "--max-tokens", "2",
-                 "--device", "cpu", "--summary-json", str(summary), "-q"]) == 0
+    inp.write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in [{"prompt": "ROMEO:"}, {"messages": CHATS[0]}, {"prompt": "JULIET:"}]
+        )
+    )
+    assert (
+        main(
+            [
+                "run-batch",
+                str(inp),
+                "-o",
+                str(out),
+                "--model",
+                str(model),
+                "--max-tokens",
+                "2",
+                "--device",
+                "cpu",
+                "--summary-json",
+                str(summary),
+                "-q",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["error"]["code"] if r["error"] else None for r in rows] == [
-        None, "chat_template_limit", None]
+        None,
+        "chat_template_limit",
+        None,
+    ]
     s = json.loads(summary.read_text())
     assert s["input_format"] == "jsonl" and s["errors_by_code"] == {"chat_template_limit": 1}

@@ -25,14 +25,28 @@ def test_unlanded_command_is_one_line_exit_2(capsys):
 def test_missing_model_folder_is_one_line(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
-    code = main(["run-batch", str(prompts), "-o", str(tmp_path / "o.jsonl"), "--model", str(tmp_path / "missing"), "-q"])
+    code = main(
+        [
+            "run-batch",
+            str(prompts),
+            "-o",
+            str(tmp_path / "o.jsonl"),
+            "--model",
+            str(tmp_path / "missing"),
+            "-q",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "not found" in err[0]
 
 
 def test_help_does_not_import_torch():
-    code = "import sys; from llmctl.cli import main; main(['--help']); print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    code = (
+        "import sys; from llmctl.cli import main; main(['--help']); print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    ).stdout
     assert out.strip().endswith("False")
 
 

@@ -12,9 +12,9 @@ import torch
 
 from llmctl.compress.driver import calibrate_layers
 from llmctl.compress.quant.layer_methods import AwqMethod, gptq_method
-from llmctl.runtime.formats.spec import QuantSpec
 from llmctl.compress.sparse.masks import parse_pattern
 from llmctl.compress.sparse.pipeline import SparsifySettings, WandaMethod
+from llmctl.runtime.formats.spec import QuantSpec
 from tests.conftest import REPO
 from tests.test_quant_driver import ids, tiny_model
 
@@ -35,15 +35,22 @@ def _interrupted(ckpt, method_factory, after=1):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        calibrate_layers(tiny_model(), ids(), method_factory(), checkpoint_dir=ckpt,
-                         fingerprint="f", progress=stop)
+        calibrate_layers(
+            tiny_model(),
+            ids(),
+            method_factory(),
+            checkpoint_dir=ckpt,
+            fingerprint="f",
+            progress=stop,
+        )
 
 
 def _resume(ckpt, method_factory):
     warnings = []
     model = tiny_model()
-    res = calibrate_layers(model, ids(), method_factory(), checkpoint_dir=ckpt, fingerprint="f",
-                           warn=warnings.append)
+    res = calibrate_layers(
+        model, ids(), method_factory(), checkpoint_dir=ckpt, fingerprint="f", warn=warnings.append
+    )
     return model, res, warnings
 
 
@@ -73,7 +80,11 @@ def _wanda():
 def test_resume_state_is_safetensors_and_json_and_resumes_exactly(tmp_path, factory):
     _interrupted(tmp_path, factory)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "hidden.safetensors", "layer_0.json", "layer_0.safetensors", "progress.json"]
+        "hidden.safetensors",
+        "layer_0.json",
+        "layer_0.safetensors",
+        "progress.json",
+    ]
     model, res, warnings = _resume(tmp_path, factory)
     clean, ref = _clean(factory)
     assert res.resumed_layers == 1 and not warnings
@@ -144,8 +155,18 @@ def _hidden_gone(ckpt):
     (ckpt / "hidden.safetensors").unlink()
 
 
-@pytest.mark.parametrize("damage", [_truncate, _bad_json, _bad_progress, _wrong_shapes,
-                                    _missing_tensor, _foreign_type, _hidden_gone])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _truncate,
+        _bad_json,
+        _bad_progress,
+        _wrong_shapes,
+        _missing_tensor,
+        _foreign_type,
+        _hidden_gone,
+    ],
+)
 def test_a_damaged_checkpoint_is_redone_and_equals_a_clean_run(tmp_path, damage):
     _interrupted(tmp_path, _gptq)
     damage(tmp_path)
@@ -159,8 +180,10 @@ def test_a_damaged_checkpoint_is_redone_and_equals_a_clean_run(tmp_path, damage)
     assert again.resumed_layers == 2  # the redone run left a sound checkpoint: no crash loop
 
 
-LOADS_PICKLE = (r"torch\.load\(|^\s*(import|from)\s+(pickle|cPickle|dill|joblib|shelve)\b|"
-                r"pickle\.loads?\(|weights_only\s*=\s*False|\.load_pickle\(")
+LOADS_PICKLE = (
+    r"torch\.load\(|^\s*(import|from)\s+(pickle|cPickle|dill|joblib|shelve)\b|"
+    r"pickle\.loads?\(|weights_only\s*=\s*False|\.load_pickle\("
+)
 
 
 def test_no_pickle_loading_anywhere_in_the_package():

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from llmctl.cli import main
-from llmctl.commands import quantize as quantize_cmd, sparsify as sparsify_cmd
-from llmctl.runtime.formats.spec import parse_group_size, resolve_group_size
+from llmctl.commands import quantize as quantize_cmd
+from llmctl.commands import sparsify as sparsify_cmd
 from llmctl.errors import UsageError
+from llmctl.runtime.formats.spec import parse_group_size, resolve_group_size
 from llmctl.runtime.resolve import DEMO_MODEL_DIR
 from llmctl.runtime.weights import load_model
 from tests.conftest import REPO, make_random_model
@@ -26,8 +27,9 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("compress-opt")
     model = make_random_model(root / "model", "llama", seed=7)  # widths 64 and 96, context 256
     g = torch.Generator().manual_seed(0)
-    rows = [{"prompt_token_ids": torch.randint(3, 160, (40,), generator=g).tolist()}
-            for _ in range(20)]
+    rows = [
+        {"prompt_token_ids": torch.randint(3, 160, (40,), generator=g).tolist()} for _ in range(20)
+    ]
     calib = root / "calib.jsonl"
     calib.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return model, calib
@@ -53,27 +55,34 @@ def _one_line_error(capsys, needle):
     assert needle in err and len(err.splitlines()) == 1 and err.startswith("llmctl: error:"), err
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--group-size", "0"], "--group-size takes auto, channel, or a power of two"),
-    (["--group-size", "48"], "--group-size takes"),
-    (["--group-size", "-1"], "--group-size takes"),
-    (["--group-size", "64"], "down_proj: 96 input features are not a multiple of --group-size 64"),
-    (["--bits", "3"], "--bits must be 4 or 8"),
-    (["--format", "awq", "--bits", "8"], "--format awq stores 4-bit weights only"),
-    (["--format", "awq", "--group-size", "channel"], "--format awq stores groups only"),
-    (["--num-samples", "0"], "--num-samples must be at least 1"),
-    (["--seq-len", "1"], "--seq-len must be at least 2"),
-    (["--dampening", "0"], "--dampening must be between 0 and 1"),
-    (["--ignore", "re:(["], "invalid regular expression"),
-    (["--ignore", "*"], "--ignore leaves no layer to quantize"),
-    (["--calib", "missing.jsonl"], "--calib missing.jsonl not found"),
-    (["--eval-data", "missing.txt"], "--eval-data missing.txt not found"),
-    (["--report-json", "no/such/dir/r.json"], "folder no/such/dir does not exist"),
-    (["--report-json", "."], "--report-json . is a folder"),
-    (["--device", "tpu"], "unknown --device"),
-])
-def test_quantize_refuses_bad_options_before_loading(tiny, tmp_path, capsys, no_loading, argv,
-                                                     needle):
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--group-size", "0"], "--group-size takes auto, channel, or a power of two"),
+        (["--group-size", "48"], "--group-size takes"),
+        (["--group-size", "-1"], "--group-size takes"),
+        (
+            ["--group-size", "64"],
+            "down_proj: 96 input features are not a multiple of --group-size 64",
+        ),
+        (["--bits", "3"], "--bits must be 4 or 8"),
+        (["--format", "awq", "--bits", "8"], "--format awq stores 4-bit weights only"),
+        (["--format", "awq", "--group-size", "channel"], "--format awq stores groups only"),
+        (["--num-samples", "0"], "--num-samples must be at least 1"),
+        (["--seq-len", "1"], "--seq-len must be at least 2"),
+        (["--dampening", "0"], "--dampening must be between 0 and 1"),
+        (["--ignore", "re:(["], "invalid regular expression"),
+        (["--ignore", "*"], "--ignore leaves no layer to quantize"),
+        (["--calib", "missing.jsonl"], "--calib missing.jsonl not found"),
+        (["--eval-data", "missing.txt"], "--eval-data missing.txt not found"),
+        (["--report-json", "no/such/dir/r.json"], "folder no/such/dir does not exist"),
+        (["--report-json", "."], "--report-json . is a folder"),
+        (["--device", "tpu"], "unknown --device"),
+    ],
+)
+def test_quantize_refuses_bad_options_before_loading(
+    tiny, tmp_path, capsys, no_loading, argv, needle
+):
     model, calib = tiny
     out = tmp_path / "out"
     assert _quantize(model, out, "--rtn", "--calib", str(calib), *argv) == 2
@@ -81,44 +90,89 @@ def test_quantize_refuses_bad_options_before_loading(tiny, tmp_path, capsys, no_
     assert not out.exists()
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--block-size", "0"], "--block-size must be a positive number"),
-    (["--pattern", "2:3"], "--pattern 2:3 is not allowed: N:M needs 0 < N < M and M a power"),
-    (["--pattern", "4:256"], "--pattern 4:256 is not allowed"),
-    (["--pattern", "2:4", "--block-size", "2"],
-     "--block-size 2 must be a multiple of the pattern's group width 4"),
-    (["--num-samples", "0"], "--num-samples must be at least 1"),
-    (["--report-json", "no/such/dir/r.json"], "folder no/such/dir does not exist"),
-    (["--ignore", "*"], "no linear layer left to prune"),
-])
-def test_sparsify_refuses_bad_options_before_loading(tiny, tmp_path, capsys, no_loading, argv,
-                                                     needle):
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--block-size", "0"], "--block-size must be a positive number"),
+        (["--pattern", "2:3"], "--pattern 2:3 is not allowed: N:M needs 0 < N < M and M a power"),
+        (["--pattern", "4:256"], "--pattern 4:256 is not allowed"),
+        (
+            ["--pattern", "2:4", "--block-size", "2"],
+            "--block-size 2 must be a multiple of the pattern's group width 4",
+        ),
+        (["--num-samples", "0"], "--num-samples must be at least 1"),
+        (["--report-json", "no/such/dir/r.json"], "folder no/such/dir does not exist"),
+        (["--ignore", "*"], "no linear layer left to prune"),
+    ],
+)
+def test_sparsify_refuses_bad_options_before_loading(
+    tiny, tmp_path, capsys, no_loading, argv, needle
+):
     model, calib = tiny
     out = tmp_path / "out"
-    assert main(["sparsify", str(model), "-o", str(out), "--calib", str(calib), "--seq-len", "32",
-                 *argv, "--quiet"]) == 2
+    assert (
+        main(
+            [
+                "sparsify",
+                str(model),
+                "-o",
+                str(out),
+                "--calib",
+                str(calib),
+                "--seq-len",
+                "32",
+                *argv,
+                "--quiet",
+            ]
+        )
+        == 2
+    )
     _one_line_error(capsys, needle)
     assert not out.exists()
 
 
-@pytest.mark.parametrize("quantize_section,needle", [
-    ("{method: gptq, group_size: 0}", "--group-size takes"),
-    ("{method: gptq, group_size: 64}", "96 input features are not a multiple of --group-size 64"),
-    ("{method: gptq, bits: 3}", "--bits must be 4 or 8"),
-    ("{method: gptq, format: awq, bits: 8}", "--format awq stores 4-bit weights only"),
-    ("{method: obs}", "unknown method"),
-    ("{method: gptq, ignore: lm_head}", "`quantize.ignore` must be a list of strings"),
-    ("{method: gptq, act_order: 1}", "`quantize.act_order` must be bool"),
-])
+@pytest.mark.parametrize(
+    "quantize_section,needle",
+    [
+        ("{method: gptq, group_size: 0}", "--group-size takes"),
+        (
+            "{method: gptq, group_size: 64}",
+            "96 input features are not a multiple of --group-size 64",
+        ),
+        ("{method: gptq, bits: 3}", "--bits must be 4 or 8"),
+        ("{method: gptq, format: awq, bits: 8}", "--format awq stores 4-bit weights only"),
+        ("{method: obs}", "unknown method"),
+        ("{method: gptq, ignore: lm_head}", "`quantize.ignore` must be a list of strings"),
+        ("{method: gptq, act_order: 1}", "`quantize.act_order` must be bool"),
+    ],
+)
 def test_a_recipe_with_a_bad_later_stage_is_refused_before_pruning(
-        tiny, tmp_path, capsys, no_loading, quantize_section, needle):
+    tiny, tmp_path, capsys, no_loading, quantize_section, needle
+):
     model, calib = tiny
     recipe = tmp_path / "r.yaml"
-    recipe.write_text('sparsify: {method: sparsegpt, pattern: "2:4"}\n'
-                      f"quantize: {quantize_section}\n")
+    recipe.write_text(
+        f'sparsify: {{method: sparsegpt, pattern: "2:4"}}\nquantize: {quantize_section}\n'
+    )
     out = tmp_path / "out"
-    assert main(["sparsify", str(model), "-o", str(out), "--recipe", str(recipe),
-                 "--calib", str(calib), "--seq-len", "32", "--quiet"]) == 2
+    assert (
+        main(
+            [
+                "sparsify",
+                str(model),
+                "-o",
+                str(out),
+                "--recipe",
+                str(recipe),
+                "--calib",
+                str(calib),
+                "--seq-len",
+                "32",
+                "--quiet",
+            ]
+        )
+        == 2
+    )
     _one_line_error(capsys, needle)
     assert not out.exists()
 
@@ -153,25 +207,49 @@ def test_group_size_rule_is_one_rule():
 
 @pytest.mark.parametrize("size", ["0", "48", "7"])
 def test_profile_estimate_refuses_the_group_sizes_quantize_refuses(capsys, size):
-    assert main(["profile", "--estimate", str(DEMO_MODEL_DIR), "--dtype", "int4",
-                 "--group-size", size]) == 2
+    assert (
+        main(
+            ["profile", "--estimate", str(DEMO_MODEL_DIR), "--dtype", "int4", "--group-size", size]
+        )
+        == 2
+    )
     _one_line_error(capsys, "--group-size takes")
 
 
 def test_profile_estimate_resolves_auto_like_quantize(tmp_path):
     record = tmp_path / "e.json"
-    assert main(["profile", "--estimate", str(DEMO_MODEL_DIR), "--dtype", "int4",
-                 "--json", str(record)]) == 0
+    assert (
+        main(
+            ["profile", "--estimate", str(DEMO_MODEL_DIR), "--dtype", "int4", "--json", str(record)]
+        )
+        == 0
+    )
     r = json.loads(record.read_text())
     assert r["estimate"]["group_size"] == 64 and "704" in r["group_size_note"]
-    assert main(["profile", "--estimate", str(DEMO_MODEL_DIR), "--dtype", "int4",
-                 "--group-size", "128"]) == 2
+    assert (
+        main(
+            ["profile", "--estimate", str(DEMO_MODEL_DIR), "--dtype", "int4", "--group-size", "128"]
+        )
+        == 2
+    )
 
 
 def test_default_group_size_works_on_the_demo_model_and_says_so(tmp_path):
     out, report = tmp_path / "q", tmp_path / "r.json"
-    assert _quantize(DEMO_MODEL_DIR, out, "--rtn", "--num-samples", "2", "--seq-len", "32",
-                     "--report-json", str(report)) == 0
+    assert (
+        _quantize(
+            DEMO_MODEL_DIR,
+            out,
+            "--rtn",
+            "--num-samples",
+            "2",
+            "--seq-len",
+            "32",
+            "--report-json",
+            str(report),
+        )
+        == 0
+    )
     r = json.loads(report.read_text())
     assert r["group_size"] == 64
     assert "128 does not divide the 704 input columns" in r["group_size_note"]
@@ -190,8 +268,26 @@ def test_per_channel_checkpoints_load_here_and_in_transformers(tiny, tmp_path, f
 
     model, calib = tiny
     out = tmp_path / fmt
-    assert _quantize(model, out, "--rtn", "--bits", "8", "--group-size", "channel", "--format", fmt,
-                     "--calib", str(calib), "--num-samples", "4", "--seq-len", "32") == 0
+    assert (
+        _quantize(
+            model,
+            out,
+            "--rtn",
+            "--bits",
+            "8",
+            "--group-size",
+            "channel",
+            "--format",
+            fmt,
+            "--calib",
+            str(calib),
+            "--num-samples",
+            "4",
+            "--seq-len",
+            "32",
+        )
+        == 0
+    )
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     if fmt == "gptq":
         assert qcfg["group_size"] == -1
@@ -211,10 +307,30 @@ def test_per_channel_checkpoints_load_here_and_in_transformers(tiny, tmp_path, f
 def test_ignore_pattern_that_matches_nothing_is_a_warning_naming_it(tiny, tmp_path):
     model, calib = tiny
     report = tmp_path / "r.json"
-    assert _quantize(model, tmp_path / "q", "--rtn", "--group-size", "32", "--calib", str(calib),
-                     "--num-samples", "4", "--seq-len", "32", "--ignore", "down_porj",
-                     "--ignore", "lm_head", "--ignore", "re:mlp\\.up_proj$",
-                     "--report-json", str(report)) == 0
+    assert (
+        _quantize(
+            model,
+            tmp_path / "q",
+            "--rtn",
+            "--group-size",
+            "32",
+            "--calib",
+            str(calib),
+            "--num-samples",
+            "4",
+            "--seq-len",
+            "32",
+            "--ignore",
+            "down_porj",
+            "--ignore",
+            "lm_head",
+            "--ignore",
+            "re:mlp\\.up_proj$",
+            "--report-json",
+            str(report),
+        )
+        == 0
+    )
     warnings = [w for w in json.loads(report.read_text())["warnings"] if "--ignore" in w]
     assert warnings == ["--ignore 'down_porj' matches no linear layer of the model"]
 
@@ -224,32 +340,65 @@ def test_seq_len_above_the_context_is_capped_with_a_warning(tiny, tmp_path):
     rows = [{"prompt_token_ids": list(range(3, 160)) * 4} for _ in range(3)]
     (tmp_path / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     report = tmp_path / "r.json"
-    assert _quantize(model, tmp_path / "q", "--rtn", "--group-size", "32",
-                     "--calib", str(tmp_path / "long.jsonl"), "--num-samples", "2",
-                     "--seq-len", "1000",
-                     "--report-json", str(report)) == 0
+    assert (
+        _quantize(
+            model,
+            tmp_path / "q",
+            "--rtn",
+            "--group-size",
+            "32",
+            "--calib",
+            str(tmp_path / "long.jsonl"),
+            "--num-samples",
+            "2",
+            "--seq-len",
+            "1000",
+            "--report-json",
+            str(report),
+        )
+        == 0
+    )
     r = json.loads(report.read_text())
     assert r["calibration"]["seq_len"] == 256
     assert any("above the model's context" in w for w in r["warnings"])
 
 
-@pytest.mark.parametrize("content,needle", [
-    (b"", "fewer than one sequence"),
-    (b'{"prompt_token_ids": [1, 2\n', "c.jsonl:1: invalid JSON"),
-    (b'{"prompt_token_ids": [' + b"9" * 5000 + b"]}\n", "c.jsonl:1: invalid JSON"),
-    (b"[" * 100000 + b"]" * 100000 + b"\n", "c.jsonl:1: invalid JSON"),
-    (b'{"prompt_token_ids": [5, 99999]}\n', "token id 99999 is outside the vocabulary (0 to 159)"),
-    (b'{"prompt_token_ids": [5, -1]}\n', "token id -1 is outside the vocabulary"),
-    (b'{"prompt_token_ids": [true, 2]}\n', "prompt_token_ids must be a list of integers"),
-    (b'{"text": "\xff\xfe"}\n', "not UTF-8"),
-    (b'{"text": "no tokenizer here"}\n', "has no tokenizer"),
-])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        (b"", "fewer than one sequence"),
+        (b'{"prompt_token_ids": [1, 2\n', "c.jsonl:1: invalid JSON"),
+        (b'{"prompt_token_ids": [' + b"9" * 5000 + b"]}\n", "c.jsonl:1: invalid JSON"),
+        (b"[" * 100000 + b"]" * 100000 + b"\n", "c.jsonl:1: invalid JSON"),
+        (
+            b'{"prompt_token_ids": [5, 99999]}\n',
+            "token id 99999 is outside the vocabulary (0 to 159)",
+        ),
+        (b'{"prompt_token_ids": [5, -1]}\n', "token id -1 is outside the vocabulary"),
+        (b'{"prompt_token_ids": [true, 2]}\n', "prompt_token_ids must be a list of integers"),
+        (b'{"text": "\xff\xfe"}\n', "not UTF-8"),
+        (b'{"text": "no tokenizer here"}\n', "has no tokenizer"),
+    ],
+)
 def test_bad_calibration_data_is_one_line(tiny, tmp_path, capsys, content, needle):
     model, _ = tiny
     (tmp_path / "c.jsonl").write_bytes(content)
-    assert _quantize(model, tmp_path / "q", "--gptq", "--group-size", "32",
-                     "--calib", str(tmp_path / "c.jsonl"), "--num-samples", "2",
-                     "--seq-len", "16") == 2
+    assert (
+        _quantize(
+            model,
+            tmp_path / "q",
+            "--gptq",
+            "--group-size",
+            "32",
+            "--calib",
+            str(tmp_path / "c.jsonl"),
+            "--num-samples",
+            "2",
+            "--seq-len",
+            "16",
+        )
+        == 2
+    )
     _one_line_error(capsys, needle)
     assert not (tmp_path / "q").exists()  # nothing created for a run that could not start
 
@@ -258,11 +407,37 @@ def test_a_bom_and_a_corrupt_parquet(tiny, tmp_path, capsys):
     model, calib = tiny
     bom = tmp_path / "bom.jsonl"
     bom.write_bytes(b"\xef\xbb\xbf" + calib.read_bytes())
-    assert _quantize(model, tmp_path / "q", "--rtn", "--group-size", "32", "--calib", str(bom),
-                     "--num-samples", "2", "--seq-len", "16") == 0
+    assert (
+        _quantize(
+            model,
+            tmp_path / "q",
+            "--rtn",
+            "--group-size",
+            "32",
+            "--calib",
+            str(bom),
+            "--num-samples",
+            "2",
+            "--seq-len",
+            "16",
+        )
+        == 0
+    )
     (tmp_path / "c.parquet").write_bytes(b"PAR1 not really")
-    assert _quantize(model, tmp_path / "q2", "--rtn", "--group-size", "32",
-                     "--calib", str(tmp_path / "c.parquet"), "--seq-len", "16") == 2
+    assert (
+        _quantize(
+            model,
+            tmp_path / "q2",
+            "--rtn",
+            "--group-size",
+            "32",
+            "--calib",
+            str(tmp_path / "c.parquet"),
+            "--seq-len",
+            "16",
+        )
+        == 2
+    )
     _one_line_error(capsys, "not a readable Parquet file")
 
 
@@ -274,8 +449,9 @@ def _examples(help_text: str) -> list[list[str]]:
     return [shlex.split(line)[1:] for line in lines if line.startswith("llmctl ")]
 
 
-@pytest.mark.parametrize("help_text", [quantize_cmd.HELP, sparsify_cmd.HELP],
-                         ids=["quantize", "sparsify"])
+@pytest.mark.parametrize(
+    "help_text", [quantize_cmd.HELP, sparsify_cmd.HELP], ids=["quantize", "sparsify"]
+)
 def test_every_help_example_runs_on_the_embedded_model(tmp_path, monkeypatch, help_text):
     monkeypatch.chdir(REPO)  # the examples name repository paths: llmctl/data/, examples/, recipes/
     examples = _examples(help_text)
@@ -293,8 +469,27 @@ def test_report_json_may_not_overwrite_an_input(tiny, tmp_path, capsys, no_loadi
     recipe = tmp_path / "r.yaml"
     recipe.write_text('sparsify: {method: wanda, pattern: "2:4"}\n')
     before = recipe.read_text()
-    for flags, target in ((["--recipe", str(recipe)], recipe), ([], calib), ([], model / "config.json")):
-        assert main(["sparsify", str(model), "-o", str(tmp_path / "o"), "--calib", str(calib), *flags,
-                     "--report-json", str(target), "--quiet"]) == 2
+    for flags, target in (
+        (["--recipe", str(recipe)], recipe),
+        ([], calib),
+        ([], model / "config.json"),
+    ):
+        assert (
+            main(
+                [
+                    "sparsify",
+                    str(model),
+                    "-o",
+                    str(tmp_path / "o"),
+                    "--calib",
+                    str(calib),
+                    *flags,
+                    "--report-json",
+                    str(target),
+                    "--quiet",
+                ]
+            )
+            == 2
+        )
         _one_line_error(capsys, "would overwrite the input")
     assert recipe.read_text() == before

@@ -27,8 +27,9 @@ def tiny(tmp_path_factory):
     cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.LlamaCustom"}
     (model / "config.json").write_text(json.dumps(cfg))
     g = torch.Generator().manual_seed(0)
-    rows = [{"prompt_token_ids": torch.randint(3, 160, (40,), generator=g).tolist()}
-            for _ in range(20)]
+    rows = [
+        {"prompt_token_ids": torch.randint(3, 160, (40,), generator=g).tolist()} for _ in range(20)
+    ]
     calib = root / "calib.jsonl"
     calib.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return model, calib
@@ -40,13 +41,47 @@ def _digest(folder):
 
 
 def _quantize(model, calib, out, *extra):
-    return main(["quantize", str(model), "-o", str(out), "--rtn", "--group-size", "32",
-                 "--calib", str(calib), "--num-samples", "4", "--seq-len", "32", "--quiet", *extra])
+    return main(
+        [
+            "quantize",
+            str(model),
+            "-o",
+            str(out),
+            "--rtn",
+            "--group-size",
+            "32",
+            "--calib",
+            str(calib),
+            "--num-samples",
+            "4",
+            "--seq-len",
+            "32",
+            "--quiet",
+            *extra,
+        ]
+    )
 
 
 def _sparsify(model, calib, out, *extra):
-    return main(["sparsify", str(model), "-o", str(out), "--method", "wanda", "--calib", str(calib),
-                 "--num-samples", "4", "--seq-len", "32", "--no-eval", "--quiet", *extra])
+    return main(
+        [
+            "sparsify",
+            str(model),
+            "-o",
+            str(out),
+            "--method",
+            "wanda",
+            "--calib",
+            str(calib),
+            "--num-samples",
+            "4",
+            "--seq-len",
+            "32",
+            "--no-eval",
+            "--quiet",
+            *extra,
+        ]
+    )
 
 
 @pytest.mark.parametrize("run", [_quantize, _sparsify])
@@ -90,8 +125,10 @@ def test_overwrite_replaces_an_earlier_llmctl_output_and_its_stale_files(tiny, t
     out, report = tmp_path / "q", tmp_path / "q" / "report.json"
     assert _quantize(model, calib, out, "--report-json", str(report)) == 0
     (out / "model-00001-of-00002.safetensors").write_bytes(b"stale shard of an older run")
-    assert _quantize(model, calib, out, "--overwrite", "--report-json", str(report),
-                     "--bits", "8") == 0
+    assert (
+        _quantize(model, calib, out, "--overwrite", "--report-json", str(report), "--bits", "8")
+        == 0
+    )
     names = sorted(p.name for p in out.iterdir())
     assert "model-00001-of-00002.safetensors" not in names and ".llmctl-work" not in names
     assert json.loads(report.read_text())["bits"] == 8
@@ -126,12 +163,16 @@ def _fail_weights(monkeypatch, exc):
     monkeypatch.setattr(tensor_io, "save_safetensors", save)
 
 
-@pytest.mark.parametrize("exc,rc,needle", [
-    (OSError(28, "No space left on device"), 1, "disk full"),
-    (KeyboardInterrupt(), 130, None),  # Ctrl-C: exit 130 (typer prints nothing)
-])
+@pytest.mark.parametrize(
+    "exc,rc,needle",
+    [
+        (OSError(28, "No space left on device"), 1, "disk full"),
+        (KeyboardInterrupt(), 130, None),  # Ctrl-C: exit 130 (typer prints nothing)
+    ],
+)
 def test_disk_full_or_ctrl_c_while_writing_keeps_the_old_output_and_resumes(
-        tiny, tmp_path, capsys, monkeypatch, exc, rc, needle):
+    tiny, tmp_path, capsys, monkeypatch, exc, rc, needle
+):
     model, calib = tiny
     out = tmp_path / "q"
     assert _quantize(model, calib, out) == 0
@@ -143,8 +184,19 @@ def test_disk_full_or_ctrl_c_while_writing_keeps_the_old_output_and_resumes(
     assert needle is None or (needle in err and len(err.splitlines()) == 1), err
     assert _digest(out) == before  # the earlier output is untouched, the new one not half in place
     assert (out / ".llmctl-work" / "resume" / "progress.json").is_file()
-    assert _quantize(model, calib, out, "--overwrite", "--bits", "8",
-                     "--report-json", str(tmp_path / "r.json")) == 0
+    assert (
+        _quantize(
+            model,
+            calib,
+            out,
+            "--overwrite",
+            "--bits",
+            "8",
+            "--report-json",
+            str(tmp_path / "r.json"),
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "r.json").read_text())["resumed_layers"] == 2
     assert not (out / ".llmctl-work").exists()
 
@@ -169,7 +221,10 @@ def test_commit_moves_config_last(tmp_path):
     finally:
         od.os.replace = real
     assert order[-1] == "config.json" and sorted(p.name for p in (tmp_path / "o").iterdir()) == [
-        "config.json", "model.safetensors", "tokenizer.json"]
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
 
 
 def test_unwritable_output_folder_is_refused_up_front(tmp_path, monkeypatch):
@@ -180,8 +235,10 @@ def test_unwritable_output_folder_is_refused_up_front(tmp_path, monkeypatch):
 
 
 def test_os_errors_while_writing_are_one_line():
-    for code, needle in ((28, "disk full while writing -o x; finished layers are kept"),
-                         (30, "cannot write -o x: Read-only file system (x/model.safetensors)")):
+    for code, needle in (
+        (28, "disk full while writing -o x; finished layers are kept"),
+        (30, "cannot write -o x: Read-only file system (x/model.safetensors)"),
+    ):
         with pytest.raises(LlmctlError, match=re.escape(needle)):
             with writing("-o x"):
                 raise OSError(code, os.strerror(code), "x/model.safetensors")

@@ -15,7 +15,9 @@ def _reference(x, w, b=None):
 
 @pytest.mark.parametrize("m,n,k", [(1, 8, 16), (40, 100, 64), (300, 48, 200), (64, 4100, 96)])
 def test_upcast_linear_equals_float32_math(m, n, k, monkeypatch):
-    monkeypatch.setattr(cpu_bf16, "SLAB_BYTES", 4 * k * 32)  # 32-row slabs: several slabs and a ragged last one
+    monkeypatch.setattr(
+        cpu_bf16, "SLAB_BYTES", 4 * k * 32
+    )  # 32-row slabs: several slabs and a ragged last one
     torch.manual_seed(m + n)
     x, w, b = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
     for bias in (None, b):
@@ -34,7 +36,10 @@ def test_upcast_linear_keeps_leading_dims():
 
 
 def test_slab_rows():
-    assert cpu_bf16.slab_rows(896) % 16 == 0 and cpu_bf16.slab_rows(896) * 896 * 4 <= cpu_bf16.SLAB_BYTES
+    assert (
+        cpu_bf16.slab_rows(896) % 16 == 0
+        and cpu_bf16.slab_rows(896) * 896 * 4 <= cpu_bf16.SLAB_BYTES
+    )
     assert cpu_bf16.slab_rows(10**6) == 16
 
 
@@ -57,10 +62,14 @@ def test_model_linear_routes_bf16_rows(native, monkeypatch):
     monkeypatch.setattr(cpu_bf16, "native_bf16", lambda: native)
     layer = Linear(64, 40, bias=True).bfloat16()
     calls = []
-    monkeypatch.setattr(cpu_bf16, "upcast_linear", lambda *a: calls.append("upcast") or _reference(*a))
+    monkeypatch.setattr(
+        cpu_bf16, "upcast_linear", lambda *a: calls.append("upcast") or _reference(*a)
+    )
     monkeypatch.setattr(cpu_native, "linear", lambda *a: calls.append("native") or _reference(*a))
     few = torch.randn(2, 64).bfloat16()
-    many = torch.randn(cpu_native.LINEAR_ROWS_PER_THREAD * torch.get_num_threads() + 1, 64).bfloat16()
+    many = torch.randn(
+        cpu_native.LINEAR_ROWS_PER_THREAD * torch.get_num_threads() + 1, 64
+    ).bfloat16()
     with torch.no_grad():
         layer(few), layer(many)
     if native:

@@ -11,8 +11,10 @@ from llmctl import LLM, SamplingParams
 from llmctl.kernels import cpu_bf16, cpu_native
 from llmctl.kernels.attention import decode_attention
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="needs a C compiler to build the native kernel")
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None,
+    reason="needs a C compiler to build the native kernel",
+)
 
 
 def _case(heads, kvh, d, bs, lens, dtype, seed=0):
@@ -24,7 +26,7 @@ def _case(heads, kvh, d, bs, lens, dtype, seed=0):
     used = 0
     for i, n in enumerate(lens):
         need = -(-n // bs)
-        tables[i, :need] = perm[used:used + need]
+        tables[i, :need] = perm[used : used + need]
         used += need
     kc = torch.randn(kvh, num_blocks * bs, d, generator=g).to(dtype)
     vc = torch.randn(kvh, num_blocks * bs, d, generator=g).to(dtype)
@@ -48,7 +50,9 @@ def test_native_decode_bfloat16_cache_matches_float32_math():
     ref = decode_attention(q.float(), kc.float(), vc.float(), tables, lt, 0.125, 16)
     out = cpu_native.paged_decode_attention(q, kc, vc, tables, lt, 0.125, 16, 64)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)  # only the output's bf16 rounding
+    torch.testing.assert_close(
+        out.float(), ref, rtol=1e-2, atol=1e-2
+    )  # only the output's bf16 rounding
 
 
 def test_native_decode_threads_agree():
@@ -69,7 +73,9 @@ def test_unsupported_inputs_are_refused():
     assert not cpu_native.supports(q, kc)  # head size 24: not a multiple of 16
     assert not cpu_native.supports(q.half(), kc.half())
     q, kc, vc, tables, lt = _case(4, 2, 32, 4, [5, 3], torch.float32)
-    with pytest.raises(ValueError, match="max_len"):  # longer than the block table: would read past it
+    with pytest.raises(
+        ValueError, match="max_len"
+    ):  # longer than the block table: would read past it
         cpu_native.paged_decode_attention(q, kc, vc, tables, lt, 0.1, 4, 9)
 
 
@@ -96,19 +102,33 @@ def test_disabled_by_environment(monkeypatch):
 
 
 def test_engine_greedy_output_same_with_native_and_reference(shakespeare_model, monkeypatch):
-    prompts = [[int(t) for t in torch.randint(0, 60, (n,), generator=torch.Generator().manual_seed(n))]
-               for n in (3, 40, 17, 90, 8, 25, 61, 5, 33)]
+    prompts = [
+        [int(t) for t in torch.randint(0, 60, (n,), generator=torch.Generator().manual_seed(n))]
+        for n in (3, 40, 17, 90, 8, 25, 61, 5, 33)
+    ]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     calls, linears = [], []
     native, native_linear = cpu_native.paged_decode_attention, cpu_native.linear
-    monkeypatch.setattr(cpu_native, "paged_decode_attention", lambda *a: calls.append(1) or native(*a))
-    monkeypatch.setattr(cpu_native, "linear", lambda *a: linears.append(a[0].shape[0]) or native_linear(*a))
-    with_native = [o.output_token_ids for o in LLM(str(shakespeare_model), dtype="float32").generate(prompts, params)]
+    monkeypatch.setattr(
+        cpu_native, "paged_decode_attention", lambda *a: calls.append(1) or native(*a)
+    )
+    monkeypatch.setattr(
+        cpu_native, "linear", lambda *a: linears.append(a[0].shape[0]) or native_linear(*a)
+    )
+    with_native = [
+        o.output_token_ids
+        for o in LLM(str(shakespeare_model), dtype="float32").generate(prompts, params)
+    ]
     assert calls, "the engine did not use the native attention kernel"
-    assert linears and max(linears) <= len(prompts), "decode steps' linears go through the native kernel"
+    assert linears and max(linears) <= len(prompts), (
+        "decode steps' linears go through the native kernel"
+    )
     monkeypatch.setattr(cpu_native, "supports", lambda q, k: False)
     monkeypatch.setattr(cpu_native, "use_linear", lambda x, w: False)
-    reference = [o.output_token_ids for o in LLM(str(shakespeare_model), dtype="float32").generate(prompts, params)]
+    reference = [
+        o.output_token_ids
+        for o in LLM(str(shakespeare_model), dtype="float32").generate(prompts, params)
+    ]
     assert with_native == reference
 
 
@@ -120,7 +140,9 @@ def test_packed_lm_head_gives_the_same_logits(tmp_path):
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))  # builds the engine
     model = llm.runtime.model
     assert model.packed_head is not None, "the CPU float32 engine packs its vocabulary projection"
-    many = cpu_native.LINEAR_ROWS_PER_THREAD * torch.get_num_threads() + 3  # beyond the native kernel's rows
+    many = (
+        cpu_native.LINEAR_ROWS_PER_THREAD * torch.get_num_threads() + 3
+    )  # beyond the native kernel's rows
     hidden = torch.randn(many, model.config.hidden_size)
     plain = hidden @ model.lm_head.weight.T
     torch.testing.assert_close(model.compute_logits(hidden), plain, rtol=1e-4, atol=1e-4)
@@ -129,9 +151,22 @@ def test_packed_lm_head_gives_the_same_logits(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k", [(1, 13, 8), (1, 64, 96), (2, 70, 24), (3, 4, 64), (5, 130, 40), (16, 96, 200),
-                                   (4, 20, 16), (7, 9, 32), (49, 12, 24),
-                                   (50, 33, 16), (100, 65, 72)])
+@pytest.mark.parametrize(
+    "m,n,k",
+    [
+        (1, 13, 8),
+        (1, 64, 96),
+        (2, 70, 24),
+        (3, 4, 64),
+        (5, 130, 40),
+        (16, 96, 200),
+        (4, 20, 16),
+        (7, 9, 32),
+        (49, 12, 24),
+        (50, 33, 16),
+        (100, 65, 72),
+    ],
+)
 def test_linear_matches_f_linear(dtype, m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g).to(dtype)
@@ -139,7 +174,9 @@ def test_linear_matches_f_linear(dtype, m, n, k):
     b = torch.randn(n, generator=g).to(dtype)
     for bias in (None, b):
         out = cpu_native.linear(x, w, bias)
-        ref = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+        ref = torch.nn.functional.linear(
+            x.float(), w.float(), None if bias is None else bias.float()
+        )
         assert out.dtype == dtype and out.shape == (m, n)
         tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the output is rounded to bf16
         torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol * 4)
@@ -199,7 +236,9 @@ def test_model_linear_is_native_only_where_it_should_be(monkeypatch):
     native = cpu_native.linear
     monkeypatch.setattr(cpu_native, "linear", lambda *a: calls.append(1) or native(*a))
     with torch.no_grad():
-        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        torch.testing.assert_close(
+            layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
+        )
     assert calls == [1]
     y = layer(x)  # with gradients: F.linear, and backward works
     y.sum().backward()

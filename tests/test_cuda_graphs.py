@@ -34,15 +34,21 @@ def llama(tmp_path_factory):
 
 def _generate(path, device, dtype, static: str, prompts, params, **kw):
     """static: "off" (per-step tensors), "eager" (static buffers, no graph), "graph" (CUDA graphs)."""
-    llm = LLM(str(path), dtype=dtype, device=device, kv_cache_memory=8 * 1024**2, cuda_graphs=False, **kw)
+    llm = LLM(
+        str(path), dtype=dtype, device=device, kv_cache_memory=8 * 1024**2, cuda_graphs=False, **kw
+    )
     engine = llm.engine
     if static != "off":
-        engine.runner.enable_decode_graphs(engine.engine_config.max_num_seqs, engine.capacity, use_graphs=static == "graph")
+        engine.runner.enable_decode_graphs(
+            engine.engine_config.max_num_seqs, engine.capacity, use_graphs=static == "graph"
+        )
     outs = [o.output_token_ids for o in llm.generate(prompts, params)]
     return outs, engine.runner.graphs
 
 
-@pytest.mark.parametrize("kw", [{"max_num_seqs": 5}, {"max_num_seqs": 7, "block_size": 4}, {"max_num_seqs": 256}])
+@pytest.mark.parametrize(
+    "kw", [{"max_num_seqs": 5}, {"max_num_seqs": 7, "block_size": 4}, {"max_num_seqs": 256}]
+)
 def test_static_decode_buffers_give_the_same_tokens(llama, kw):
     prompts = random_prompts(160)
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -65,7 +71,9 @@ def test_engine_turns_graphs_on_only_on_cuda(llama):
     assert llm.engine.engine_config.cuda_graphs and llm.engine.runner.graphs is None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.sh runs it)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.sh runs it)"
+)
 def test_captured_graphs_match_eager_on_cuda(llama):
     pytest.importorskip("triton")
     prompts = random_prompts(160)

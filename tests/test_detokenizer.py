@@ -69,8 +69,9 @@ def test_engine_decodes_a_short_window_per_step_and_stops_where_a_full_decode_wo
 
     engine.detokenize = counting
     try:
-        out = llm.generate(["ROMEO:"], SamplingParams(max_tokens=120, temperature=0,
-                                                      stop=[stop_word, "\x00never"]))[0]
+        out = llm.generate(
+            ["ROMEO:"], SamplingParams(max_tokens=120, temperature=0, stop=[stop_word, "\x00never"])
+        )[0]
     finally:
         engine.detokenize = full
     ids = greedy.output_token_ids

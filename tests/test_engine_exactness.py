@@ -24,16 +24,28 @@ def hf_greedy(path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     outs = []
     for p in prompts:  # one at a time: no padding in the reference
         ids = torch.tensor([p])
-        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False, pad_token_id=0)
-        outs.append(gen[0, len(p):].tolist())
+        gen = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        outs.append(gen[0, len(p) :].tolist())
     return outs
 
 
 def random_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     shared = torch.randint(3, vocab, (32,), generator=g).tolist()
-    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 9, 26)]  # 9 prompts: runs of similar-length decodes
-    prompts += [shared + [7, 8, 9], shared + torch.randint(3, vocab, (20,), generator=g).tolist(), shared[:]]
+    prompts = [
+        torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 9, 26)
+    ]  # 9 prompts: runs of similar-length decodes
+    prompts += [
+        shared + [7, 8, 9],
+        shared + torch.randint(3, vocab, (20,), generator=g).tolist(),
+        shared[:],
+    ]
     return prompts
 
 
@@ -48,8 +60,14 @@ def random_model(request, tmp_path_factory):
     arch = request.param
     folder = tmp_path_factory.mktemp(arch)
     if arch == "llama3-rope":
-        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 32, "rope_theta": 500000.0}
+        rope = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "rope_theta": 500000.0,
+        }
         return make_random_model(folder, "llama", seed=1, rope_parameters=rope, attention_bias=True)
     return make_random_model(folder, arch, seed=2)
 
@@ -62,8 +80,11 @@ def test_random_architectures_match_transformers(random_model):
 
 def test_shakespeare_text_prompts_match_transformers(shakespeare_model):
     llm = LLM(str(shakespeare_model), dtype="float32", kv_cache_memory=16 * 1024**2)
-    texts = ["ROMEO:", "First Citizen:\nBefore we proceed any further, hear me speak.",
-             "KING RICHARD III:\nNow is the winter of our discontent\nMade glorious summer by this sun of York;"]
+    texts = [
+        "ROMEO:",
+        "First Citizen:\nBefore we proceed any further, hear me speak.",
+        "KING RICHARD III:\nNow is the winter of our discontent\nMade glorious summer by this sun of York;",
+    ]
     prompts = [llm.runtime.encode(t) for t in texts]
     outs = llm.generate(texts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     assert [o.output_token_ids for o in outs] == hf_greedy(shakespeare_model, prompts, 20)

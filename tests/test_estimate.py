@@ -9,13 +9,20 @@ import pytest
 
 from llmctl.cli import main
 from llmctl.errors import ModelLoadError, UsageError
-from llmctl.profiling import estimate as est
 from llmctl.models.config import ModelConfig
+from llmctl.profiling import estimate as est
 from tests.conftest import shared_path
 
 TINY = {
-    "model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": False,
+    "model_type": "llama",
+    "vocab_size": 100,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
 }
 
 
@@ -82,7 +89,15 @@ def test_memory_fit_and_bandwidth_ceiling():
     config = ModelConfig.from_dict(TINY)
     per_tok = est.kv_bytes_per_token(config, "bf16")  # 2 x 2 layers x 2 heads x 16 dims x 2 bytes
     assert per_tok == 256
-    e = est.estimate(config, dtype="bf16", seq_len=100, batch=3, block_size=16, memory_budget=10**6, bandwidth=1e9)
+    e = est.estimate(
+        config,
+        dtype="bf16",
+        seq_len=100,
+        batch=3,
+        block_size=16,
+        memory_budget=10**6,
+        bandwidth=1e9,
+    )
     assert e.kv_bytes_per_sequence == 112 * 256  # rounded up to 7 blocks of 16
     assert e.max_sequences == (10**6 - e.weights.total) // (112 * 256)
     step = e.weights.total + 3 * 100 * 256
@@ -98,8 +113,11 @@ def test_parsers():
     assert est.parse_bandwidth("3.35TB/s") == pytest.approx(3.35e12)
     assert est.parse_bandwidth("100 GiB/s") == 100 * 1024**3
     assert est.parse_group_size("channel") is None and est.parse_group_size("64") == 64
-    for bad in (lambda: est.parse_bandwidth("fast"), lambda: est.parse_group_size("0"),
-                lambda: est.normalize_dtype("int3", est.WEIGHT_BITS, "weight dtype")):
+    for bad in (
+        lambda: est.parse_bandwidth("fast"),
+        lambda: est.parse_group_size("0"),
+        lambda: est.normalize_dtype("int3", est.WEIGHT_BITS, "weight dtype"),
+    ):
         with pytest.raises(UsageError):
             bad()
 
@@ -121,8 +139,27 @@ def test_cli_estimate_prints_and_writes_json(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(TINY))
     out = tmp_path / "e.json"
-    rc = main(["profile", "--estimate", str(cfg), "--dtype", "int4", "--group-size", "32", "--seq-len", "64",
-               "--batch", "4", "--memory", "1MiB", "--bandwidth", "100", "--json", str(out)])
+    rc = main(
+        [
+            "profile",
+            "--estimate",
+            str(cfg),
+            "--dtype",
+            "int4",
+            "--group-size",
+            "32",
+            "--seq-len",
+            "64",
+            "--batch",
+            "4",
+            "--memory",
+            "1MiB",
+            "--bandwidth",
+            "100",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "KV per token" in text and "decode ceiling" in text

@@ -34,7 +34,9 @@ class TableModel(torch.nn.Module):
         return self.table[ids]
 
 
-@pytest.mark.parametrize("n,seq_len,stride", [(100, 16, 8), (100, 16, 16), (17, 16, 5), (5, 16, 8), (64, 16, 1)])
+@pytest.mark.parametrize(
+    "n,seq_len,stride", [(100, 16, 8), (100, 16, 16), (17, 16, 5), (5, 16, 8), (64, 16, 1)]
+)
 def test_windows_score_each_token_once(n, seq_len, stride):
     windows = plan_windows(n, seq_len, stride)
     scored = [t for w in windows for t in range(w.score_from, w.end)]
@@ -62,7 +64,13 @@ def test_perplexity_and_kl_by_hand():
     logp, ref_logp = torch.log_softmax(model.table, -1), torch.log_softmax(ref.table, -1)
     # the previous token alone decides the prediction, so every scored token (1..39) counts once
     nll = -sum(logp[ids[t - 1], ids[t]].item() for t in range(1, 40)) / 39
-    kl = sum((ref_logp[ids[t - 1]].exp() * (ref_logp[ids[t - 1]] - logp[ids[t - 1]])).sum().item() for t in range(1, 40)) / 39
+    kl = (
+        sum(
+            (ref_logp[ids[t - 1]].exp() * (ref_logp[ids[t - 1]] - logp[ids[t - 1]])).sum().item()
+            for t in range(1, 40)
+        )
+        / 39
+    )
     r = perplexity(model, ids, seq_len=8, stride=3, reference=ref)
     assert r.num_scored_tokens == 39 and r.num_tokens == 40
     assert r.perplexity == pytest.approx(math.exp(nll), rel=1e-5)
@@ -115,7 +123,9 @@ def test_matches_transformers_on_tinyshakespeare(shakespeare_model):
     from tests.conftest import shared_path
 
     text = shared_path("data/tinyshakespeare.txt").read_text()[-1500:]  # held-out tail
-    ids = AutoTokenizer.from_pretrained(str(shakespeare_model))(text, return_tensors="pt").input_ids  # [1, N]
+    ids = AutoTokenizer.from_pretrained(str(shakespeare_model))(
+        text, return_tensors="pt"
+    ).input_ids  # [1, N]
     hf = AutoModelForCausalLM.from_pretrained(str(shakespeare_model), dtype=torch.float32).eval()
     ours, _ = load_model(shakespeare_model, "float32", "cpu")
     for seq_len, stride in ((96, 48), (64, 64)):
@@ -126,12 +136,25 @@ def test_matches_transformers_on_tinyshakespeare(shakespeare_model):
 
 
 def test_cli_eval_text_and_jsonl(tmp_path, capsys, shakespeare_model):
-    text = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n" * 3
+    text = (
+        "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
+        * 3
+    )
     plain = tmp_path / "d.txt"
     plain.write_text(text)
     rows = tmp_path / "d.jsonl"
     rows.write_text("\n".join(json.dumps({"text": t}) for t in text.split("\n\n")) + "\n")
-    args = [str(shakespeare_model), "--seq-len", "32", "--stride", "16", "--dtype", "float32", "--json", "-q"]
+    args = [
+        str(shakespeare_model),
+        "--seq-len",
+        "32",
+        "--stride",
+        "16",
+        "--dtype",
+        "float32",
+        "--json",
+        "-q",
+    ]
     assert main(["eval", *args, "--data", str(plain), "--reference", str(shakespeare_model)]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["schema"] == "llmctl.eval" and record["schema_version"] == 1
@@ -142,7 +165,11 @@ def test_cli_eval_text_and_jsonl(tmp_path, capsys, shakespeare_model):
     assert record["environment"]["dtype"] == "float32" and "strided" in record["method"]
     assert main(["eval", *args, "--data", str(rows), "--max-tokens", "20"]) == 0
     limited = json.loads(capsys.readouterr().out)["result"]
-    assert limited["num_tokens"] == 20 and limited["num_scored_tokens"] == 19 and limited["mean_kl"] is None
+    assert (
+        limited["num_tokens"] == 20
+        and limited["num_scored_tokens"] == 19
+        and limited["mean_kl"] is None
+    )
 
 
 def test_cli_eval_errors(tmp_path, capsys):

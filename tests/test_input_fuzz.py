@@ -16,9 +16,9 @@ import pytest
 
 from llmctl.batch.fake import FakeEngine, FakeRuntime
 from llmctl.batch.inputs import JsonlSource, open_input
-from llmctl.batch.rows import BOM
 from llmctl.batch.job import BatchJob, JobSettings
 from llmctl.batch.outputs import encode_record, openai_record, simple_record
+from llmctl.batch.rows import BOM
 from llmctl.engine.params import SamplingParams
 
 LINES = int(os.environ.get("LLMCTL_FUZZ_LINES", "3000"))
@@ -30,15 +30,56 @@ VALID = [
     {"id": "q1", "messages": _MSGS, "top_p": 0.9, "top_k": 5},
     {"id": 12, "prompt_token_ids": [1, 2, 3], "ignore_eos": True, "min_p": 0.1},
     {"prompt": "caf\u00e9 \U0001f600", "repetition_penalty": 1.1, "presence_penalty": 0.2},
-    {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions",
-     "body": {"model": "m", "messages": _MSGS, "max_completion_tokens": 2, "stream": False}},
-    {"custom_id": "c2", "method": "POST", "url": "/v1/completions",
-     "body": {"prompt": ["JULIET:"], "max_tokens": 2, "n": 1, "frequency_penalty": 0.5}},
+    {
+        "custom_id": "c1",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "m", "messages": _MSGS, "max_completion_tokens": 2, "stream": False},
+    },
+    {
+        "custom_id": "c2",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"prompt": ["JULIET:"], "max_tokens": 2, "n": 1, "frequency_penalty": 0.5},
+    },
 ]
-ODD_VALUES = [None, True, False, 0, -1, 1.5, 10 ** 30, "", "x", [], {}, [1, "2"], {"a": [None]},
-              float("inf"), float("nan"), "\ud800", ["\udfff"], [[[]]], -(10 ** 20)]
-ODD_TOKENS = [b"9" * 5000, b"1e999", b"-Infinity", b"NaN", b"[" * 5000, b"{" * 3000,
-              b'"\\ud800"', b'"\\udc00x"', b"\xff", b"\xc3", b"\xef\xbb\xbf", b"\x00", b"\\", b'"']
+ODD_VALUES = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1.5,
+    10**30,
+    "",
+    "x",
+    [],
+    {},
+    [1, "2"],
+    {"a": [None]},
+    float("inf"),
+    float("nan"),
+    "\ud800",
+    ["\udfff"],
+    [[[]]],
+    -(10**20),
+]
+ODD_TOKENS = [
+    b"9" * 5000,
+    b"1e999",
+    b"-Infinity",
+    b"NaN",
+    b"[" * 5000,
+    b"{" * 3000,
+    b'"\\ud800"',
+    b'"\\udc00x"',
+    b"\xff",
+    b"\xc3",
+    b"\xef\xbb\xbf",
+    b"\x00",
+    b"\\",
+    b'"',
+]
 
 
 def _mutate_value(rng: random.Random, obj):
@@ -47,11 +88,13 @@ def _mutate_value(rng: random.Random, obj):
         key = rng.choice(list(obj))
         if rng.random() < 0.2:
             return {k: v for k, v in obj.items() if k != key}
-        return {**obj, key: _mutate_value(rng, obj[key]) if rng.random() < 0.4 else
-                rng.choice(ODD_VALUES)}
+        return {
+            **obj,
+            key: _mutate_value(rng, obj[key]) if rng.random() < 0.4 else rng.choice(ODD_VALUES),
+        }
     if isinstance(obj, list) and obj:
         i = rng.randrange(len(obj))
-        return obj[:i] + [_mutate_value(rng, obj[i])] + obj[i + 1:]
+        return obj[:i] + [_mutate_value(rng, obj[i])] + obj[i + 1 :]
     return rng.choice(ODD_VALUES)
 
 
@@ -116,13 +159,23 @@ class _Sink:
 def _serve(rows, fmt: str) -> _Sink:
     engine, sink = FakeEngine(max_num_seqs=64, max_model_len=64), _Sink()
     if fmt == "openai":
+
         def record(row, r):
             return encode_record(openai_record(row, r, "fake", 0))
     else:
+
         def record(row, r):
             return encode_record(simple_record(row, r))
-    BatchJob(engine, FakeRuntime(engine), rows, sink, record, SamplingParams(max_tokens=2),
-             JobSettings(max_in_flight=128, window=512)).run()
+
+    BatchJob(
+        engine,
+        FakeRuntime(engine),
+        rows,
+        sink,
+        record,
+        SamplingParams(max_tokens=2),
+        JobSettings(max_in_flight=128, window=512),
+    ).run()
     return sink
 
 

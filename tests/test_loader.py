@@ -75,10 +75,20 @@ def test_unknown_chat_role_is_a_request_error():
 
 
 def test_config_spellings_of_rope():
-    base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                num_attention_heads=2)
-    old = ModelConfig.from_dict({**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
-    new = ModelConfig.from_dict({**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}})
+    base = dict(
+        model_type="llama",
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+    )
+    old = ModelConfig.from_dict(
+        {**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    )
+    new = ModelConfig.from_dict(
+        {**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}}
+    )
     assert old.rope_theta == new.rope_theta == 5e5
     assert old.rope_scaling["factor"] == new.rope_scaling["factor"] == 8.0
     with pytest.raises(ModelLoadError, match="unsupported RoPE"):

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from llmctl.cli import main
-from llmctl.runtime.formats.ct import MIN_VERSION
 from llmctl.errors import ModelLoadError
+from llmctl.runtime.formats.ct import MIN_VERSION
 from tests.conftest import REPO, make_random_model
 
 
@@ -50,8 +50,9 @@ def test_missing_compressed_tensors_fails_before_loading(tmp_path, capsys, monke
     assert len(err.splitlines()) == 1 and not (tmp_path / "q").exists()
 
 
-def test_reading_a_compressed_tensors_checkpoint_without_the_package_is_one_line(tmp_path,
-                                                                                 monkeypatch):
+def test_reading_a_compressed_tensors_checkpoint_without_the_package_is_one_line(
+    tmp_path, monkeypatch
+):
     from llmctl.runtime.formats import read_quantized
 
     config = {"quantization_config": {"quant_method": "compressed-tensors"}}
@@ -79,8 +80,13 @@ print("RCS", rcs, sys.modules.get("triton"))
 
 
 def test_a_cpu_install_without_triton_generates_and_quantizes(tmp_path):
-    done = subprocess.run([sys.executable, "-c", NO_TRITON, str(tmp_path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", NO_TRITON, str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert "RCS [0, 0, 0] None" in done.stdout, done.stdout + done.stderr
     rows = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert rows and all(r["error"] is None for r in rows)

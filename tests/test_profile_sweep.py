@@ -39,8 +39,16 @@ class FakeEngine:
     def add_request(self, request_id, prompt_token_ids, params):
         assert params.ignore_eos and params.temperature == 0.0
         self.prompts_seen.append(list(prompt_token_ids))
-        self.waiting.append({"id": request_id, "prompt": list(prompt_token_ids), "out": [], "arrival": self.clock,
-                             "first": None, "max": params.max_tokens})
+        self.waiting.append(
+            {
+                "id": request_id,
+                "prompt": list(prompt_token_ids),
+                "out": [],
+                "arrival": self.clock,
+                "first": None,
+                "max": params.max_tokens,
+            }
+        )
 
     def has_unfinished_requests(self):
         return bool(self.waiting or self.active)
@@ -59,18 +67,35 @@ class FakeEngine:
                 r["out"].append(1)
         done = [r for r in self.active if len(r["out"]) >= r["max"]]
         self.active = [r for r in self.active if len(r["out"]) < r["max"]]
-        return [RequestOutput(r["id"], r["prompt"], r["out"], "", "length", r["arrival"], r["first"], self.clock)
-                for r in done]
+        return [
+            RequestOutput(
+                r["id"], r["prompt"], r["out"], "", "length", r["arrival"], r["first"], self.clock
+            )
+            for r in done
+        ]
 
 
 def test_fake_engine_metrics_are_exact():
     engine = FakeEngine(prefill_s=0.5, decode_s=0.01)
-    settings = sweep.SweepSettings(points=sweep.grid([1, 4], [6], [11]), repeat=3, warmup=1, vocab_size=50)
-    facts = sweep.ModelFacts(weight_bytes=1000, kv_bytes_per_token=10, flops_per_token=lambda ctx: 100.0 + ctx)
-    peaks = MachinePeaks("k", "cpu", memory_bandwidth=1e6, matmul_flops_bf16=1e5, matmul_flops_fp32=4e4,
-                         measured_at="", method={})
+    settings = sweep.SweepSettings(
+        points=sweep.grid([1, 4], [6], [11]), repeat=3, warmup=1, vocab_size=50
+    )
+    facts = sweep.ModelFacts(
+        weight_bytes=1000, kv_bytes_per_token=10, flops_per_token=lambda ctx: 100.0 + ctx
+    )
+    peaks = MachinePeaks(
+        "k",
+        "cpu",
+        memory_bandwidth=1e6,
+        matmul_flops_bf16=1e5,
+        matmul_flops_fp32=4e4,
+        measured_at="",
+        method={},
+    )
     seen = []
-    records = sweep.run_sweep(engine, settings, facts, peaks, progress=lambda i, n, p: seen.append(i))
+    records = sweep.run_sweep(
+        engine, settings, facts, peaks, progress=lambda i, n, p: seen.append(i)
+    )
     assert seen == [0, 1, 2]
     assert len(engine.prompts_seen) == (1 + 4) * (3 + 1)  # warm-up repeats run but are not recorded
     assert all(len(p) == 6 and all(0 <= t < 50 for t in p) for p in engine.prompts_seen)
@@ -83,20 +108,33 @@ def test_fake_engine_metrics_are_exact():
         assert rec["decode_tokens_per_s_per_sequence"]["p50"] == pytest.approx(100.0)
         assert rec["decode_tokens_per_s"]["p50"] == pytest.approx(b * 100.0)
         assert rec["prefill_tokens_per_s"]["p50"] == pytest.approx(b * 6 / 0.5)
-        assert rec["kv_blocks_used"] == b * math.ceil((6 + 10) / 4)  # finished requests free their blocks
+        assert rec["kv_blocks_used"] == b * math.ceil(
+            (6 + 10) / 4
+        )  # finished requests free their blocks
         assert rec["peak_memory_bytes"] is None or rec["peak_memory_bytes"] > 0
         step_bytes = 1000 + b * (6 + 11 / 2) * 10
         assert rec["mbu"] == pytest.approx(step_bytes / 0.01 / 1e6)
         flops = b * (6 * (100 + 3) + 11 * (100 + 6 + 5))
-        assert rec["mfu"] == pytest.approx(flops / rec["wall_s"]["p50"] / 1e5)  # bf16 model: the larger peak
+        assert rec["mfu"] == pytest.approx(
+            flops / rec["wall_s"]["p50"] / 1e5
+        )  # bf16 model: the larger peak
     fp32_facts = sweep.ModelFacts(1000, 10, lambda ctx: 100.0 + ctx, dtype="fp32")
     mbu, mfu = sweep.utilization(sweep.SweepPoint(1, 6, 11), records[0], fp32_facts, peaks)
     assert mfu == pytest.approx(records[0]["mfu"] * 1e5 / 4e4)  # a float32 model: float32's peak
-    slow_bf16 = MachinePeaks("k", "cpu", 1e6, matmul_flops_bf16=1e3, matmul_flops_fp32=4e4, measured_at="", method={})
-    assert sweep.utilization(sweep.SweepPoint(1, 6, 11), records[0], facts, slow_bf16)[1] == pytest.approx(mfu)
+    slow_bf16 = MachinePeaks(
+        "k", "cpu", 1e6, matmul_flops_bf16=1e3, matmul_flops_fp32=4e4, measured_at="", method={}
+    )
+    assert sweep.utilization(sweep.SweepPoint(1, 6, 11), records[0], facts, slow_bf16)[
+        1
+    ] == pytest.approx(mfu)
     # no peaks: no utilisation figures
-    rec = sweep.point_record(sweep.SweepPoint(1, 6, 11), [sweep.run_repeat(engine, sweep.SweepPoint(1, 6, 11),
-                             random.Random(0), 50, "x")], (None, "unavailable"), facts, None)
+    rec = sweep.point_record(
+        sweep.SweepPoint(1, 6, 11),
+        [sweep.run_repeat(engine, sweep.SweepPoint(1, 6, 11), random.Random(0), 50, "x")],
+        (None, "unavailable"),
+        facts,
+        None,
+    )
     assert rec["mbu"] is None and rec["mfu"] is None
 
 
@@ -135,9 +173,32 @@ def sweep_files(tmp_path_factory):
     model = SHARED / "models" / "tinyshakespeare-5m"
     out = tmp_path_factory.mktemp("sweep")
     files = {k: out / f"run.{k}" for k in ("json", "csv", "png")}
-    args = ["profile", *([str(model)] if model.is_dir() else []), "--batch-sizes", "1,2", "--prompt-lens", "8",
-            "--gen-lens", "4", "--repeat", "2", "--warmup", "0", "--dtype", "float32", "--device", "cpu",
-            "--json", str(files["json"]), "--csv", str(files["csv"]), "--plot", str(files["png"]), "--markdown", "-q"]
+    args = [
+        "profile",
+        *([str(model)] if model.is_dir() else []),
+        "--batch-sizes",
+        "1,2",
+        "--prompt-lens",
+        "8",
+        "--gen-lens",
+        "4",
+        "--repeat",
+        "2",
+        "--warmup",
+        "0",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--json",
+        str(files["json"]),
+        "--csv",
+        str(files["csv"]),
+        "--plot",
+        str(files["png"]),
+        "--markdown",
+        "-q",
+    ]
     return args, files
 
 
@@ -148,14 +209,28 @@ def test_real_sweep_writes_json_csv_markdown_png(sweep_files, capsys, one_thread
     markdown = capsys.readouterr().out
     assert "| batch | prompt | gen | TTFT p50 (ms)" in markdown and markdown.count("\n| ") >= 3
     record = json.loads(files["json"].read_text())
-    assert record["schema"] == sweep.SWEEP_SCHEMA and record["schema_version"] == sweep.SWEEP_SCHEMA_VERSION
+    assert (
+        record["schema"] == sweep.SWEEP_SCHEMA
+        and record["schema_version"] == sweep.SWEEP_SCHEMA_VERSION
+    )
     env = record["environment"]
-    for key in ("llmctl_version", "torch_version", "device", "cpu_model", "cpu_threads", "dtype", "date"):
+    for key in (
+        "llmctl_version",
+        "torch_version",
+        "device",
+        "cpu_model",
+        "cpu_threads",
+        "dtype",
+        "date",
+    ):
         assert env[key] not in (None, ""), key
     assert env["cpu_threads"] == 1
     assert env["dtype"] == "float32" and env["device"] == "cpu"
     assert set(sweep.METRICS) <= set(record["formulas"])
-    assert [(p["batch_size"], p["prompt_len"], p["gen_len"]) for p in record["points"]] == [(1, 8, 4), (2, 8, 4)]
+    assert [(p["batch_size"], p["prompt_len"], p["gen_len"]) for p in record["points"]] == [
+        (1, 8, 4),
+        (2, 8, 4),
+    ]
     for p in record["points"]:
         assert p["output_tokens_min"] == p["output_tokens_max"] == 4  # ignore_eos: exact lengths
         assert 0 < p["ttft_s"]["p50"] <= p["e2e_s"]["p50"]
@@ -173,7 +248,10 @@ def test_real_sweep_writes_json_csv_markdown_png(sweep_files, capsys, one_thread
 def test_sweep_rejects_bad_lists_and_too_long(capsys):
     assert main(["profile", "--batch-sizes", "1,x", "-q"]) == 2
     assert main(["profile", "--prompt-lens", "0", "-q"]) == 2
-    assert main(["profile", "--prompt-lens", "100000", "--batch-sizes", "1", "--gen-lens", "1", "-q"]) == 2
+    assert (
+        main(["profile", "--prompt-lens", "100000", "--batch-sizes", "1", "--gen-lens", "1", "-q"])
+        == 2
+    )
     assert "exceeds the model's context" in capsys.readouterr().err
     assert main(["profile", "a", "b"]) == 2
 
@@ -183,10 +261,15 @@ def test_one_token_outputs_have_no_tpot_and_still_plot(tmp_path):
     from llmctl.profiling import report
 
     engine = FakeEngine()
-    settings = sweep.SweepSettings(points=sweep.grid([1, 2], [4], [1, 5]), repeat=1, warmup=0, vocab_size=9)
+    settings = sweep.SweepSettings(
+        points=sweep.grid([1, 2], [4], [1, 5]), repeat=1, warmup=0, vocab_size=9
+    )
     points = sweep.run_sweep(engine, settings)
     one = [p for p in points if p["gen_len"] == 1]
-    assert all(p["tpot_s"] is None and p["decode_tokens_per_s"] is None and p["ttft_s"]["p50"] > 0 for p in one)
+    assert all(
+        p["tpot_s"] is None and p["decode_tokens_per_s"] is None and p["ttft_s"]["p50"] > 0
+        for p in one
+    )
     env = {"device": "cpu", "cpu_model": "fake", "cpu_threads": 1, "dtype": "float32"}
     record = report.sweep_record("fake", env, {}, {"repeat": 1}, None, points)
     report.plot(record, tmp_path / "p.png")
@@ -199,6 +282,10 @@ def test_plot_without_matplotlib_is_one_line_before_the_sweep(monkeypatch, capsy
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real(name, *a),
+    )
     assert main(["profile", "--plot", "x.png", "-q"]) == 2
     assert "pip install 'llmctl[plot]'" in capsys.readouterr().err

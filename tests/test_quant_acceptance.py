@@ -30,8 +30,8 @@ def perplexities():
     from llmctl.compress.calib_data import cut_sequences
     from llmctl.compress.driver import calibrate_layers
     from llmctl.compress.quant.layer_methods import AwqMethod, gptq_method, rtn_method
-    from llmctl.runtime.formats.spec import QuantSpec
     from llmctl.runtime.evaluate import perplexity
+    from llmctl.runtime.formats.spec import QuantSpec
     from llmctl.runtime.tokenizer import load_tokenizer
     from llmctl.runtime.weights import load_model
 
@@ -44,11 +44,17 @@ def perplexities():
     ppl = lambda m: perplexity(m, heldout, seq_len=256, stride=256).perplexity  # noqa: E731
     spec = QuantSpec(bits=4, group_size=64, symmetric=True, scale_dtype=torch.float32)
     out = {"baseline": ppl(model)}
-    for name, method in (("rtn", rtn_method(spec)), ("gptq", gptq_method(spec)), ("awq", AwqMethod(spec))):
+    for name, method in (
+        ("rtn", rtn_method(spec)),
+        ("gptq", gptq_method(spec)),
+        ("awq", AwqMethod(spec)),
+    ):
         m = copy.deepcopy(model)
         calibrate_layers(m, calib, method)
         out[name] = ppl(m)
-    print("\ntinyshakespeare-5m W4 g64 held-out perplexity:", {k: round(v, 3) for k, v in out.items()})
+    print(
+        "\ntinyshakespeare-5m W4 g64 held-out perplexity:", {k: round(v, 3) for k, v in out.items()}
+    )
     return out
 
 

@@ -9,17 +9,25 @@ import torch
 from llmctl.compress.driver import SUBLAYER_GROUPS, calibrate_layers, make_ignore
 from llmctl.compress.quant.layer_methods import AwqMethod, gptq_method, rtn_method
 from llmctl.compress.records import LinearRecord
-from llmctl.runtime.formats.spec import QuantSpec
-from llmctl.models.llama import LlamaForCausalLM
 from llmctl.models.config import ModelConfig
+from llmctl.models.llama import LlamaForCausalLM
+from llmctl.runtime.formats.spec import QuantSpec
 
 
 def tiny_model(kv_heads=2, seed=0, hidden=64, ffn=96):
-    cfg = ModelConfig.from_dict({
-        "model_type": "llama", "vocab_size": 97, "hidden_size": hidden, "intermediate_size": ffn,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": kv_heads,
-        "max_position_embeddings": 64, "rms_norm_eps": 1e-5,
-    })
+    cfg = ModelConfig.from_dict(
+        {
+            "model_type": "llama",
+            "vocab_size": 97,
+            "hidden_size": hidden,
+            "intermediate_size": ffn,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": kv_heads,
+            "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-5,
+        }
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     for name, p in model.named_parameters():
@@ -61,12 +69,16 @@ def test_groups_are_calibrated_on_outputs_of_processed_groups():
     res = calibrate_layers(tiny_model(), ids(), m, ignore=make_ignore(["re:.*k_proj"]))
     assert len(res.records) == 2 * 6 and "model.layers.0.self_attn.k_proj" not in res.records
     assert m.seen["model.layers.0.self_attn.q_proj"] > 0
-    assert m.seen["model.layers.0.self_attn.o_proj"] == 0  # v_proj was zeroed before o_proj was observed
+    assert (
+        m.seen["model.layers.0.self_attn.o_proj"] == 0
+    )  # v_proj was zeroed before o_proj was observed
     assert m.seen["model.layers.0.mlp.down_proj"] == 0  # gate/up zeroed before down_proj
     assert [g.name for g in SUBLAYER_GROUPS] == ["attn_in", "attn_out", "mlp_in", "mlp_out"]
 
 
-@pytest.mark.parametrize("make", [lambda s: gptq_method(s), lambda s: rtn_method(s), lambda s: AwqMethod(s, n_grid=5)])
+@pytest.mark.parametrize(
+    "make", [lambda s: gptq_method(s), lambda s: rtn_method(s), lambda s: AwqMethod(s, n_grid=5)]
+)
 def test_methods_write_their_dequantized_weights_into_the_model(make):
     model, x = tiny_model(), ids()
     ref = model.forward_dense(x)
@@ -81,7 +93,11 @@ def test_methods_write_their_dequantized_weights_into_the_model(make):
 def test_gptq_and_awq_beat_rtn_on_output_error_at_4_bits():
     errs = {}
     for label, make in (("rtn", rtn_method), ("gptq", gptq_method), ("awq", AwqMethod)):
-        res = calibrate_layers(tiny_model(), ids(n=16), make(QuantSpec(4, 32, symmetric=False, scale_dtype=torch.float32)))
+        res = calibrate_layers(
+            tiny_model(),
+            ids(n=16),
+            make(QuantSpec(4, 32, symmetric=False, scale_dtype=torch.float32)),
+        )
         errs[label] = sum(r.error for r in res.records.values())
     assert errs["gptq"] < errs["rtn"] and errs["awq"] < errs["rtn"]
 
@@ -90,8 +106,12 @@ def test_awq_folds_v_into_o_without_gqa_and_keeps_the_function():
     model, x = tiny_model(kv_heads=4), ids()
     ref = model.forward_dense(x)
     v_before = model.model.layers[0].self_attn.v_proj.weight.clone()
-    res = calibrate_layers(model, x, AwqMethod(QuantSpec(8, 32, scale_dtype=torch.float32), n_grid=4))
-    assert res.records["model.layers.0.self_attn.o_proj"].alpha is not None  # searched, since shapes allow
+    res = calibrate_layers(
+        model, x, AwqMethod(QuantSpec(8, 32, scale_dtype=torch.float32), n_grid=4)
+    )
+    assert (
+        res.records["model.layers.0.self_attn.o_proj"].alpha is not None
+    )  # searched, since shapes allow
     assert not torch.allclose(model.model.layers[0].self_attn.v_proj.weight, v_before, atol=1e-3)
     assert _rel(model.forward_dense(x), ref) < 0.02
     gqa = calibrate_layers(tiny_model(kv_heads=2), x, AwqMethod(QuantSpec(8, 32), n_grid=2))
@@ -109,13 +129,28 @@ def test_interrupted_run_resumes_from_last_finished_layer(tmp_path):
 
     model = tiny_model()
     with pytest.raises(KeyboardInterrupt):
-        calibrate_layers(model, ids(), gptq_method(spec), checkpoint_dir=tmp_path, fingerprint="a", progress=stop_after_first)
+        calibrate_layers(
+            model,
+            ids(),
+            gptq_method(spec),
+            checkpoint_dir=tmp_path,
+            fingerprint="a",
+            progress=stop_after_first,
+        )
     fresh = tiny_model()  # a new process: weights from the original checkpoint again
     seen = []
-    res = calibrate_layers(fresh, ids(), gptq_method(spec), checkpoint_dir=tmp_path, fingerprint="a",
-                           progress=lambda d, t: seen.append(d))
+    res = calibrate_layers(
+        fresh,
+        ids(),
+        gptq_method(spec),
+        checkpoint_dir=tmp_path,
+        fingerprint="a",
+        progress=lambda d, t: seen.append(d),
+    )
     assert res.resumed_layers == 1 and seen == [1, 2] and len(res.records) == 14
     for (n, a), b in zip(full.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), n
-    other = calibrate_layers(tiny_model(), ids(), gptq_method(spec), checkpoint_dir=tmp_path, fingerprint="b")
+    other = calibrate_layers(
+        tiny_model(), ids(), gptq_method(spec), checkpoint_dir=tmp_path, fingerprint="b"
+    )
     assert other.resumed_layers == 0

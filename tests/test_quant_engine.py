@@ -11,10 +11,10 @@ import torch
 
 from llmctl.cli import main
 from llmctl.compress.calib_data import cut_sequences, load_calibration, read_token_stream
+from llmctl.errors import UsageError
+from llmctl.models.qlinear import QuantLinear
 from llmctl.runtime.formats import read_quantized
 from llmctl.runtime.formats.packing import UnpackedLinear
-from llmctl.models.qlinear import QuantLinear
-from llmctl.errors import UsageError
 from llmctl.runtime.weights import load_model
 
 
@@ -23,7 +23,9 @@ def _unpacked(out_f, in_f, bits=4, gs=32, seed=0):
     codes = torch.randint(0, 2**bits, (out_f, in_f), generator=g, dtype=torch.int32)
     scales = torch.rand(out_f, in_f // gs, generator=g) * 0.01 + 0.001
     zeros = torch.randint(0, 2**bits, (out_f, in_f // gs), generator=g, dtype=torch.int32)
-    return UnpackedLinear(codes, scales, zeros, torch.arange(in_f, dtype=torch.int32) // gs, bits, gs)
+    return UnpackedLinear(
+        codes, scales, zeros, torch.arange(in_f, dtype=torch.int32) // gs, bits, gs
+    )
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -37,7 +39,11 @@ def test_quant_linear_matches_dequantized_matmul(out_f, bits, kernel):
     assert q.use_int4_kernel is kernel
     assert torch.equal(q.codes().to(torch.int32), u.codes)  # kept packed, nothing lost
     w = u.dequantize()
-    for tokens in (1, 5, 100):  # kernel for small batches, dequantize + matmul above SMALL_BATCH_TOKENS
+    for tokens in (
+        1,
+        5,
+        100,
+    ):  # kernel for small batches, dequantize + matmul above SMALL_BATCH_TOKENS
         x = torch.randn(tokens, 96)
         y, ref = q(x), x @ w.t()
         if kernel and tokens <= q.SMALL_BATCH_TOKENS:  # float32 rows go through the kernel in bf16
@@ -59,40 +65,76 @@ def test_quant_linear_regroups_act_order_g_idx():
 
 # ---- the CLI on a tiny random model (no tokenizer: calibration from prompt_token_ids) ----
 
-TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 97, "hidden_size": 64,
-        "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "torch_dtype": "float32", "tie_word_embeddings": False,
-        "bos_token_id": 1, "eos_token_id": 2}
+TINY = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 97,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float32",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     from safetensors.torch import save_file
 
-    from llmctl.models.llama import LlamaForCausalLM
     from llmctl.models.config import ModelConfig
+    from llmctl.models.llama import LlamaForCausalLM
 
     d = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)
     model = LlamaForCausalLM(ModelConfig.from_dict(TINY))
-    state = {k: (1 + 0.1 * torch.rand_like(v)) if "norm" in k else torch.randn_like(v) * 0.08
-             for k, v in model.state_dict().items()}
+    state = {
+        k: (1 + 0.1 * torch.rand_like(v)) if "norm" in k else torch.randn_like(v) * 0.08
+        for k, v in model.state_dict().items()
+    }
     save_file({k: v.contiguous() for k, v in state.items()}, str(d / "model.safetensors"))
     (d / "config.json").write_text(json.dumps(TINY))
     g = torch.Generator().manual_seed(1)
-    rows = [{"prompt_token_ids": torch.randint(3, 97, (40,), generator=g).tolist()} for _ in range(40)]
+    rows = [
+        {"prompt_token_ids": torch.randint(3, 97, (40,), generator=g).tolist()} for _ in range(40)
+    ]
     (d / "calib.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return d
 
 
 def _quantize(tiny_dir, out, *extra):
     report = out.parent / f"{out.name}.json"
-    rc = main(["quantize", str(tiny_dir), "-o", str(out), "--group-size", "32", "--calib", str(tiny_dir / "calib.jsonl"),
-               "--num-samples", "8", "--seq-len", "32", "--report-json", str(report), "--quiet", *extra])
+    rc = main(
+        [
+            "quantize",
+            str(tiny_dir),
+            "-o",
+            str(out),
+            "--group-size",
+            "32",
+            "--calib",
+            str(tiny_dir / "calib.jsonl"),
+            "--num-samples",
+            "8",
+            "--seq-len",
+            "32",
+            "--report-json",
+            str(report),
+            "--quiet",
+            *extra,
+        ]
+    )
     return rc, (json.loads(report.read_text()) if report.exists() else None)
 
 
-@pytest.mark.parametrize("fmt,method", [("compressed-tensors", "--gptq"), ("awq", "--awq"), ("gptq", "--rtn")])
+@pytest.mark.parametrize(
+    "fmt,method", [("compressed-tensors", "--gptq"), ("awq", "--awq"), ("gptq", "--rtn")]
+)
 def test_quantize_cli_writes_a_folder_the_loader_runs_packed(tiny_dir, tmp_path, fmt, method):
     out = tmp_path / "q"
     rc, report = _quantize(tiny_dir, out, method, "--format", fmt)
@@ -163,10 +205,28 @@ class _Tok:
 
 def test_calibration_readers_and_default(tmp_path):
     tok = _Tok()
-    rows = [{"prompt": "abc"}, {"messages": [{"role": "user", "content": "hi"}]}, {"prompt_token_ids": [7, 8]},
-            {"text": "z"}]
+    rows = [
+        {"prompt": "abc"},
+        {"messages": [{"role": "user", "content": "hi"}]},
+        {"prompt_token_ids": [7, 8]},
+        {"text": "z"},
+    ]
     (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    assert read_token_stream(tmp_path / "c.jsonl", tok, separator=0) == [47, 48, 49, 0, 99, 4, 5, 0, 7, 8, 0, 22, 0]
+    assert read_token_stream(tmp_path / "c.jsonl", tok, separator=0) == [
+        47,
+        48,
+        49,
+        0,
+        99,
+        4,
+        5,
+        0,
+        7,
+        8,
+        0,
+        22,
+        0,
+    ]
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -178,7 +238,11 @@ def test_calibration_readers_and_default(tmp_path):
     ids, warnings = cut_sequences(list(range(100)), 3, 10)
     assert ids.shape == (3, 10) and ids[0, 0] == 0 and ids[-1, 0] == 90 and not warnings
     calib = load_calibration(None, tok, num_samples=4, seq_len=64)
-    assert "built-in" in calib.warnings[0] and calib.input_ids.shape == (4, 64) and calib.heldout.numel() > 64
+    assert (
+        "built-in" in calib.warnings[0]
+        and calib.input_ids.shape == (4, 64)
+        and calib.heldout.numel() > 64
+    )
 
 
 def test_built_in_calibration_warning_only_where_data_is_calibrated_on(tmp_path):
@@ -186,13 +250,31 @@ def test_built_in_calibration_warning_only_where_data_is_calibrated_on(tmp_path)
     from llmctl.compress.calib_data import DEFAULT_WARNING
     from llmctl.runtime.resolve import resolve_model_path
 
-    DEMO = resolve_model_path(None)  # the embedded demo model (it has a tokenizer for the built-in text)
+    DEMO = resolve_model_path(
+        None
+    )  # the embedded demo model (it has a tokenizer for the built-in text)
 
     warnings = {}
     for method in ("--rtn", "--gptq"):
         report = tmp_path / f"{method[2:]}.json"
-        rc = main(["quantize", str(DEMO), "-o", str(tmp_path / method[2:]), method, "--group-size", "32",
-                   "--num-samples", "2", "--seq-len", "32", "--report-json", str(report), "--quiet"])
+        rc = main(
+            [
+                "quantize",
+                str(DEMO),
+                "-o",
+                str(tmp_path / method[2:]),
+                method,
+                "--group-size",
+                "32",
+                "--num-samples",
+                "2",
+                "--seq-len",
+                "32",
+                "--report-json",
+                str(report),
+                "--quiet",
+            ]
+        )
         assert rc == 0
         r = json.loads(report.read_text())
         warnings[method] = r["warnings"]
@@ -219,4 +301,6 @@ def test_quantized_checkpoint_is_read_through_its_safetensors_index(tiny_dir, tm
     save_file({"stale.weight": torch.zeros(2)}, str(out / "stale.safetensors"))
     sharded, _ = load_model(out, "float32", "cpu")
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(sharded.forward_dense(ids), single.forward_dense(ids), rtol=0, atol=0)
+    torch.testing.assert_close(
+        sharded.forward_dense(ids), single.forward_dense(ids), rtol=0, atol=0
+    )

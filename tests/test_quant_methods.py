@@ -6,11 +6,16 @@ import pytest
 import torch
 
 from llmctl.compress.hessian import HessianAccumulator, damped_cholesky_inverse
-from llmctl.compress.quant.awq import fold_into_norm, quantize_awq, scale_linear_input, search_scales
+from llmctl.compress.quant.awq import (
+    fold_into_norm,
+    quantize_awq,
+    scale_linear_input,
+    search_scales,
+)
 from llmctl.compress.quant.gptq import quantize_gptq
 from llmctl.compress.quant.rtn import quantize_rtn
-from llmctl.runtime.formats.spec import QuantSpec, check_group_size, dequantize
 from llmctl.errors import LlmctlError, UsageError
+from llmctl.runtime.formats.spec import QuantSpec, check_group_size, dequantize
 
 
 def _layer(out_f=48, in_f=64, tokens=512, seed=0):
@@ -52,7 +57,10 @@ def test_rtn_more_bits_smaller_error_and_zero_group_exact():
 
 
 def test_group_size_refusal_names_layer_and_working_sizes():
-    with pytest.raises(UsageError, match=r"mlp.down_proj: 704 .* --group-size 128; group sizes that work: 16, 32, 64"):
+    with pytest.raises(
+        UsageError,
+        match=r"mlp.down_proj: 704 .* --group-size 128; group sizes that work: 16, 32, 64",
+    ):
         check_group_size("model.layers.0.mlp.down_proj", 704, 128)
     check_group_size("x", 704, 64)
 

@@ -33,9 +33,9 @@ def readme_examples() -> list[str]:
     """The first command of the set-up line, then the bash block of the run-batch section."""
     text = (ROOT / "README.md").read_text()
     setup = re.search(r"pip install -e \. && (llmctl run-batch [^\n]+)", text).group(1)
-    section = text[text.index("## run-batch"):]
-    block = section[section.index("```bash") + len("```bash"):]
-    return [setup] + [line for line in block[:block.index("```")].strip().splitlines()]
+    section = text[text.index("## run-batch") :]
+    block = section[section.index("```bash") + len("```bash") :]
+    return [setup] + [line for line in block[: block.index("```")].strip().splitlines()]
 
 
 def run_example(line: str, monkeypatch) -> int:
@@ -44,17 +44,19 @@ def run_example(line: str, monkeypatch) -> int:
     stdin, stdout_path = b"", None
     if "|" in words:
         pipe = words.index("|")
-        head, words = words[:pipe], words[pipe + 1:]
+        head, words = words[:pipe], words[pipe + 1 :]
         assert head[0] == "head" and head[1].startswith("-"), line
-        stdin = b"".join(Path(head[2]).read_bytes().splitlines(keepends=True)[:int(head[1][1:])])
+        stdin = b"".join(Path(head[2]).read_bytes().splitlines(keepends=True)[: int(head[1][1:])])
     if ">" in words:
-        stdout_path, words = Path(words[words.index(">") + 1]), words[:words.index(">")]
+        stdout_path, words = Path(words[words.index(">") + 1]), words[: words.index(">")]
     assert words[0] == "llmctl", line
     sink = io.BytesIO()
     with monkeypatch.context() as m:
         m.setattr("sys.stdin", types.SimpleNamespace(buffer=io.BytesIO(stdin)))
-        m.setattr("sys.stdout", types.SimpleNamespace(buffer=sink, write=lambda s: None,
-                                                      flush=lambda: None))
+        m.setattr(
+            "sys.stdout",
+            types.SimpleNamespace(buffer=sink, write=lambda s: None, flush=lambda: None),
+        )
         rc = main(words[1:])
     if stdout_path is not None:
         stdout_path.write_bytes(sink.getvalue())
@@ -71,8 +73,11 @@ def test_help_and_readme_examples_run_in_order_on_a_fresh_checkout(tmp_path, cap
     monkeypatch.chdir(tmp_path)
     for line in readme:
         assert run_example(line, monkeypatch) == 0, (line, capsys.readouterr().err)
-    for out in (tmp_path / "out.jsonl", tmp_path / "examples" / "prompts.out.jsonl",
-                tmp_path / "out-short.jsonl"):
+    for out in (
+        tmp_path / "out.jsonl",
+        tmp_path / "examples" / "prompts.out.jsonl",
+        tmp_path / "out-short.jsonl",
+    ):
         rows = [json.loads(line) for line in out.read_bytes().splitlines()]
         assert len(rows) == n_prompts and all(r["error"] is None for r in rows)
     assert len((tmp_path / "out-head.jsonl").read_bytes().splitlines()) == 2

@@ -52,8 +52,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def child(args, delay=0.0, **kw):
     env = dict(os.environ, FAKE_STEP_DELAY=str(delay), PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-c", CHILD, "run-batch", *args], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, "run-batch", *args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kw,
+    )
 
 
 def run_child(args, delay=0.0, stdin_bytes=None):
@@ -67,7 +73,9 @@ def job(tmp_path_factory):
     """An input of 300 rows (one bad) and the output of an uninterrupted run."""
     d = tmp_path_factory.mktemp("kill")
     inp = d / "in.jsonl"
-    rows = [json.dumps({"prompt": f"ROMEO {i}:", "max_tokens": 1 + (i * 7) % 5}) for i in range(300)]
+    rows = [
+        json.dumps({"prompt": f"ROMEO {i}:", "max_tokens": 1 + (i * 7) % 5}) for i in range(300)
+    ]
     rows[150] = '{"prompt": '
     inp.write_text("\n".join(rows) + "\n")
     ref = d / "ref.jsonl"
@@ -80,7 +88,9 @@ def wait_for_commits(out: Path, rows: int, proc, timeout=60.0) -> dict:
     sp = state_path(out)
     deadline = time.time() + timeout
     while time.time() < deadline:
-        assert proc.poll() is None, "child finished before it could be interrupted; slow the fake engine down"
+        assert proc.poll() is None, (
+            "child finished before it could be interrupted; slow the fake engine down"
+        )
         try:
             state = json.loads(sp.read_text())
             if state["stats"].get("rows", 0) >= rows:
@@ -91,8 +101,15 @@ def wait_for_commits(out: Path, rows: int, proc, timeout=60.0) -> dict:
     raise AssertionError("no commit in time")
 
 
-@pytest.mark.parametrize("how,extra", [(signal.SIGKILL, []), (signal.SIGKILL, ["--unordered"]),
-                                       (signal.SIGINT, []), (signal.SIGTERM, ["--unordered"])])
+@pytest.mark.parametrize(
+    "how,extra",
+    [
+        (signal.SIGKILL, []),
+        (signal.SIGKILL, ["--unordered"]),
+        (signal.SIGINT, []),
+        (signal.SIGTERM, ["--unordered"]),
+    ],
+)
 def test_killed_run_resumes_to_the_uninterrupted_output(job, tmp_path, how, extra):
     inp, ref = job
     out = tmp_path / "out.jsonl"
@@ -111,7 +128,9 @@ def test_killed_run_resumes_to_the_uninterrupted_output(job, tmp_path, how, extr
 
     rc, _, err = run_child([str(inp), "-o", str(out), "-q", *extra])
     assert rc == 0, err
-    got = [json.loads(line) for line in out.read_bytes().splitlines()]  # no torn line: every line parses
+    got = [
+        json.loads(line) for line in out.read_bytes().splitlines()
+    ]  # no torn line: every line parses
     ids = sorted(r["id"] for r in got)
     assert ids == list(range(1, 301))  # every row exactly once
     if extra:
@@ -135,14 +154,18 @@ def test_stdin_to_stdout(job):
 @pytest.mark.parametrize("quiet", [True, False])
 def test_reader_closing_stdout_stops_the_job_like_a_unix_filter(tmp_path, quiet):
     inp = tmp_path / "big.jsonl"
-    inp.write_text("".join(json.dumps({"prompt": f"row {i}", "max_tokens": 3}) + "\n" for i in range(3000)))
+    inp.write_text(
+        "".join(json.dumps({"prompt": f"row {i}", "max_tokens": 3}) + "\n" for i in range(3000))
+    )
     p = child([str(inp), "-o", "-"] + (["-q"] if quiet else []), stdin=subprocess.DEVNULL)
     first = p.stdout.readline()  # like `| head -1`
     p.stdout.close()
     err = p.stderr.read()
     assert p.wait(timeout=60) == 141  # 128 + SIGPIPE: what `set -o pipefail` sees from `cat`
     assert json.loads(first)["id"] == 1
-    assert b"Traceback" not in err and b"Exception ignored" not in err and b"llmctl: error" not in err
+    assert (
+        b"Traceback" not in err and b"Exception ignored" not in err and b"llmctl: error" not in err
+    )
     if quiet:
         assert err == b""
     else:

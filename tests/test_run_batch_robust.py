@@ -12,20 +12,23 @@ import random
 import types
 
 import pytest
+from test_run_batch_cli import InterruptAt, engines, prompts, read_jsonl, write_jsonl  # noqa: F401
 
 import llmctl.commands.run_batch as rb
 from llmctl.batch import outputs, runner
 from llmctl.batch.fake import FakeEngine, FakeRuntime
 from llmctl.batch.journal import journal_path, state_path
 from llmctl.cli import main
-from test_run_batch_cli import InterruptAt, engines, prompts, read_jsonl, write_jsonl  # noqa: F401
 
 REAL_LOAD = rb._load_runtime  # the command's loader, before a fixture replaces it
 
 
 def serve_fakes(monkeypatch) -> None:
-    monkeypatch.setattr(rb, "_load_runtime",
-                        lambda *a, **k: FakeRuntime(FakeEngine(max_num_seqs=4, max_model_len=64)))
+    monkeypatch.setattr(
+        rb,
+        "_load_runtime",
+        lambda *a, **k: FakeRuntime(FakeEngine(max_num_seqs=4, max_model_len=64)),
+    )
 
 
 def one_line_error(capsys) -> str:
@@ -110,8 +113,14 @@ def test_resume_refuses_a_parquet_input_with_other_rows(tmp_path, engines, capsy
     inp = tmp_path / "in.parquet"
 
     def write(rows):
-        pq.write_table(pa.table({"prompt": rows}), str(inp), row_group_size=16, compression="none",
-                       use_dictionary=False, write_statistics=False)
+        pq.write_table(
+            pa.table({"prompt": rows}),
+            str(inp),
+            row_group_size=16,
+            compression="none",
+            use_dictionary=False,
+            write_statistics=False,
+        )
 
     write(texts)
     size = inp.stat().st_size
@@ -135,8 +144,9 @@ def stdin_of(monkeypatch, data: bytes) -> None:
 @pytest.mark.parametrize("extra", [[], ["--unordered"]])
 @pytest.mark.parametrize("change", ["shuffled", "shorter"])
 def test_stdin_resume_refuses_another_stream(tmp_path, engines, capsys, monkeypatch, change, extra):
-    rows = [{"id": i, "prompt": f"ROMEO {i:03d}:", "max_tokens": 1 + (i * 7) % 5}
-            for i in range(120)]
+    rows = [
+        {"id": i, "prompt": f"ROMEO {i:03d}:", "max_tokens": 1 + (i * 7) % 5} for i in range(120)
+    ]
     data = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
     ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
     args = ["run-batch", "-", "-q", "--max-tokens", "3", *extra]
@@ -148,7 +158,7 @@ def test_stdin_resume_refuses_another_stream(tmp_path, engines, capsys, monkeypa
     state = json.loads(state_path(out).read_text())
     assert state["next_position"] > 0 and bool(state["done_after"]) == bool(extra)
     lines = data.splitlines(keepends=True)
-    other = b"".join(lines[::-1]) if change == "shuffled" else data[:state["next_position"] // 2]
+    other = b"".join(lines[::-1]) if change == "shuffled" else data[: state["next_position"] // 2]
     stdin_of(monkeypatch, other)
     capsys.readouterr()
     assert main([*args, "-o", str(out)]) == 2
@@ -164,14 +174,18 @@ def test_stdin_resume_refuses_another_stream(tmp_path, engines, capsys, monkeypa
 
 @pytest.mark.parametrize("damage", ["appended", "truncated", "same size"])
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
-def test_a_finished_output_changed_since_is_not_already_complete(tmp_path, engines, capsys, damage,
-                                                                  suffix):
+def test_a_finished_output_changed_since_is_not_already_complete(
+    tmp_path, engines, capsys, damage, suffix
+):
     inp = write_jsonl(tmp_path / "in.jsonl", prompts(20))
     out = tmp_path / ("out" + suffix)
     assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 0
     good = out.read_bytes()
-    bad = {"appended": good + b"x\n", "truncated": good[:-7],
-           "same size": good[:100] + bytes([good[100] ^ 1]) + good[101:]}[damage]
+    bad = {
+        "appended": good + b"x\n",
+        "truncated": good[:-7],
+        "same size": good[:100] + bytes([good[100] ^ 1]) + good[101:],
+    }[damage]
     out.write_bytes(bad)
     capsys.readouterr()
     assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 2
@@ -197,8 +211,9 @@ def test_resume_refuses_an_output_whose_committed_rows_were_changed(tmp_path, en
 # -- nothing on disk until the model has loaded -------------------------------------------------
 
 
-def test_a_failed_model_load_creates_nothing_and_the_corrected_rerun_runs(tmp_path, engines, capsys,
-                                                                          monkeypatch):
+def test_a_failed_model_load_creates_nothing_and_the_corrected_rerun_runs(
+    tmp_path, engines, capsys, monkeypatch
+):
     inp = write_jsonl(tmp_path / "in.jsonl", prompts(6))
     model = tmp_path / "pickled"
     model.mkdir()
@@ -216,8 +231,9 @@ def test_a_failed_model_load_creates_nothing_and_the_corrected_rerun_runs(tmp_pa
     assert len(read_jsonl(tmp_path / "o.jsonl")) == 6
 
 
-def test_a_state_with_nothing_committed_is_replaced_by_a_rerun_with_other_settings(tmp_path,
-                                                                                   engines):
+def test_a_state_with_nothing_committed_is_replaced_by_a_rerun_with_other_settings(
+    tmp_path, engines
+):
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"ROMEO {i}:"} for i in range(10)])
     out = tmp_path / "out.jsonl"
     engines.append(InterruptAt(0))  # stopped before any row was written (as a failed load left it)
@@ -246,24 +262,28 @@ def counting_loads(monkeypatch):
     return loads
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--summary-json", "{tmp}/nowhere/s.json"], "does not exist"),
-    (["--summary-json", "{tmp}"], "is a folder"),
-    (["--summary-json", "{tmp}/in.jsonl"], "it is the input file"),
-    (["--summary-json", "{tmp}/out.jsonl.llmctl-state.json"], "one of the job's own files"),
-    (["-o", "/dev/null"], "not a regular file"),
-    (["-o", "{tmp}"], "is a folder"),
-    (["-o", "{tmp}/nowhere/o.jsonl"], "does not exist"),
-    (["--prompt-column", "text"], "--prompt-column is for Parquet input"),
-    (["--max-model-len", "0"], "Invalid value for '--max-model-len'"),  # click's usage error
-    (["--max-num-seqs", "0"], "--max-num-seqs"),
-    (["--block-size", "0"], "--block-size"),
-    (["--top-p", "2"], "top_p"),
-    (["--kv-cache-memory", "lots"], "memory size"),
-    (["--input-format", "csv"], "--input-format"),
-])
-def test_bad_options_fail_before_any_work_and_leave_nothing(tmp_path, counting_loads, capsys, args,
-                                                            message):
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--summary-json", "{tmp}/nowhere/s.json"], "does not exist"),
+        (["--summary-json", "{tmp}"], "is a folder"),
+        (["--summary-json", "{tmp}/in.jsonl"], "it is the input file"),
+        (["--summary-json", "{tmp}/out.jsonl.llmctl-state.json"], "one of the job's own files"),
+        (["-o", "/dev/null"], "not a regular file"),
+        (["-o", "{tmp}"], "is a folder"),
+        (["-o", "{tmp}/nowhere/o.jsonl"], "does not exist"),
+        (["--prompt-column", "text"], "--prompt-column is for Parquet input"),
+        (["--max-model-len", "0"], "Invalid value for '--max-model-len'"),  # click's usage error
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--block-size", "0"], "--block-size"),
+        (["--top-p", "2"], "top_p"),
+        (["--kv-cache-memory", "lots"], "memory size"),
+        (["--input-format", "csv"], "--input-format"),
+    ],
+)
+def test_bad_options_fail_before_any_work_and_leave_nothing(
+    tmp_path, counting_loads, capsys, args, message
+):
     inp = write_jsonl(tmp_path / "in.jsonl", prompts(3))
     before = listing(tmp_path)
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
@@ -284,8 +304,9 @@ def test_a_fifo_output_is_refused(tmp_path, counting_loads, capsys):
     assert "-o - >" in one_line_error(capsys) and counting_loads == []
 
 
-def test_an_output_folder_we_cannot_write_is_refused_before_work(tmp_path, counting_loads, capsys,
-                                                                  monkeypatch):
+def test_an_output_folder_we_cannot_write_is_refused_before_work(
+    tmp_path, counting_loads, capsys, monkeypatch
+):
     inp = write_jsonl(tmp_path / "in.jsonl", prompts(3))
     folder = tmp_path / "ro"
     folder.mkdir()
@@ -320,8 +341,20 @@ def test_a_summary_that_cannot_be_written_at_the_end_is_one_line(tmp_path, monke
         return FakeRuntime(FakeEngine(max_num_seqs=4))
 
     monkeypatch.setattr(rb, "_load_runtime", load)
-    assert main(["run-batch", str(inp), "-o", str(tmp_path / "o.jsonl"), "-q",
-                 "--summary-json", str(folder / "s.json")]) == 1
+    assert (
+        main(
+            [
+                "run-batch",
+                str(inp),
+                "-o",
+                str(tmp_path / "o.jsonl"),
+                "-q",
+                "--summary-json",
+                str(folder / "s.json"),
+            ]
+        )
+        == 1
+    )
     assert "cannot write --summary-json" in one_line_error(capsys)
     assert len(read_jsonl(tmp_path / "o.jsonl")) == 3  # the rows are kept
 
@@ -350,8 +383,9 @@ class FailingFile:
 
 
 @pytest.mark.parametrize("op, after", [("write", 25), ("flush", 3), ("fsync", 3), ("close", 1)])
-def test_disk_full_is_one_line_and_resumes_exactly(tmp_path, engines, capsys, monkeypatch, op,
-                                                    after):
+def test_disk_full_is_one_line_and_resumes_exactly(
+    tmp_path, engines, capsys, monkeypatch, op, after
+):
     inp = write_jsonl(tmp_path / "in.jsonl", prompts(60))
     ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
     assert main(["run-batch", str(inp), "-o", str(ref), "-q"]) == 0
@@ -367,8 +401,9 @@ def test_disk_full_is_one_line_and_resumes_exactly(tmp_path, engines, capsys, mo
         monkeypatch.setattr(os, "fsync", failing_fsync)
     else:
         real_open = outputs.open_locked
-        monkeypatch.setattr(runner, "open_locked",
-                            lambda *a, **k: FailingFile(real_open(*a, **k), op, after))
+        monkeypatch.setattr(
+            runner, "open_locked", lambda *a, **k: FailingFile(real_open(*a, **k), op, after)
+        )
     small_commits = runner.run_batch
 
     def run_batch(opts, *a, **k):
@@ -384,8 +419,9 @@ def test_disk_full_is_one_line_and_resumes_exactly(tmp_path, engines, capsys, mo
         return
     assert rc == 1
     rows = json.loads(state_path(out).read_text())["stats"].get("rows", 0)
-    assert one_line_error(capsys) == (f"llmctl: error: disk full after {rows} committed rows; "
-                                      f"free space and rerun to resume")
+    assert one_line_error(capsys) == (
+        f"llmctl: error: disk full after {rows} committed rows; free space and rerun to resume"
+    )
     assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 0
     assert out.read_bytes() == ref.read_bytes()
 
@@ -420,17 +456,27 @@ def test_stdin_without_o_writes_stdout(tmp_path, engines, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"{not json", "not a readable run-batch state file"),
-    (b'{"version": 99}', "written by a newer llmctl"),
-    (b'{"version": 2, "fingerprint": 5, "created": 0, "next_index": 0, "next_position": 0, '
-     b'"done_after": [], "output_bytes": 0, "stats": {}, "complete": false}', "not a readable"),
-    (b'{"version": 2, "fingerprint": {}, "created": 0, "next_index": 0, "next_position": 0, '
-     b'"done_after": [], "output_bytes": -4, "stats": {}, "complete": false}', "not a readable"),
-    (None, "cannot read"),  # the state path is a folder
-])
-def test_a_bad_state_file_is_one_line_telling_to_overwrite(tmp_path, engines, capsys, content,
-                                                            message):
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"{not json", "not a readable run-batch state file"),
+        (b'{"version": 99}', "written by a newer llmctl"),
+        (
+            b'{"version": 2, "fingerprint": 5, "created": 0, "next_index": 0, "next_position": 0, '
+            b'"done_after": [], "output_bytes": 0, "stats": {}, "complete": false}',
+            "not a readable",
+        ),
+        (
+            b'{"version": 2, "fingerprint": {}, "created": 0, "next_index": 0, "next_position": 0, '
+            b'"done_after": [], "output_bytes": -4, "stats": {}, "complete": false}',
+            "not a readable",
+        ),
+        (None, "cannot read"),  # the state path is a folder
+    ],
+)
+def test_a_bad_state_file_is_one_line_telling_to_overwrite(
+    tmp_path, engines, capsys, content, message
+):
     inp = write_jsonl(tmp_path / "in.jsonl", prompts(5))
     out = tmp_path / "out.jsonl"
     if content is None:
@@ -476,8 +522,9 @@ def test_ctrl_c_during_the_summary_says_the_job_is_complete(tmp_path, engines, c
     assert json.loads(state_path(out).read_text())["complete"]
 
 
-def test_ctrl_c_while_converting_to_parquet_finishes_on_rerun(tmp_path, engines, capsys,
-                                                              monkeypatch):
+def test_ctrl_c_while_converting_to_parquet_finishes_on_rerun(
+    tmp_path, engines, capsys, monkeypatch
+):
     import pyarrow.parquet as pq
 
     inp = write_jsonl(tmp_path / "in.jsonl", prompts(30))
@@ -510,9 +557,9 @@ def test_a_second_job_is_refused_before_it_loads_a_model(tmp_path, counting_load
     assert len(counting_loads) == 1
 
 
-def test_an_output_created_by_someone_else_while_the_model_loads_is_not_clobbered(tmp_path,
-                                                                                   monkeypatch,
-                                                                                   capsys):
+def test_an_output_created_by_someone_else_while_the_model_loads_is_not_clobbered(
+    tmp_path, monkeypatch, capsys
+):
     inp = write_jsonl(tmp_path / "in.jsonl", prompts(3))
     out = tmp_path / "out.jsonl"
 
@@ -526,13 +573,15 @@ def test_an_output_created_by_someone_else_while_the_model_loads_is_not_clobbere
     assert out.read_text() == "theirs\n" and not state_path(out).exists()
 
 
-def test_a_resumed_stdin_commits_nothing_before_it_is_checked(tmp_path, engines, capsys,
-                                                              monkeypatch):
+def test_a_resumed_stdin_commits_nothing_before_it_is_checked(
+    tmp_path, engines, capsys, monkeypatch
+):
     """--unordered: rows past the watermark were written, so the stream is checked up to the
     last row read; with a smaller --max-in-flight rows finish before the check, and their commit
     must wait for it (else a changed stream would be vouched for)."""
-    rows = [{"id": i, "prompt": f"ROMEO {i:03d}:", "max_tokens": 1 + (i * 7) % 5}
-            for i in range(120)]
+    rows = [
+        {"id": i, "prompt": f"ROMEO {i:03d}:", "max_tokens": 1 + (i * 7) % 5} for i in range(120)
+    ]
     data = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
     out = tmp_path / "out.jsonl"
     args = ["run-batch", "-", "-o", str(out), "-q", "--unordered", "--max-tokens", "3"]

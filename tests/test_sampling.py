@@ -60,7 +60,14 @@ def test_penalties():
 
 
 def test_invalid_params_are_request_errors():
-    for kw in (dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=0), dict(stop=[""]), dict(seed="x")):
+    for kw in (
+        dict(max_tokens=0),
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_k=0),
+        dict(stop=[""]),
+        dict(seed="x"),
+    ):
         with pytest.raises(RequestError):
             SP(**kw)
 
@@ -74,9 +81,13 @@ def test_seeded_request_is_independent_of_batch_mates(llm):
     seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234)
     other = SamplingParams(max_tokens=24, temperature=1.0)
     alone = llm.generate(["ROMEO:"], seeded)[0].output_token_ids
-    mixed = llm.generate(["JULIET:", "ROMEO:", "First Citizen:\nSpeak."], [other, seeded, other])[1].output_token_ids
+    mixed = llm.generate(["JULIET:", "ROMEO:", "First Citizen:\nSpeak."], [other, seeded, other])[
+        1
+    ].output_token_ids
     assert alone == mixed
-    different = llm.generate(["ROMEO:"], SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=99))[0]
+    different = llm.generate(
+        ["ROMEO:"], SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=99)
+    )[0]
     assert different.output_token_ids != alone
 
 
@@ -84,32 +95,50 @@ def test_stop_strings_stop_tokens_and_lengths(llm):
     greedy = llm.generate(["ROMEO:"], SamplingParams(max_tokens=40, temperature=0))[0]
     assert greedy.finish_reason == "length" and len(greedy.output_token_ids) == 40
     stop_word = greedy.text.strip().split()[1]
-    out = llm.generate(["ROMEO:"], SamplingParams(max_tokens=40, temperature=0, stop=[stop_word]))[0]
+    out = llm.generate(["ROMEO:"], SamplingParams(max_tokens=40, temperature=0, stop=[stop_word]))[
+        0
+    ]
     assert out.finish_reason == "stop" and stop_word not in out.text
     assert greedy.text.startswith(out.text) and len(out.output_token_ids) < 40
     stop_id = greedy.output_token_ids[5]
-    out = llm.generate(["ROMEO:"], SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop_id]))[0]
+    out = llm.generate(
+        ["ROMEO:"], SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop_id])
+    )[0]
     first = greedy.output_token_ids.index(stop_id)
-    assert out.finish_reason == "stop" and out.output_token_ids == greedy.output_token_ids[: first + 1]
+    assert (
+        out.finish_reason == "stop" and out.output_token_ids == greedy.output_token_ids[: first + 1]
+    )
 
 
 def test_eos_stops_unless_ignored(llm):
     eos = llm.runtime.eos_token_ids[0]
     engine = llm.engine
-    engine.eos_token_ids = frozenset({llm.generate(["ROMEO:"], SamplingParams(max_tokens=3, temperature=0))[0].output_token_ids[1]})
+    engine.eos_token_ids = frozenset(
+        {
+            llm.generate(["ROMEO:"], SamplingParams(max_tokens=3, temperature=0))[
+                0
+            ].output_token_ids[1]
+        }
+    )
     try:
         out = llm.generate(["ROMEO:"], SamplingParams(max_tokens=10, temperature=0))[0]
         assert out.finish_reason == "stop" and len(out.output_token_ids) == 2
-        out = llm.generate(["ROMEO:"], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+        out = llm.generate(
+            ["ROMEO:"], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        )[0]
         assert len(out.output_token_ids) == 10
     finally:
         engine.eos_token_ids = frozenset({eos})
 
 
 def test_prompt_too_long_is_a_request_error(shakespeare_model):
-    llm = LLM(str(shakespeare_model), dtype="float32", kv_cache_memory=16 * 1024**2, max_model_len=32)
+    llm = LLM(
+        str(shakespeare_model), dtype="float32", kv_cache_memory=16 * 1024**2, max_model_len=32
+    )
     with pytest.raises(RequestError) as e:
         llm.generate([list(range(3, 40))], SamplingParams(max_tokens=4))
     assert e.value.code == "prompt_too_long"
-    out = llm.generate([list(range(3, 30))], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    out = llm.generate(
+        [list(range(3, 30))], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    )[0]
     assert out.finish_reason == "length" and len(out.output_token_ids) == 5  # capped by the context

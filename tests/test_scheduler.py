@@ -80,5 +80,8 @@ def test_same_step_admission_shares_prefix_blocks():
     s.add(a)
     s.add(b)
     order, _ = run_step(s)
-    assert order == [("b", 1), ("a", 9)]  # one-token rows first; b reuses a's two full blocks, computes its last token
+    assert order == [
+        ("b", 1),
+        ("a", 9),
+    ]  # one-token rows first; b reuses a's two full blocks, computes its last token
     assert b.block_table[:2] == a.block_table[:2]

@@ -9,13 +9,20 @@ import torch
 
 from llmctl.cli import main
 from llmctl.compress.sparse.job import SparsifyArgs, run_sparsify
-from llmctl.runtime.semi_structured import satisfies_nm
 from llmctl.compress.sparse.recipe import load_recipe, merge_args
 from llmctl.errors import UsageError
+from llmctl.runtime.semi_structured import satisfies_nm
 from tests.conftest import REPO, make_random_model
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +31,9 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("sparse-cli")
     model = make_random_model(root / "model", "llama", seed=3)
     g = torch.Generator().manual_seed(0)
-    rows = [{"prompt_token_ids": torch.randint(3, 160, (40,), generator=g).tolist()} for _ in range(30)]
+    rows = [
+        {"prompt_token_ids": torch.randint(3, 160, (40,), generator=g).tolist()} for _ in range(30)
+    ]
     calib = root / "calib.jsonl"
     calib.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return model, calib
@@ -36,13 +45,37 @@ def _weights(folder):
     return load_file(str(folder / "model.safetensors"))
 
 
-@pytest.mark.parametrize("method,spec", [("magnitude", ["--pattern", "2:4"]), ("wanda", ["--pattern", "4:8"]),
-                                         ("sparsegpt", ["--pattern", "2:4"])])
+@pytest.mark.parametrize(
+    "method,spec",
+    [
+        ("magnitude", ["--pattern", "2:4"]),
+        ("wanda", ["--pattern", "4:8"]),
+        ("sparsegpt", ["--pattern", "2:4"]),
+    ],
+)
 def test_cli_prunes_every_group_and_writes_report(tiny, tmp_path, method, spec):
     model, calib = tiny
     out, report = tmp_path / "out", tmp_path / "r.json"
-    rc = main(["sparsify", str(model), "-o", str(out), "--method", method, *spec, "--calib", str(calib),
-               "--num-samples", "8", "--seq-len", "32", "--report-json", str(report), "--quiet"])
+    rc = main(
+        [
+            "sparsify",
+            str(model),
+            "-o",
+            str(out),
+            "--method",
+            method,
+            *spec,
+            "--calib",
+            str(calib),
+            "--num-samples",
+            "8",
+            "--seq-len",
+            "32",
+            "--report-json",
+            str(report),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     n, m = (int(v) for v in spec[1].split(":"))
     w = _weights(out)
@@ -64,9 +97,31 @@ def test_cli_prunes_every_group_and_writes_report(tiny, tmp_path, method, spec):
 def test_cli_unstructured_wanda_prunes_each_row(tiny, tmp_path):
     model, calib = tiny
     out = tmp_path / "out"
-    assert main(["sparsify", str(model), "-o", str(out), "--sparsity", "0.25", "--method", "wanda",
-                 "--calib", str(calib), "--num-samples", "4", "--seq-len", "32", "--no-eval", "--quiet",
-                 "--ignore", "down_proj"]) == 0
+    assert (
+        main(
+            [
+                "sparsify",
+                str(model),
+                "-o",
+                str(out),
+                "--sparsity",
+                "0.25",
+                "--method",
+                "wanda",
+                "--calib",
+                str(calib),
+                "--num-samples",
+                "4",
+                "--seq-len",
+                "32",
+                "--no-eval",
+                "--quiet",
+                "--ignore",
+                "down_proj",
+            ]
+        )
+        == 0
+    )
     w = _weights(out)
     q = w["model.layers.1.self_attn.q_proj.weight"]  # [64, 64]: 16 zeros in every row
     assert ((q == 0).sum(1) == 16).all()
@@ -76,13 +131,16 @@ def test_cli_unstructured_wanda_prunes_each_row(tiny, tmp_path):
     assert "model.layers.0.mlp.down_proj" not in cfg["layers"]
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--pattern", "2:4", "--sparsity", "0.5"], "not both"),
-    (["--pattern", "3:2"], "0 < N < M"),
-    (["--method", "obs"], "unknown --method"),
-    (["--sparsity", "1.5"], "between 0 and 1"),
-    (["--ignore", "*"], "no linear layer left"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--pattern", "2:4", "--sparsity", "0.5"], "not both"),
+        (["--pattern", "3:2"], "0 < N < M"),
+        (["--method", "obs"], "unknown --method"),
+        (["--sparsity", "1.5"], "between 0 and 1"),
+        (["--ignore", "*"], "no linear layer left"),
+    ],
+)
 def test_cli_usage_errors_are_one_line(tiny, tmp_path, capsys, argv, needle):
     model, _ = tiny
     assert main(["sparsify", str(model), "-o", str(tmp_path / "o"), "--seq-len", "32", *argv]) == 2
@@ -100,8 +158,15 @@ def test_cli_refuses_non_empty_output(tiny, tmp_path, capsys):
 
 def test_interrupted_run_resumes_from_last_layer(tiny, tmp_path):
     model, calib = tiny
-    common = dict(model=str(model), pattern="2:4", method="sparsegpt", calib=str(calib), num_samples=6, seq_len=32,
-                  evaluate=False)
+    common = dict(
+        model=str(model),
+        pattern="2:4",
+        method="sparsegpt",
+        calib=str(calib),
+        num_samples=6,
+        seq_len=32,
+        evaluate=False,
+    )
     run_sparsify(SparsifyArgs(output=str(tmp_path / "whole"), **common))
 
     def stop_after_first(done, total):
@@ -109,7 +174,9 @@ def test_interrupted_run_resumes_from_last_layer(tiny, tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_sparsify(SparsifyArgs(output=str(tmp_path / "resumed"), **common), progress=stop_after_first)
+        run_sparsify(
+            SparsifyArgs(output=str(tmp_path / "resumed"), **common), progress=stop_after_first
+        )
     assert (tmp_path / "resumed" / ".llmctl-work" / "resume" / "progress.json").is_file()
     report = run_sparsify(SparsifyArgs(output=str(tmp_path / "resumed"), **common))
     assert report.resumed_layers == 1
@@ -120,14 +187,31 @@ def test_interrupted_run_resumes_from_last_layer(tiny, tmp_path):
 
 def test_recipe_values_and_flag_overrides(tmp_path):
     recipe = load_recipe(REPO / "recipes" / "sparse-2of4-gptq-w4.yaml")
-    assert recipe.sparsify["pattern"] == "2:4" and recipe.quantize["method"] == "gptq" and recipe.quantize["bits"] == 4
-    args = merge_args(recipe, {"model": "m", "output": "o", "method": None, "num_samples": 16, "sparsity": None})
-    assert (args.method, args.pattern, args.num_samples, args.seq_len) == ("sparsegpt", "2:4", 16, 512)
+    assert (
+        recipe.sparsify["pattern"] == "2:4"
+        and recipe.quantize["method"] == "gptq"
+        and recipe.quantize["bits"] == 4
+    )
+    args = merge_args(
+        recipe, {"model": "m", "output": "o", "method": None, "num_samples": 16, "sparsity": None}
+    )
+    assert (args.method, args.pattern, args.num_samples, args.seq_len) == (
+        "sparsegpt",
+        "2:4",
+        16,
+        512,
+    )
     args = merge_args(recipe, {"model": "m", "output": "o", "sparsity": 0.6})
-    assert args.pattern is None and args.sparsity == 0.6  # a flag replaces the recipe's pattern outright
+    assert (
+        args.pattern is None and args.sparsity == 0.6
+    )  # a flag replaces the recipe's pattern outright
     bad = tmp_path / "bad.yaml"
-    for text, needle in (("sparsify: {pattern: 2:4}", "quote the pattern"), ("sparsify: {metod: wanda}", "unknown key"),
-                         ("quantize: {bits: 4}", "needs a `sparsify`"), ("sparsify: {}\nextra: 1", "unknown section")):
+    for text, needle in (
+        ("sparsify: {pattern: 2:4}", "quote the pattern"),
+        ("sparsify: {metod: wanda}", "unknown key"),
+        ("quantize: {bits: 4}", "needs a `sparsify`"),
+        ("sparsify: {}\nextra: 1", "unknown section"),
+    ):
         bad.write_text(text)
         with pytest.raises(UsageError, match=needle):
             load_recipe(bad)
@@ -139,12 +223,30 @@ def test_recipe_sparsify_then_gptq_keeps_every_zero(tiny, tmp_path):
 
     model, calib = tiny
     recipe = tmp_path / "r.yaml"
-    recipe.write_text('sparsify: {method: sparsegpt, pattern: "2:4"}\n'
-                      "quantize: {method: gptq, bits: 4, group_size: 32, format: compressed-tensors}\n"
-                      "calibration: {num_samples: 8, seq_len: 32}\n")
+    recipe.write_text(
+        'sparsify: {method: sparsegpt, pattern: "2:4"}\n'
+        "quantize: {method: gptq, bits: 4, group_size: 32, format: compressed-tensors}\n"
+        "calibration: {num_samples: 8, seq_len: 32}\n"
+    )
     out, report = tmp_path / "out", tmp_path / "r.json"
-    assert main(["sparsify", str(model), "-o", str(out), "--recipe", str(recipe), "--calib", str(calib),
-                 "--report-json", str(report), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "sparsify",
+                str(model),
+                "-o",
+                str(out),
+                "--recipe",
+                str(recipe),
+                "--calib",
+                str(calib),
+                "--report-json",
+                str(report),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     r = json.loads(report.read_text())
     assert r["zeros_kept_after_quantization"] is True
     assert r["quantize"]["method"] == "gptq" and r["quantize"]["perplexity_after"] is not None
@@ -156,18 +258,62 @@ def test_recipe_sparsify_then_gptq_keeps_every_zero(tiny, tmp_path):
         assert satisfies_nm(lin.dequantize(), 2, 4), name
     assert not (out / ".llmctl-work").exists()
     again = load_recipe(out / "recipe.yaml")  # the whole run, in recipe form
-    assert again.quantize["bits"] == 4 and again.quantize["group_size"] == 32 and again.sparsify["method"] == "sparsegpt"
+    assert (
+        again.quantize["bits"] == 4
+        and again.quantize["group_size"] == 32
+        and again.sparsify["method"] == "sparsegpt"
+    )
 
 
 def test_output_recipe_reproduces_the_run(tiny, tmp_path):
     model, calib = tiny
     first = tmp_path / "first"
-    assert main(["sparsify", str(model), "-o", str(first), "--method", "wanda", "--pattern", "4:8", "--calib", str(calib),
-                 "--num-samples", "5", "--seq-len", "24", "--ignore", "o_proj", "--no-eval", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "sparsify",
+                str(model),
+                "-o",
+                str(first),
+                "--method",
+                "wanda",
+                "--pattern",
+                "4:8",
+                "--calib",
+                str(calib),
+                "--num-samples",
+                "5",
+                "--seq-len",
+                "24",
+                "--ignore",
+                "o_proj",
+                "--no-eval",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     recipe = load_recipe(first / "recipe.yaml")
-    assert recipe.sparsify["pattern"] == "4:8" and recipe.calibration["num_samples"] == 5 and recipe.quantize is None
+    assert (
+        recipe.sparsify["pattern"] == "4:8"
+        and recipe.calibration["num_samples"] == 5
+        and recipe.quantize is None
+    )
     second = tmp_path / "second"
-    assert main(["sparsify", str(model), "-o", str(second), "--recipe", str(first / "recipe.yaml"), "--no-eval",
-                 "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "sparsify",
+                str(model),
+                "-o",
+                str(second),
+                "--recipe",
+                str(first / "recipe.yaml"),
+                "--no-eval",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     a, b = _weights(first), _weights(second)
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -9,9 +9,13 @@ import torch
 
 from llmctl.compress.sparse.export import save_dense_model, sparsity_config
 from llmctl.compress.sparse.masks import parse_pattern
-from llmctl.runtime.semi_structured import satisfies_nm
 from llmctl.compress.sparse.pipeline import SparsifySettings, sparsify_model, target_linears
-from llmctl.runtime.semi_structured import accelerate_2of4, semi_structured_support, shape_supported
+from llmctl.runtime.semi_structured import (
+    accelerate_2of4,
+    satisfies_nm,
+    semi_structured_support,
+    shape_supported,
+)
 from llmctl.runtime.weights import load_model
 from tests.conftest import make_random_model
 
@@ -19,8 +23,14 @@ from tests.conftest import make_random_model
 def test_target_linears_ignore_and_width(tmp_path):
     src = make_random_model(tmp_path / "src", "llama", intermediate_size=90)  # 90 % 4 != 0
     model, _ = load_model(src, "float32", "cpu")
-    t = target_linears(model, SparsifySettings(parse_pattern("2:4", None), "magnitude", ignore=("q_proj", "layers.1.*")))
-    assert "model.layers.0.mlp.down_proj" in t.skipped and "90 inputs" in t.skipped["model.layers.0.mlp.down_proj"]
+    t = target_linears(
+        model,
+        SparsifySettings(parse_pattern("2:4", None), "magnitude", ignore=("q_proj", "layers.1.*")),
+    )
+    assert (
+        "model.layers.0.mlp.down_proj" in t.skipped
+        and "90 inputs" in t.skipped["model.layers.0.mlp.down_proj"]
+    )
     assert t.skipped["model.layers.0.self_attn.q_proj"].startswith("ignored")
     assert all(n.startswith("model.layers.0.") for n in t.names)
     assert "model.layers.0.mlp.up_proj" in t.names and "lm_head" not in t.names
@@ -40,7 +50,10 @@ def test_saved_sparse_model_loads_in_transformers_with_same_logits(tmp_path, arc
     out = save_dense_model(model, config.raw, src, tmp_path / "out", {"sparsity_config": meta})
 
     saved = json.loads((out / "config.json").read_text())
-    assert saved["sparsity_config"]["pattern"] == "2:4" and saved["sparsity_config"]["method"] == "magnitude"
+    assert (
+        saved["sparsity_config"]["pattern"] == "2:4"
+        and saved["sparsity_config"]["method"] == "magnitude"
+    )
     assert set(saved["sparsity_config"]["layers"]) == set(targets.names)
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     for name in targets.names:
@@ -49,7 +62,9 @@ def test_saved_sparse_model_loads_in_transformers_with_same_logits(tmp_path, arc
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, model.forward_dense(ids), rtol=1e-4, atol=1e-4)
     again, _ = load_model(out, "float32", "cpu")  # and llmctl reads its own output
-    assert torch.equal(again.model.layers[1].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight)
+    assert torch.equal(
+        again.model.layers[1].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight
+    )
 
 
 def test_export_keeps_checkpoint_dtype_and_tied_embeddings(tmp_path):
@@ -100,11 +115,17 @@ def test_semi_structured_decisions_follow_the_timer(tmp_path, monkeypatch):
     converted = {d.name for d in decisions if d.converted}
     assert converted == {n for n in names if n.endswith(("gate_proj", "up_proj"))}
     assert len(calls) == len(set(calls))  # each shape timed once
-    raw = dict(config.raw, sparsity_config=sparsity_config(parse_pattern("2:4", None), "magnitude",
-                                                           {n: 0.5 for n in names}, [], 0.5))
+    raw = dict(
+        config.raw,
+        sparsity_config=sparsity_config(
+            parse_pattern("2:4", None), "magnitude", {n: 0.5 for n in names}, [], 0.5
+        ),
+    )
     assert len(ss.accelerate_from_config(model, raw, timer=timer)) == len(names)
     raw["sparsity_config"]["pattern"] = "4:8"
-    assert ss.accelerate_from_config(model, raw, timer=timer) == []  # only 2:4 has sparse tensor cores
+    assert (
+        ss.accelerate_from_config(model, raw, timer=timer) == []
+    )  # only 2:4 has sparse tensor cores
 
 
 def test_loader_sends_2of4_checkpoints_through_the_semi_structured_path(tmp_path, monkeypatch):
@@ -121,11 +142,18 @@ def test_loader_sends_2of4_checkpoints_through_the_semi_structured_path(tmp_path
 
     on_cpu, _ = load_model(out, "float16", "cpu")  # the real CPU answer: all dense, reason given
     assert len(on_cpu.semi_structured) == len(res.targets.names)
-    assert not any(d.converted for d in on_cpu.semi_structured) and "CPU" in on_cpu.semi_structured[0].reason
+    assert (
+        not any(d.converted for d in on_cpu.semi_structured)
+        and "CPU" in on_cpu.semi_structured[0].reason
+    )
 
     monkeypatch.setattr(ss, "semi_structured_support", lambda device: (True, ""))
     monkeypatch.setattr(torch.sparse, "to_sparse_semi_structured", lambda w: w.clone())
-    monkeypatch.setattr(ss, "time_dense_vs_sparse", lambda w, tokens: (3.0, 1.0) if w.shape[0] == 128 else (1.0, 1.0))
+    monkeypatch.setattr(
+        ss,
+        "time_dense_vs_sparse",
+        lambda w, tokens: (3.0, 1.0) if w.shape[0] == 128 else (1.0, 1.0),
+    )
     faked, _ = load_model(out, "float16", "cpu")
     converted = {d.name for d in faked.semi_structured if d.converted}
     assert converted == {n for n in res.targets.names if n.endswith(("gate_proj", "up_proj"))}

@@ -14,9 +14,9 @@ from llmctl.compress.sparse.masks import (
     zero_fraction,
 )
 from llmctl.compress.sparse.sparsegpt import sparsegpt_prune
-from llmctl.runtime.semi_structured import satisfies_nm
 from llmctl.compress.sparse.wanda import InputNormAccumulator, input_norms_from_hessian, wanda_mask
 from llmctl.errors import UsageError
+from llmctl.runtime.semi_structured import satisfies_nm
 
 
 def _hinv_chol(h: torch.Tensor, percdamp: float = 0.01) -> torch.Tensor:
@@ -134,7 +134,10 @@ def test_wanda_uses_activation_norms():
     loud_first = wanda_mask(w, torch.tensor([100.0, 1.0, 1.0, 1.0]), pattern)
     assert loud_first.tolist() == [[False, True, True, False], [False, False, True, True]]
     unstructured = wanda_mask(w, torch.tensor([1.0, 1.0, 1.0, 10.0]), parse_pattern(None, 0.25))
-    assert unstructured.tolist() == [[True, False, False, False], [False, False, True, False]]  # magnitude: col 3
+    assert unstructured.tolist() == [
+        [True, False, False, False],
+        [False, False, True, False],
+    ]  # magnitude: col 3
 
 
 def test_wanda_reconstructs_better_than_magnitude():
@@ -155,7 +158,9 @@ def test_sparsegpt_pattern_and_exact_zeros(spec):
     w, x = _layer(rows=12, cols=96)
     pattern = parse_pattern(spec, None) if isinstance(spec, str) else parse_pattern(None, spec)
     res = sparsegpt_prune(w, _hinv_chol(_hessian(x)), pattern, blocksize=32)
-    assert torch.equal(res.mask, res.weight == 0)  # pruned exactly zero, kept ones (random floats) not
+    assert torch.equal(
+        res.mask, res.weight == 0
+    )  # pruned exactly zero, kept ones (random floats) not
     if pattern.structured:
         assert satisfies_nm(res.weight, pattern.n, pattern.m)
         assert (res.mask.reshape(12, -1, pattern.m).sum(-1) == pattern.m - pattern.n).all()
@@ -171,7 +176,9 @@ def test_sparsegpt_beats_magnitude_and_wanda_on_reconstruction():
     h = _hessian(x)
     res = sparsegpt_prune(w, _hinv_chol(h), pattern, blocksize=64)
     err_sgpt = _recon_error(x, w, res.weight)
-    err_wanda = _recon_error(x, w, apply_mask(w, wanda_mask(w, input_norms_from_hessian(h), pattern)))
+    err_wanda = _recon_error(
+        x, w, apply_mask(w, wanda_mask(w, input_norms_from_hessian(h), pattern))
+    )
     err_mag = _recon_error(x, w, apply_mask(w, magnitude_mask(w, pattern)))
     assert err_sgpt < err_wanda < err_mag
     # the update matters: SparseGPT's own mask without the update reconstructs worse

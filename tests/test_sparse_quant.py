@@ -6,16 +6,18 @@ import pytest
 import torch
 
 from llmctl.compress.quant.gptq import quantize_gptq
-from llmctl.runtime.formats.spec import QuantSpec
 from llmctl.compress.sparse.masks import mask_of, parse_pattern
-from llmctl.runtime.semi_structured import satisfies_nm
 from llmctl.compress.sparse.prune import prune_linear
+from llmctl.runtime.formats.spec import QuantSpec
+from llmctl.runtime.semi_structured import satisfies_nm
 
 
 def _layer(rows=32, cols=128, tokens=512, seed=1):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(rows, cols, generator=g) * 0.05
-    x = torch.randn(tokens, cols, generator=g) @ (torch.eye(cols) + 0.2 * torch.randn(cols, cols, generator=g))
+    x = torch.randn(tokens, cols, generator=g) @ (
+        torch.eye(cols) + 0.2 * torch.randn(cols, cols, generator=g)
+    )
     h = 2 * x.T @ x / tokens
     return w, x, h
 

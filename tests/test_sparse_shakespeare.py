@@ -13,12 +13,12 @@ import torch
 from llmctl.compress.calib_data import cut_sequences
 from llmctl.compress.driver import calibrate_layers
 from llmctl.compress.quant.layer_methods import gptq_method
-from llmctl.runtime.formats.spec import QuantSpec
 from llmctl.compress.sparse.masks import parse_pattern
-from llmctl.runtime.semi_structured import satisfies_nm
 from llmctl.compress.sparse.pipeline import SparsifySettings, sparsify_model
 from llmctl.runtime.evaluate import perplexity
+from llmctl.runtime.formats.spec import QuantSpec
 from llmctl.runtime.loader import load_runtime
+from llmctl.runtime.semi_structured import satisfies_nm
 from tests.conftest import shared_path
 
 WINDOW = 256

@@ -21,7 +21,11 @@ def truncated_draft(src, dst, layers: int = 2):
     cfg["num_hidden_layers"] = layers
     (dst / "config.json").write_text(json.dumps(cfg))
     sd = load_file(str(src / "model.safetensors"))
-    keep = {k: v for k, v in sd.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    keep = {
+        k: v
+        for k, v in sd.items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
+    }
     save_file(keep, str(dst / "model.safetensors"))
     return dst
 
@@ -32,8 +36,11 @@ def test_ngram_proposes_what_followed_the_latest_match():
     assert p.propose("r", [4, 5, 6], 3) == []
 
 
-PROMPTS = ["ROMEO:\nO, I will not.\n\nROMEO:\n", "First Citizen:\nBefore we proceed any further, hear me speak.",
-           "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\nJULIET:\nO Romeo"]
+PROMPTS = [
+    "ROMEO:\nO, I will not.\n\nROMEO:\n",
+    "First Citizen:\nBefore we proceed any further, hear me speak.",
+    "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\nJULIET:\nO Romeo",
+]
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
@@ -80,6 +87,8 @@ def test_verify_preserves_the_target_distribution():
 
 def test_sampled_speculation_runs_and_reports_acceptance(shakespeare_model):
     llm = LLM(str(shakespeare_model), dtype="float32", speculative="ngram")
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.7, seed=3, ignore_eos=True))
+    outs = llm.generate(
+        PROMPTS, SamplingParams(max_tokens=24, temperature=0.7, seed=3, ignore_eos=True)
+    )
     assert all(len(o.output_token_ids) == 24 for o in outs)
     assert llm.engine.stats.spec_acceptance_rate is not None

@@ -44,5 +44,7 @@ SCRIPT = textwrap.dedent(
 
 def test_triton_kernels_match_references_in_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]

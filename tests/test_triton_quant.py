@@ -66,8 +66,13 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(device: str, dtypes: str, **env) -> None:
-    res = subprocess.run([sys.executable, "-c", SCRIPT, device, dtypes], env={**os.environ, **env},
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", SCRIPT, device, dtypes],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
 
 
@@ -90,4 +95,6 @@ def test_quant_linear_routes_small_cuda_batches_to_triton():
     assert _use_triton(cuda, small, 128) is triton_quant.available()
     assert not _use_triton(cuda, small + 1, 64)  # prefill: dequantize + cuBLAS
     assert not _use_triton(cpu, 1, 64)  # CPU paths unchanged
-    assert not _use_triton(cuda, 1, 96) and not _use_triton(cuda, 1, 8)  # group not a power of two >= 16
+    assert not _use_triton(cuda, 1, 96) and not _use_triton(
+        cuda, 1, 8
+    )  # group not a power of two >= 16

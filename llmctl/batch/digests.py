@@ -122,7 +122,7 @@ class StreamHasher:
         start = 0
         while start < len(data):
             nl = data.find(b"\n", start)
-            piece = data[start:] if nl < 0 else data[start:nl + 1]
+            piece = data[start:] if nl < 0 else data[start : nl + 1]
             self._add(piece)
             if nl < 0:
                 break
@@ -163,9 +163,11 @@ class StreamHasher:
 
     def _fail(self, position: int) -> None:
         self._failed = True
-        raise PrefixChanged(f"the input changed since the job started: its first {position} bytes "
-                            f"are not the rows already served; feed the same input, or pass "
-                            f"--overwrite to start over")
+        raise PrefixChanged(
+            f"the input changed since the job started: its first {position} bytes "
+            f"are not the rows already served; feed the same input, or pass "
+            f"--overwrite to start over"
+        )
 
     # -- digests --------------------------------------------------------------------------------
 

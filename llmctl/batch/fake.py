@@ -18,7 +18,6 @@ from llmctl.engine.requests import validate_messages
 from llmctl.errors import RequestError
 
 
-
 @dataclass(frozen=True)
 class FakeConfig:
     vocab_size: int = 256
@@ -47,7 +46,9 @@ class FakeRuntime:
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         messages = validate_messages(messages)
-        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+        return self.encode(
+            "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+        )
 
 
 @dataclass
@@ -74,11 +75,18 @@ class FakeEngine:
         self.max_unfinished = 0  # high-water mark, for boundedness tests
         self.steps = 0
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
         if len(prompt_token_ids) + 1 > self.max_model_len:
-            raise RequestError("prompt_too_long", f"prompt has {len(prompt_token_ids)} tokens; the model's "
-                                                  f"context is {self.max_model_len}")
-        self._waiting.append(_Req(request_id, list(prompt_token_ids), params, time.perf_counter(), []))
+            raise RequestError(
+                "prompt_too_long",
+                f"prompt has {len(prompt_token_ids)} tokens; the model's "
+                f"context is {self.max_model_len}",
+            )
+        self._waiting.append(
+            _Req(request_id, list(prompt_token_ids), params, time.perf_counter(), [])
+        )
         self.max_unfinished = max(self.max_unfinished, self.num_unfinished_requests())
 
     def num_unfinished_requests(self) -> int:
@@ -101,9 +109,18 @@ class FakeEngine:
             r.first = r.first or now
             full = len(r.prompt) + len(r.out) >= self.max_model_len
             if len(r.out) >= r.params.max_tokens or full:
-                done.append(RequestOutput(request_id=r.rid, prompt_token_ids=r.prompt, output_token_ids=r.out,
-                                          text=bytes(r.out).decode("ascii"), finish_reason="length",
-                                          arrival_time=r.arrival, first_token_time=r.first, finish_time=now))
+                done.append(
+                    RequestOutput(
+                        request_id=r.rid,
+                        prompt_token_ids=r.prompt,
+                        output_token_ids=r.out,
+                        text=bytes(r.out).decode("ascii"),
+                        finish_reason="length",
+                        arrival_time=r.arrival,
+                        first_token_time=r.first,
+                        finish_time=now,
+                    )
+                )
             else:
                 still.append(r)
         self._running = still

@@ -8,7 +8,6 @@ line, or a file concatenated after another) is skipped; positions still count it
 `position` is a byte offset (JSONL) or a row number (Parquet).
 """
 
-
 from __future__ import annotations
 
 import sys
@@ -58,7 +57,7 @@ class ReplayStream:
             return self._read(limit)
         end = self._kept.find(b"\n", self._pos, self._pos + limit)
         stop = min(len(self._kept), self._pos + limit) if end < 0 else end + 1
-        part = bytes(self._kept[self._pos:stop])
+        part = bytes(self._kept[self._pos : stop])
         self._pos = stop
         if part.endswith(b"\n") or len(part) >= limit or self._pos < len(self._kept):
             return part
@@ -87,8 +86,13 @@ class ReplayStream:
 class JsonlSource:
     """Rows of a JSONL stream (a file, or stdin), parsed by `parse` (simple or OpenAI)."""
 
-    def __init__(self, stream: BinaryIO | ReplayStream, fmt: str, seekable: bool,
-                 max_line_bytes: int = MAX_LINE_BYTES):
+    def __init__(
+        self,
+        stream: BinaryIO | ReplayStream,
+        fmt: str,
+        seekable: bool,
+        max_line_bytes: int = MAX_LINE_BYTES,
+    ):
         self.format = fmt
         self._stream = stream
         self._seekable = seekable
@@ -129,9 +133,15 @@ class JsonlSource:
             lines = self._lines(0, 0)
         for index, start, end, line, too_long in lines:
             if too_long:
-                row = InputRow(index=index, position=start, end_position=end, id=index + 1,
-                               error=request_error("row_too_long",
-                                          f"line is longer than {self.max_line_bytes} bytes"))
+                row = InputRow(
+                    index=index,
+                    position=start,
+                    end_position=end,
+                    id=index + 1,
+                    error=request_error(
+                        "row_too_long", f"line is longer than {self.max_line_bytes} bytes"
+                    ),
+                )
             elif not line.removeprefix(BOM).strip():
                 continue
             elif index < skip_to and ids is None:
@@ -167,8 +177,14 @@ class ParquetSource:
     format = "parquet"
     _INTEGER_FIELDS = ("id", "max_tokens", "top_k", "seed")
 
-    def __init__(self, path: Path, prompt_column: str = "prompt", id_column: str | None = None,
-                 messages_column: str | None = None, batch_rows: int = 1024):
+    def __init__(
+        self,
+        path: Path,
+        prompt_column: str = "prompt",
+        id_column: str | None = None,
+        messages_column: str | None = None,
+        batch_rows: int = 1024,
+    ):
         import pyarrow.parquet as pq
 
         try:
@@ -178,16 +194,20 @@ class ParquetSource:
         names = set(self._file.schema_arrow.names)
         for flag, col in (("--id-column", id_column), ("--messages-column", messages_column)):
             if col is not None and col not in names:
-                raise UsageError(f"{path}: {flag} {col!r} is not a column; "
-                                 f"columns: {', '.join(sorted(names))}")
-        self._map = {"prompt": prompt_column if prompt_column in names else None,
-                     "messages": messages_column,
-                     "prompt_token_ids": ("prompt_token_ids" if "prompt_token_ids" in names
-                                          else None),
-                     "id": id_column}
+                raise UsageError(
+                    f"{path}: {flag} {col!r} is not a column; columns: {', '.join(sorted(names))}"
+                )
+        self._map = {
+            "prompt": prompt_column if prompt_column in names else None,
+            "messages": messages_column,
+            "prompt_token_ids": ("prompt_token_ids" if "prompt_token_ids" in names else None),
+            "id": id_column,
+        }
         if not any(self._map[k] for k in PROMPT_KEYS):
-            raise UsageError(f"{path}: no prompt column {prompt_column!r} (see --prompt-column, "
-                             f"--messages-column); columns: {', '.join(sorted(names))}")
+            raise UsageError(
+                f"{path}: no prompt column {prompt_column!r} (see --prompt-column, "
+                f"--messages-column); columns: {', '.join(sorted(names))}"
+            )
         self.row_overrides = [k for k in OVERRIDE_KEYS if k in names]
         self._columns = sorted({c for c in self._map.values() if c} | set(self.row_overrides))
         self._batch_rows = batch_rows
@@ -209,15 +229,18 @@ class ParquetSource:
         or a type pyarrow cannot convert) gives an error row for each of its unread rows."""
         index = first
         try:
-            for batch in self._file.iter_batches(batch_size=self._batch_rows, row_groups=[rg],
-                                                 columns=self._columns):
+            for batch in self._file.iter_batches(
+                batch_size=self._batch_rows, row_groups=[rg], columns=self._columns
+            ):
                 for record in batch.to_pylist():
                     if index >= start_index:
                         yield self._row(record, index)
                     index += 1
         except Exception as e:
-            error = request_error("invalid_row", f"cannot read Parquet row group {rg} "
-                                        f"({type(e).__name__}: {show(str(e))})")
+            error = request_error(
+                "invalid_row",
+                f"cannot read Parquet row group {rg} ({type(e).__name__}: {show(str(e))})",
+            )
             for i in range(max(index, start_index), first + n):
                 yield InputRow(index=i, position=i, end_position=i + 1, id=i + 1, error=error)
 
@@ -225,12 +248,19 @@ class ParquetSource:
         try:
             obj = self._record_to_obj(record)
         except RequestError as e:
-            return InputRow(index=index, position=index, end_position=index + 1, id=index + 1,
-                            error=e)
+            return InputRow(
+                index=index, position=index, end_position=index + 1, id=index + 1, error=e
+            )
         except Exception as e:  # a row never stops the job, whatever it holds
-            return InputRow(index=index, position=index, end_position=index + 1, id=index + 1,
-                            error=request_error("invalid_row", f"cannot read this row "
-                                                      f"({type(e).__name__}: {show(str(e))})"))
+            return InputRow(
+                index=index,
+                position=index,
+                end_position=index + 1,
+                id=index + 1,
+                error=request_error(
+                    "invalid_row", f"cannot read this row ({type(e).__name__}: {show(str(e))})"
+                ),
+            )
         return parse_simple(obj, index, index, index + 1)
 
     def _record_to_obj(self, record: dict) -> dict:
@@ -241,11 +271,14 @@ class ParquetSource:
             try:
                 obj["prompt"] = obj["prompt"].decode("utf-8")
             except UnicodeDecodeError as e:
-                raise request_error("invalid_utf8", f"prompt is not valid UTF-8 (byte {e.start})") from None
+                raise request_error(
+                    "invalid_utf8", f"prompt is not valid UTF-8 (byte {e.start})"
+                ) from None
         if isinstance(obj.get("messages"), (str, bytes)):
             raw = obj["messages"]
-            obj["messages"], error = decode_json_line(raw if isinstance(raw, bytes)
-                                                      else raw.encode("utf-8"))
+            obj["messages"], error = decode_json_line(
+                raw if isinstance(raw, bytes) else raw.encode("utf-8")
+            )
             if error is not None:
                 raise request_error(error.code, f"{self._map['messages']}: {error.message}")
         if isinstance(obj.get("stop"), tuple):
@@ -261,8 +294,11 @@ class ParquetSource:
 
 
 def _looks_openai(obj: object) -> bool:
-    return (isinstance(obj, dict) and ("custom_id" in obj or "body" in obj)
-            and not any(k in obj for k in PROMPT_KEYS))
+    return (
+        isinstance(obj, dict)
+        and ("custom_id" in obj or "body" in obj)
+        and not any(k in obj for k in PROMPT_KEYS)
+    )
 
 
 def detect_format(readline: Callable[[int], bytes]) -> str:
@@ -286,13 +322,20 @@ def detect_format(readline: Callable[[int], bytes]) -> str:
 
 def _refuse_other_encodings(first: bytes, name: str) -> None:
     if first.startswith(_OTHER_BOMS):
-        raise UsageError(f"{name} starts with a UTF-16/UTF-32 byte-order mark; run-batch reads "
-                         f"UTF-8 JSONL: convert it first (iconv -f UTF-16 -t UTF-8)")
+        raise UsageError(
+            f"{name} starts with a UTF-16/UTF-32 byte-order mark; run-batch reads "
+            f"UTF-8 JSONL: convert it first (iconv -f UTF-16 -t UTF-8)"
+        )
 
 
-def open_input(path: str, fmt: str = "auto", prompt_column: str = "prompt",
-               id_column: str | None = None, messages_column: str | None = None,
-               stdin: BinaryIO | None = None) -> JsonlSource | ParquetSource:
+def open_input(
+    path: str,
+    fmt: str = "auto",
+    prompt_column: str = "prompt",
+    id_column: str | None = None,
+    messages_column: str | None = None,
+    stdin: BinaryIO | None = None,
+) -> JsonlSource | ParquetSource:
     """Open INPUT ('-' = stdin) as a row source; the format is detected unless given."""
     if fmt not in FORMATS:
         raise UsageError(f"unknown --input-format {fmt!r}; use one of {', '.join(FORMATS)}")

@@ -19,15 +19,17 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
-from llmctl.batch.rows import InputRow
 from llmctl.batch.outputs import RowResult
+from llmctl.batch.rows import InputRow
 from llmctl.batch.summary import BatchStats, Progress
 from llmctl.engine.params import SamplingParams
 from llmctl.errors import AbortedError, RequestError
 
 
 class EngineLike(Protocol):
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None: ...
     def step(self) -> list[Any]: ...
     def has_unfinished_requests(self) -> bool: ...
 
@@ -85,12 +87,24 @@ class _Pending:
 
 
 class BatchJob:
-    def __init__(self, engine: EngineLike, runtime: RuntimeLike, rows: Iterator[InputRow], sink: Any,
-                 format_record: Callable[[InputRow, RowResult], bytes], defaults: SamplingParams,
-                 settings: JobSettings = JobSettings(), *, stats: BatchStats | None = None,
-                 start_index: int = 0, start_position: int = 0, done_after: list[int] | None = None,
-                 on_commit: Callable[[Checkpoint], None] | None = None,
-                 on_progress: Callable[[Progress], None] | None = None, rows_total: int | None = None):
+    def __init__(
+        self,
+        engine: EngineLike,
+        runtime: RuntimeLike,
+        rows: Iterator[InputRow],
+        sink: Any,
+        format_record: Callable[[InputRow, RowResult], bytes],
+        defaults: SamplingParams,
+        settings: JobSettings = JobSettings(),
+        *,
+        stats: BatchStats | None = None,
+        start_index: int = 0,
+        start_position: int = 0,
+        done_after: list[int] | None = None,
+        on_commit: Callable[[Checkpoint], None] | None = None,
+        on_progress: Callable[[Progress], None] | None = None,
+        rows_total: int | None = None,
+    ):
         self.engine, self.runtime, self.sink = engine, runtime, sink
         self._rows = rows
         self._format = format_record
@@ -103,10 +117,16 @@ class BatchJob:
         self._on_commit, self._on_progress, self._rows_total = on_commit, on_progress, rows_total
         self._vocab_size = getattr(getattr(runtime, "config", None), "vocab_size", None)
 
-        self._order: deque[int] = deque()  # rows read and not yet behind the watermark, in read order
+        self._order: deque[int] = (
+            deque()
+        )  # rows read and not yet behind the watermark, in read order
         self._positions: dict[int, int] = {}  # row index -> input position, for rows in _order
-        self._in_flight: dict[str, InputRow] = {}  # request id -> row (prompt dropped after submission)
-        self._finished: dict[int, _Pending] = {}  # ordered mode: finished rows waiting for earlier ones
+        self._in_flight: dict[
+            str, InputRow
+        ] = {}  # request id -> row (prompt dropped after submission)
+        self._finished: dict[
+            int, _Pending
+        ] = {}  # ordered mode: finished rows waiting for earlier ones
         self._written: set[int] = set()  # rows written ahead of the watermark
         self._next_read = (start_index, start_position)  # resume point when _order is empty
         self._exhausted = False
@@ -131,7 +151,9 @@ class BatchJob:
                 elif self._exhausted and not self._in_flight:
                     break
                 elif not admitted:
-                    raise RuntimeError("run-batch loop made no progress (engine idle with requests in flight)")
+                    raise RuntimeError(
+                        "run-batch loop made no progress (engine idle with requests in flight)"
+                    )
         except AbortedError:
             raise  # committed by _check_errors before raising
         except BaseException:
@@ -147,7 +169,11 @@ class BatchJob:
     def _admit(self) -> int:
         """Read and submit rows while the in-flight and window bounds allow; returns rows read."""
         s, n = self.settings, 0
-        while not self._exhausted and len(self._in_flight) < s.max_in_flight and len(self._order) < s.window:
+        while (
+            not self._exhausted
+            and len(self._in_flight) < s.max_in_flight
+            and len(self._order) < s.window
+        ):
             row = next(self._rows, None)
             if row is None:
                 self._exhausted = True
@@ -194,8 +220,10 @@ class BatchJob:
             if row.prompt_token_ids is not None:
                 ids = row.prompt_token_ids
                 if self._vocab_size is not None and max(ids) >= self._vocab_size:
-                    raise RequestError("invalid_token_id", f"token id {max(ids)} is outside the vocabulary "
-                                                           f"(size {self._vocab_size})")
+                    raise RequestError(
+                        "invalid_token_id",
+                        f"token id {max(ids)} is outside the vocabulary (size {self._vocab_size})",
+                    )
             elif row.messages is not None:
                 ids = list(self.runtime.apply_chat_template(row.messages))
             else:
@@ -218,7 +246,10 @@ class BatchJob:
             if isinstance(v, float) and not math.isfinite(v):
                 raise RequestError("invalid_parameter", f"{name} must be a finite number, got {v}")
         if not isinstance(values.get("ignore_eos"), bool):
-            raise RequestError("invalid_parameter", f"ignore_eos must be true or false, got {values['ignore_eos']!r}")
+            raise RequestError(
+                "invalid_parameter",
+                f"ignore_eos must be true or false, got {values['ignore_eos']!r}",
+            )
         try:
             return SamplingParams(**values)
         except (TypeError, ValueError) as e:
@@ -230,10 +261,18 @@ class BatchJob:
         if row is None:
             raise RuntimeError(f"engine returned unknown request {out.request_id!r}")
         text = out.text if out.text is not None else self.runtime.decode(out.output_token_ids)
-        self._complete(row, RowResult(text=text, finish_reason=out.finish_reason,
-                                      prompt_tokens=len(out.prompt_token_ids),
-                                      completion_tokens=len(out.output_token_ids),
-                                      token_ids=list(out.output_token_ids), ttft=out.ttft, tpot=out.tpot))
+        self._complete(
+            row,
+            RowResult(
+                text=text,
+                finish_reason=out.finish_reason,
+                prompt_tokens=len(out.prompt_token_ids),
+                completion_tokens=len(out.output_token_ids),
+                token_ids=list(out.output_token_ids),
+                ttft=out.ttft,
+                tpot=out.tpot,
+            ),
+        )
         self._busy = False
         self._check_errors()
 
@@ -267,7 +306,13 @@ class BatchJob:
     def _write(self, data: bytes, result: RowResult) -> None:
         self.sink.write(data)
         r = result
-        self.stats.add_row(r.prompt_tokens, r.completion_tokens, None if r.error is None else r.error.code, r.ttft, r.tpot)
+        self.stats.add_row(
+            r.prompt_tokens,
+            r.completion_tokens,
+            None if r.error is None else r.error.code,
+            r.ttft,
+            r.tpot,
+        )
         self._session_output_tokens += r.completion_tokens
         self._since_commit += 1
         self._progress()
@@ -278,8 +323,10 @@ class BatchJob:
         if limit is not None and self.stats.errors > limit:
             self._commit()
             self._progress(force=True)
-            error = AbortedError(f"stopped after {self.stats.errors} failed rows (--max-errors {limit}); "
-                                 f"{self.stats.rows} rows are written and kept")
+            error = AbortedError(
+                f"stopped after {self.stats.errors} failed rows (--max-errors {limit}); "
+                f"{self.stats.rows} rows are written and kept"
+            )
             error.stats = self.stats  # for --summary-json
             raise error
 
@@ -287,8 +334,10 @@ class BatchJob:
 
     def _maybe_commit(self) -> None:
         now = time.perf_counter()
-        if self._since_commit and (self._since_commit >= self.settings.commit_rows
-                                   or now - self._last_commit >= self.settings.commit_interval_s):
+        if self._since_commit and (
+            self._since_commit >= self.settings.commit_rows
+            or now - self._last_commit >= self.settings.commit_interval_s
+        ):
             self._commit()
 
     def _commit(self, finished: bool = False) -> None:
@@ -303,9 +352,17 @@ class BatchJob:
         else:
             nxt = self._next_read
         if self._on_commit is not None:
-            self._on_commit(Checkpoint(next_index=nxt[0], next_position=nxt[1], done_after=sorted(self._written),
-                                       read_position=self._next_read[1], output_bytes=output_bytes,
-                                       stats=self.stats, finished=finished))
+            self._on_commit(
+                Checkpoint(
+                    next_index=nxt[0],
+                    next_position=nxt[1],
+                    done_after=sorted(self._written),
+                    read_position=self._next_read[1],
+                    output_bytes=output_bytes,
+                    stats=self.stats,
+                    finished=finished,
+                )
+            )
         self._since_commit = 0
         self._last_commit = time.perf_counter()
 
@@ -323,10 +380,18 @@ class BatchJob:
             return
         self._last_progress = now
         st = self.stats
-        self._on_progress(Progress(rows_done=st.rows, rows_total=self._rows_total, errors=st.errors,
-                                   prompt_tokens=st.prompt_tokens, output_tokens=st.output_tokens,
-                                   session_output_tokens=self._session_output_tokens,
-                                   session_elapsed_s=now - self._t0, finished=finished))
+        self._on_progress(
+            Progress(
+                rows_done=st.rows,
+                rows_total=self._rows_total,
+                errors=st.errors,
+                prompt_tokens=st.prompt_tokens,
+                output_tokens=st.output_tokens,
+                session_output_tokens=self._session_output_tokens,
+                session_elapsed_s=now - self._t0,
+                finished=finished,
+            )
+        )
 
 
 __all__ = ["BatchJob", "Checkpoint", "JobSettings", "Peaks", "EngineLike", "RuntimeLike"]

@@ -50,7 +50,9 @@ class JobState:
     created: int  # unix time the job first started (OpenAI `created`, same across resumes)
     next_index: int = 0  # first row not known to be written
     next_position: int = 0  # where that row starts in the input
-    done_after: list[int] = field(default_factory=list)  # rows > next_index already written (unordered)
+    done_after: list[int] = field(
+        default_factory=list
+    )  # rows > next_index already written (unordered)
     output_bytes: int = 0
     stats: dict = field(default_factory=dict)
     complete: bool = False
@@ -61,13 +63,24 @@ class JobState:
     version: int = STATE_VERSION
 
     def to_json(self) -> str:
-        return json.dumps({"version": STATE_VERSION, "complete": self.complete,
-                           "created": self.created, "next_index": self.next_index,
-                           "next_position": self.next_position, "done_after": self.done_after,
-                           "output_bytes": self.output_bytes, "output_blake2b": self.output_blake2b,
-                           "input_hash": self.input_hash, "final_bytes": self.final_bytes,
-                           "final_blake2b": self.final_blake2b, "fingerprint": self.fingerprint,
-                           "stats": self.stats}, separators=(",", ":"))
+        return json.dumps(
+            {
+                "version": STATE_VERSION,
+                "complete": self.complete,
+                "created": self.created,
+                "next_index": self.next_index,
+                "next_position": self.next_position,
+                "done_after": self.done_after,
+                "output_bytes": self.output_bytes,
+                "output_blake2b": self.output_blake2b,
+                "input_hash": self.input_hash,
+                "final_bytes": self.final_bytes,
+                "final_blake2b": self.final_blake2b,
+                "fingerprint": self.fingerprint,
+                "stats": self.stats,
+            },
+            separators=(",", ":"),
+        )
 
     @property
     def legacy(self) -> bool:
@@ -107,8 +120,10 @@ def load_state(path: Path) -> JobState | None:
         d = json.loads(path.read_text(encoding="utf-8"))
         version = d.get("version") if isinstance(d, dict) else None
         if isinstance(version, int) and version > STATE_VERSION:
-            raise UsageError(f"{path} was written by a newer llmctl (state version {version}); "
-                             f"resume with that version, or {hint}")
+            raise UsageError(
+                f"{path} was written by a newer llmctl (state version {version}); "
+                f"resume with that version, or {hint}"
+            )
         if version != STATE_VERSION and version not in LEGACY_VERSIONS:
             raise ValueError(f"unknown version {version!r}")
         return _state_from_dict(d, version)
@@ -127,14 +142,23 @@ def _state_from_dict(d: dict, version: int) -> JobState:
         raise ValueError("fingerprint and stats must be objects")
     input_hash = d.get("input_hash")
     if input_hash is not None:
-        input_hash = {"position": int(input_hash["position"]),
-                      "blake2b": str(input_hash["blake2b"])}
+        input_hash = {
+            "position": int(input_hash["position"]),
+            "blake2b": str(input_hash["blake2b"]),
+        }
     final_bytes = d.get("final_bytes")
-    return JobState(fingerprint=d["fingerprint"], done_after=[int(i) for i in d["done_after"]],
-                    stats=dict(d["stats"]), complete=bool(d["complete"]), version=version,
-                    output_blake2b=_opt_str(d.get("output_blake2b")), input_hash=input_hash,
-                    final_bytes=None if final_bytes is None else int(final_bytes),
-                    final_blake2b=_opt_str(d.get("final_blake2b")), **counts)
+    return JobState(
+        fingerprint=d["fingerprint"],
+        done_after=[int(i) for i in d["done_after"]],
+        stats=dict(d["stats"]),
+        complete=bool(d["complete"]),
+        version=version,
+        output_blake2b=_opt_str(d.get("output_blake2b")),
+        input_hash=input_hash,
+        final_bytes=None if final_bytes is None else int(final_bytes),
+        final_blake2b=_opt_str(d.get("final_blake2b")),
+        **counts,
+    )
 
 
 def _opt_str(v: object) -> str | None:

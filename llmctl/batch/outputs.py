@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from llmctl.batch.digests import new_hasher
-from llmctl.batch.rows import InputRow
 from llmctl.batch.journal import temp_path
+from llmctl.batch.rows import InputRow
 from llmctl.errors import RequestError, UsageError
 
 
@@ -39,13 +39,26 @@ class RowResult:
 
     @classmethod
     def failed(cls, error: RequestError, prompt_tokens: int = 0) -> "RowResult":
-        return cls(text=None, finish_reason=None, prompt_tokens=prompt_tokens, completion_tokens=0, error=error)
+        return cls(
+            text=None,
+            finish_reason=None,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=0,
+            error=error,
+        )
 
 
 def simple_record(row: InputRow, result: RowResult, include_token_ids: bool = False) -> dict:
-    rec = {"id": row.id, "text": result.text, "finish_reason": result.finish_reason,
-           "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens},
-           "error": None if result.error is None else result.error.to_dict()}
+    rec = {
+        "id": row.id,
+        "text": result.text,
+        "finish_reason": result.finish_reason,
+        "usage": {
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+        },
+        "error": None if result.error is None else result.error.to_dict(),
+    }
     if include_token_ids:
         rec["token_ids"] = result.token_ids
     return rec
@@ -57,32 +70,64 @@ def _stable_id(*parts: object, n: int = 24) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:n]
 
 
-def openai_record(row: InputRow, result: RowResult, model: str, created: int, include_token_ids: bool = False) -> dict:
+def openai_record(
+    row: InputRow, result: RowResult, model: str, created: int, include_token_ids: bool = False
+) -> dict:
     """One line of an OpenAI Batch API output file (`response.body` a completion object)."""
     key = _stable_id(row.custom_id, row.index)
     rec: dict = {"id": f"batch_req_{key}", "custom_id": row.custom_id}
     if result.error is not None:  # as OpenAI answers a bad request: an HTTP 400 response, and
         # `error` null (that field is for requests that failed without an HTTP response)
         e = result.error
-        rec["response"] = {"status_code": 400, "request_id": f"req_{key}",
-                           "body": {"error": {"message": e.message, "type": "invalid_request_error",
-                                              "param": getattr(e, "param", None), "code": e.code}}}
+        rec["response"] = {
+            "status_code": 400,
+            "request_id": f"req_{key}",
+            "body": {
+                "error": {
+                    "message": e.message,
+                    "type": "invalid_request_error",
+                    "param": getattr(e, "param", None),
+                    "code": e.code,
+                }
+            },
+        }
         rec["error"] = None
         return rec
     if row.endpoint == "chat":
-        choice: dict = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                        "logprobs": None, "finish_reason": result.finish_reason}
+        choice: dict = {
+            "index": 0,
+            "message": {"role": "assistant", "content": result.text},
+            "logprobs": None,
+            "finish_reason": result.finish_reason,
+        }
         obj, prefix = "chat.completion", "chatcmpl"
     else:
-        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+        choice = {
+            "index": 0,
+            "text": result.text,
+            "logprobs": None,
+            "finish_reason": result.finish_reason,
+        }
         obj, prefix = "text_completion", "cmpl"
     if include_token_ids:
         choice["token_ids"] = result.token_ids
-    usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-             "total_tokens": result.prompt_tokens + result.completion_tokens}
-    rec["response"] = {"status_code": 200, "request_id": f"req_{key}",
-                       "body": {"id": f"{prefix}-{key}", "object": obj, "created": created, "model": model,
-                                "choices": [choice], "usage": usage}}
+    usage = {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+    }
+    rec["response"] = {
+        "status_code": 200,
+        "request_id": f"req_{key}",
+        "body": {
+            "id": f"{prefix}-{key}",
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage,
+        },
+    }
     rec["error"] = None
     return rec
 
@@ -90,7 +135,9 @@ def openai_record(row: InputRow, result: RowResult, model: str, created: int, in
 def encode_record(rec: dict) -> bytes:
     """One JSONL line. A lone surrogate (from a "\\ud800" escape in the input) is written back as the same
     JSON escape, so the line stays valid UTF-8 and valid JSON."""
-    return (json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8", "backslashreplace")
+    return (json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n").encode(
+        "utf-8", "backslashreplace"
+    )
 
 
 def open_locked(path: Path, create: bool) -> BinaryIO:
@@ -101,8 +148,10 @@ def open_locked(path: Path, create: bool) -> BinaryIO:
     try:
         f: BinaryIO = os.fdopen(os.open(path, flags, 0o644), "r+b")
     except FileExistsError:
-        raise UsageError(f"{path} appeared while the model was loading (another llmctl "
-                         f"run-batch?); rerun the command") from None
+        raise UsageError(
+            f"{path} appeared while the model was loading (another llmctl "
+            f"run-batch?); rerun the command"
+        ) from None
     except OSError as e:
         raise UsageError(f"cannot open {path} for writing: {e.strerror or e}") from None
     try:
@@ -113,8 +162,9 @@ def open_locked(path: Path, create: bool) -> BinaryIO:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.close()
-        raise UsageError(f"another llmctl run-batch is writing {path}; wait for it or choose "
-                         f"another output") from None
+        raise UsageError(
+            f"another llmctl run-batch is writing {path}; wait for it or choose another output"
+        ) from None
     return f
 
 
@@ -133,9 +183,11 @@ class FileSink:
         self._f = f
         size = os.fstat(self._f.fileno()).st_size
         if size < committed_bytes:
-            raise UsageError(f"{path} is shorter ({size} bytes) than its state file says "
-                             f"({committed_bytes}); it was changed by hand: pass --overwrite to "
-                             f"start over")
+            raise UsageError(
+                f"{path} is shorter ({size} bytes) than its state file says "
+                f"({committed_bytes}); it was changed by hand: pass --overwrite to "
+                f"start over"
+            )
         self._f.truncate(committed_bytes)
         self._f.seek(committed_bytes)
         self.bytes = committed_bytes
@@ -184,14 +236,22 @@ def _utf8(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def journal_to_parquet(journal: Path, out: Path, include_token_ids: bool, chunk_rows: int = 8192) -> None:
+def journal_to_parquet(
+    journal: Path, out: Path, include_token_ids: bool, chunk_rows: int = 8192
+) -> None:
     """Convert a simple-shape JSONL journal to Parquet in chunks; the file appears atomically."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    fields = [pa.field("id", pa.string()), pa.field("text", pa.string()), pa.field("finish_reason", pa.string()),
-              pa.field("usage", pa.struct([("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64())])),
-              pa.field("error", pa.struct([("code", pa.string()), ("message", pa.string())]))]
+    fields = [
+        pa.field("id", pa.string()),
+        pa.field("text", pa.string()),
+        pa.field("finish_reason", pa.string()),
+        pa.field(
+            "usage", pa.struct([("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64())])
+        ),
+        pa.field("error", pa.struct([("code", pa.string()), ("message", pa.string())])),
+    ]
     if include_token_ids:
         fields.append(pa.field("token_ids", pa.list_(pa.int64())))
     schema = pa.schema(fields)

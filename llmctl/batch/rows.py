@@ -9,7 +9,6 @@ engine/requests.py. Row numbering: `index` is 0-based and counts every physical 
 keep their number); the default id is `index + 1`; `position` is where reading resumes at the row.
 """
 
-
 from __future__ import annotations
 
 import hashlib
@@ -27,8 +26,19 @@ from llmctl.engine.requests import (
 )
 from llmctl.errors import RequestError
 
-OVERRIDE_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                 "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos")
+OVERRIDE_KEYS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "ignore_eos",
+)
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 OPENAI_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 OPENAI_PROMPT = {"completions": "prompt", "chat": "messages"}
@@ -37,11 +47,25 @@ OPENAI_IGNORED = ("model", "user", "metadata", "store", "service_tier")
 # Generation features llmctl does not implement, with the values that ask for none of them. In an
 # OpenAI body every other unknown field is refused too; a simple row may carry other keys.
 NEUTRAL_VALUES: dict[str, tuple] = {
-    "n": (1,), "best_of": (1,), "stream": (False,), "stream_options": (), "echo": (False,),
-    "logprobs": (False,), "top_logprobs": (0,), "logit_bias": ({},), "suffix": ("",),
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},),
-    "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
+    "n": (1,),
+    "best_of": (1,),
+    "stream": (False,),
+    "stream_options": (),
+    "echo": (False,),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "suffix": ("",),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "parallel_tool_calls": (True, False),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
     "web_search_options": (),
 }
 BOM = b"\xef\xbb\xbf"
@@ -79,8 +103,9 @@ def _fill_prompt(row: InputRow, obj: dict) -> None:
     if not present:
         raise request_error("missing_prompt", f"row has none of {', '.join(PROMPT_KEYS)}")
     if len(present) > 1:
-        raise request_error("invalid_row",
-                   f"row has more than one of {', '.join(present)}; give exactly one")
+        raise request_error(
+            "invalid_row", f"row has more than one of {', '.join(present)}; give exactly one"
+        )
     key = present[0]
     value = obj[key]
     if key == "prompt":
@@ -95,8 +120,10 @@ def _fill_prompt(row: InputRow, obj: dict) -> None:
         row.prompt_token_ids = validate_token_ids(value)
 
 
-_OVERRIDE_SHAPES = {"stop": ("a string or an array of strings", (str, list)),
-                    "ignore_eos": ("true or false", (bool, int, float, str))}
+_OVERRIDE_SHAPES = {
+    "stop": ("a string or an array of strings", (str, list)),
+    "ignore_eos": ("true or false", (bool, int, float, str)),
+}
 
 
 def row_overrides(obj: dict, where: str = "") -> dict:
@@ -109,8 +136,11 @@ def row_overrides(obj: dict, where: str = "") -> dict:
             continue
         wanted, shapes = _OVERRIDE_SHAPES.get(key, ("a number", (bool, int, float, str)))
         if not isinstance(value, shapes):
-            raise request_error("invalid_parameter", f"{where}{key} must be {wanted}, "
-                                            f"got {json_type(value)}", param=key)
+            raise request_error(
+                "invalid_parameter",
+                f"{where}{key} must be {wanted}, got {json_type(value)}",
+                param=key,
+            )
         if key == "stop":
             for s in [value] if isinstance(value, str) else value:
                 if isinstance(s, str):
@@ -133,9 +163,12 @@ def _refuse_unsupported(obj: dict, allowed: tuple | None, where: str) -> None:
         if neutral is None and allowed is None:
             continue  # a simple row's own columns (metadata) are passed over
         if neutral is None or not _is_neutral(value, neutral):
-            raise request_error("unsupported_parameter",
-                       f"{where}{key}={show(value)} is not supported: run-batch answers each "
-                       f"request with one plain-text completion; remove the field", param=key)
+            raise request_error(
+                "unsupported_parameter",
+                f"{where}{key}={show(value)} is not supported: run-batch answers each "
+                f"request with one plain-text completion; remove the field",
+                param=key,
+            )
 
 
 def parse_simple(obj: object, index: int, position: int, end_position: int) -> InputRow:
@@ -147,8 +180,9 @@ def parse_simple(obj: object, index: int, position: int, end_position: int) -> I
         rid = obj.get("id")
         if rid is not None:
             if isinstance(rid, bool) or not isinstance(rid, (str, int)):
-                raise request_error("invalid_id",
-                           f"id must be a string or an integer, got {json_type(rid)}")
+                raise request_error(
+                    "invalid_id", f"id must be a string or an integer, got {json_type(rid)}"
+                )
             row.id = rid  # a lone surrogate in it is echoed back as the same JSON escape
         _fill_prompt(row, obj)
         _refuse_unsupported(obj, None, "")
@@ -170,14 +204,22 @@ def _openai_prompt(row: InputRow, body: dict) -> None:
         value = value[0]  # one prompt, in a list
     if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
         kind = "strings" if all(isinstance(p, str) for p in value) else "prompts"
-        raise request_error("unsupported_parameter", f"body.prompt is a list of {len(value)} {kind}: "
-                                            f"each line of a batch is one request with one answer; "
-                                            f"put each prompt on its own line", param="prompt")
+        raise request_error(
+            "unsupported_parameter",
+            f"body.prompt is a list of {len(value)} {kind}: "
+            f"each line of a batch is one request with one answer; "
+            f"put each prompt on its own line",
+            param="prompt",
+        )
     if isinstance(value, list):
         row.prompt_token_ids = validate_token_ids(value, "body.prompt")
     elif not isinstance(value, str):
-        raise request_error("invalid_type", f"body.prompt must be a string, a list of token ids or a list "
-                                   f"of one of them, got {json_type(value)}", param="prompt")
+        raise request_error(
+            "invalid_type",
+            f"body.prompt must be a string, a list of token ids or a list "
+            f"of one of them, got {json_type(value)}",
+            param="prompt",
+        )
     elif not value:
         raise request_error("empty_prompt", "body.prompt is empty", param="prompt")
     else:
@@ -194,8 +236,9 @@ def _openai_envelope(row: InputRow, obj: dict) -> dict:
     if method != "POST":
         raise request_error("invalid_method", f"method must be POST, got {show(method)}")
     if not isinstance(url, str) or url not in OPENAI_ENDPOINTS:
-        raise request_error("unsupported_url", f"url must be one of {', '.join(OPENAI_ENDPOINTS)}, "
-                                      f"got {show(url)}")
+        raise request_error(
+            "unsupported_url", f"url must be one of {', '.join(OPENAI_ENDPOINTS)}, got {show(url)}"
+        )
     if not isinstance(body, dict):
         raise request_error("invalid_body", f"body must be a JSON object, got {json_type(body)}")
     row.endpoint = OPENAI_ENDPOINTS[url]
@@ -207,10 +250,16 @@ def parse_openai(obj: object, index: int, position: int, end_position: int) -> I
     row = InputRow(index=index, position=position, end_position=end_position, id=index + 1)
     try:
         if not isinstance(obj, dict):
-            raise request_error("invalid_row", f"a request must be a JSON object, got {json_type(obj)}")
+            raise request_error(
+                "invalid_row", f"a request must be a JSON object, got {json_type(obj)}"
+            )
         body = _openai_envelope(row, obj)
-        allowed = (OPENAI_PROMPT[row.endpoint], *OVERRIDE_KEYS, "max_completion_tokens",
-                   *OPENAI_IGNORED)
+        allowed = (
+            OPENAI_PROMPT[row.endpoint],
+            *OVERRIDE_KEYS,
+            "max_completion_tokens",
+            *OPENAI_IGNORED,
+        )
         _refuse_unsupported(body, allowed, "body.")
         _openai_prompt(row, body)
         row.overrides = row_overrides(body, "body.")
@@ -222,7 +271,7 @@ def parse_openai(obj: object, index: int, position: int, end_position: int) -> I
 def decode_json_line(line: bytes) -> tuple[object, RequestError | None]:
     """bytes of one line -> (parsed value, None) or (None, error). Never raises."""
     if line.startswith(BOM):
-        line = line[len(BOM):]
+        line = line[len(BOM) :]
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -235,8 +284,10 @@ def decode_json_line(line: bytes) -> tuple[object, RequestError | None]:
         return None, request_error("invalid_json", "invalid JSON: nested too deeply")
     except ValueError as e:  # an integer of more digits than Python converts
         if "digits" in str(e):
-            return None, request_error("invalid_json", f"invalid JSON: a number has more than "
-                                              f"{sys.get_int_max_str_digits()} digits")
+            return None, request_error(
+                "invalid_json",
+                f"invalid JSON: a number has more than {sys.get_int_max_str_digits()} digits",
+            )
         return None, request_error("invalid_json", f"invalid JSON: {show(str(e))}")
 
 
@@ -247,7 +298,9 @@ def parse_line(parse: Callable, line: bytes, index: int, start: int, end: int) -
         if error is None:
             return parse(obj, index, start, end)
     except Exception as e:  # a row never stops the job, whatever it holds
-        error = request_error("invalid_row", f"cannot read this row ({type(e).__name__}: {show(str(e))})")
+        error = request_error(
+            "invalid_row", f"cannot read this row ({type(e).__name__}: {show(str(e))})"
+        )
     return InputRow(index=index, position=start, end_position=end, id=index + 1, error=error)
 
 
@@ -268,6 +321,9 @@ class CustomIds:
         if len(cid) > _LONG_ID:
             key = hashlib.blake2b(cid.encode("utf-8", "surrogatepass"), digest_size=16).digest()
         if key in self._seen:
-            row.error = request_error("duplicate_custom_id", f"custom_id {show(cid)} was already used "
-                                                    f"by an earlier request; they must be unique")
+            row.error = request_error(
+                "duplicate_custom_id",
+                f"custom_id {show(cid)} was already used "
+                f"by an earlier request; they must be unique",
+            )
         self._seen.add(key)

@@ -22,15 +22,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Protocol
 
-from llmctl.batch.digests import (FileHasher, NotVerifiedYet, PrefixChanged, StreamHasher,
-                                  hash_file_prefix, new_hasher, parquet_hasher)
+from llmctl.batch.digests import (
+    FileHasher,
+    NotVerifiedYet,
+    PrefixChanged,
+    StreamHasher,
+    hash_file_prefix,
+    new_hasher,
+    parquet_hasher,
+)
 from llmctl.batch.inputs import MAX_LINE_BYTES, open_input
-from llmctl.batch.rows import InputRow
 from llmctl.batch.job import BatchJob, Checkpoint, JobSettings
-from llmctl.batch.journal import (STATE_VERSION, JobState, fingerprint_mismatch, journal_path,
-                                  load_state, save_state, state_path, temp_path)
-from llmctl.batch.outputs import (FileSink, RowResult, StdoutSink, encode_record,
-                                  journal_to_parquet, open_locked, openai_record, simple_record)
+from llmctl.batch.journal import (
+    STATE_VERSION,
+    JobState,
+    fingerprint_mismatch,
+    journal_path,
+    load_state,
+    save_state,
+    state_path,
+    temp_path,
+)
+from llmctl.batch.outputs import (
+    FileSink,
+    RowResult,
+    StdoutSink,
+    encode_record,
+    journal_to_parquet,
+    open_locked,
+    openai_record,
+    simple_record,
+)
+from llmctl.batch.rows import InputRow
 from llmctl.batch.summary import BatchStats, Progress
 from llmctl.engine.config import EngineConfig
 from llmctl.engine.params import SamplingParams
@@ -120,10 +143,19 @@ def fingerprint(opts: BatchOptions, source_format: str, defaults: SamplingParams
     model = opts.model or "(demo model)"
     if opts.model and Path(opts.model).expanduser().is_dir():
         model = str(Path(opts.model).expanduser().resolve())  # ./m and m are the same model
-    return {"model": model, "dtype": opts.dtype, "input": inp, "input_bytes": size,
-            "input_format": source_format, "prompt_column": opts.prompt_column, "id_column": opts.id_column,
-            "messages_column": opts.messages_column, "include_token_ids": opts.include_token_ids,
-            "ordered": opts.ordered, **{f"sampling.{k}": v for k, v in sampling.items()}}
+    return {
+        "model": model,
+        "dtype": opts.dtype,
+        "input": inp,
+        "input_bytes": size,
+        "input_format": source_format,
+        "prompt_column": opts.prompt_column,
+        "id_column": opts.id_column,
+        "messages_column": opts.messages_column,
+        "include_token_ids": opts.include_token_ids,
+        "ordered": opts.ordered,
+        **{f"sampling.{k}": v for k, v in sampling.items()},
+    }
 
 
 # -- checks before any work ---------------------------------------------------------------------
@@ -136,12 +168,16 @@ def _engine_config(opts: BatchOptions) -> EngineConfig:
 def _check_source_options(opts: BatchOptions, source_format: str) -> None:
     if source_format == "parquet":
         return
-    for flag, value, default in (("--prompt-column", opts.prompt_column, "prompt"),
-                                 ("--id-column", opts.id_column, None),
-                                 ("--messages-column", opts.messages_column, None)):
+    for flag, value, default in (
+        ("--prompt-column", opts.prompt_column, "prompt"),
+        ("--id-column", opts.id_column, None),
+        ("--messages-column", opts.messages_column, None),
+    ):
         if value != default:
-            raise UsageError(f"{flag} is for Parquet input; this input is {source_format} "
-                             f"(its rows name their fields: id, prompt, messages, ...)")
+            raise UsageError(
+                f"{flag} is for Parquet input; this input is {source_format} "
+                f"(its rows name their fields: id, prompt, messages, ...)"
+            )
 
 
 def _written_paths(out: Path, parquet: bool) -> list[Path]:
@@ -178,8 +214,10 @@ def _refuse_input_overwrite(input_path: str, paths: list[Path]) -> None:
         except OSError:
             continue
         if ident is not None and (st.st_dev, st.st_ino) == ident:
-            raise UsageError(f"refusing to write {p}: it is the input file (the same file under "
-                             f"another name or through a link); choose another output")
+            raise UsageError(
+                f"refusing to write {p}: it is the input file (the same file under "
+                f"another name or through a link); choose another output"
+            )
 
 
 def _writable(path: Path) -> bool:
@@ -194,8 +232,10 @@ def _check_output(opts: BatchOptions, out: Path, parquet: bool) -> None:
     if out.is_symlink() and not out.exists():
         raise UsageError(f"output {out} is a link to a missing file; pass a file path")
     if out.exists() and not out.is_file():
-        raise UsageError(f"output {out} is not a regular file (run-batch keeps resume state beside "
-                         f"its output); to discard the rows, use -o - > {out}")
+        raise UsageError(
+            f"output {out} is not a regular file (run-batch keeps resume state beside "
+            f"its output); to discard the rows, use -o - > {out}"
+        )
     if not out.parent.is_dir():
         raise UsageError(f"output folder {out.parent} does not exist")
     if not _writable(out):
@@ -221,8 +261,9 @@ def _check_summary_path(opts: BatchOptions, out: Path | None, parquet: bool) -> 
 # -- the invocation -----------------------------------------------------------------------------
 
 
-def run_batch(opts: BatchOptions, load_runtime: Callable[..., Any],
-              ui: BatchUI | None = None) -> BatchResult:
+def run_batch(
+    opts: BatchOptions, load_runtime: Callable[..., Any], ui: BatchUI | None = None
+) -> BatchResult:
     """Serve every row of opts.input into the output, resuming a previous run of the same job."""
     ui = ui or _SilentUI()
     defaults = default_sampling(opts)
@@ -231,34 +272,47 @@ def run_batch(opts: BatchOptions, load_runtime: Callable[..., Any],
     stream = None
     if opts.input == "-" and to_file:
         stream = StreamHasher(sys.stdin.buffer, MAX_LINE_BYTES)
-    source = open_input(opts.input, opts.input_format, opts.prompt_column, opts.id_column,
-                        opts.messages_column, stdin=stream)
+    source = open_input(
+        opts.input,
+        opts.input_format,
+        opts.prompt_column,
+        opts.id_column,
+        opts.messages_column,
+        stdin=stream,
+    )
     try:
         _check_source_options(opts, source.format)
         out = None
         if to_file:
-            out = Path(opts.output) if opts.output is not None \
+            out = (
+                Path(opts.output)
+                if opts.output is not None
                 else default_output(opts.input, source.format)
+            )
         parquet = out is not None and out.suffix.lower() == ".parquet"
         if out is not None:
             _check_output(opts, out, parquet)
         if parquet and source.format == "openai":
-            raise UsageError("OpenAI batch input is answered in the OpenAI batch output shape "
-                             "(JSONL); use an output path ending in .jsonl")
+            raise UsageError(
+                "OpenAI batch input is answered in the OpenAI batch output shape "
+                "(JSONL); use an output path ending in .jsonl"
+            )
         _check_summary_path(opts, out, parquet)
         if out is None:
             runtime, engine = _load_model(opts, engine_config, load_runtime, ui)
             no_state = JobState(fingerprint={}, created=int(time.time()))
             job = _Job(opts, source, None, no_state, defaults, engine_config, ui)
             return BatchResult(job.drive(StdoutSink(), runtime, engine))
-        return _run_to_file(opts, source, stream, out, parquet, defaults, engine_config,
-                            load_runtime, ui)
+        return _run_to_file(
+            opts, source, stream, out, parquet, defaults, engine_config, load_runtime, ui
+        )
     finally:
         source.close()
 
 
-def _load_model(opts: BatchOptions, engine_config: EngineConfig, load_runtime: Callable[..., Any],
-                ui: BatchUI):
+def _load_model(
+    opts: BatchOptions, engine_config: EngineConfig, load_runtime: Callable[..., Any], ui: BatchUI
+):
     runtime = load_runtime(opts.model, dtype=opts.dtype, device=opts.device)
     engine = runtime.start_engine(engine_config)
     asked, got = engine_config.max_model_len, getattr(engine, "max_model_len", None)
@@ -274,9 +328,17 @@ def _load_model(opts: BatchOptions, engine_config: EngineConfig, load_runtime: C
     return runtime, engine
 
 
-def _run_to_file(opts: BatchOptions, source, stream: StreamHasher | None, out: Path, parquet: bool,
-                 defaults: SamplingParams, engine_config: EngineConfig,
-                 load_runtime: Callable[..., Any], ui: BatchUI) -> BatchResult:
+def _run_to_file(
+    opts: BatchOptions,
+    source,
+    stream: StreamHasher | None,
+    out: Path,
+    parquet: bool,
+    defaults: SamplingParams,
+    engine_config: EngineConfig,
+    load_runtime: Callable[..., Any],
+    ui: BatchUI,
+) -> BatchResult:
     target = journal_path(out) if parquet else out  # the file rows are appended to
     # An existing output is locked at once, so a second job on it fails before loading a model;
     # a new one is created only once the model has loaded.
@@ -285,8 +347,10 @@ def _run_to_file(opts: BatchOptions, source, stream: StreamHasher | None, out: P
         fp = fingerprint(opts, source.format, defaults)
         plan = _plan(opts, out, target, parquet, fp, source, stream, ui)
         if plan.state.complete:
-            ui.info(f"{out} is already complete ({plan.state.stats.get('rows', 0)} rows); "
-                    f"pass --overwrite to run again")
+            ui.info(
+                f"{out} is already complete ({plan.state.stats.get('rows', 0)} rows); "
+                f"pass --overwrite to run again"
+            )
             stats = BatchStats.from_state(plan.state.stats)
             return BatchResult(stats, already_complete=True, output=str(out))
         runtime, engine = _load_model(opts, engine_config, load_runtime, ui)
@@ -327,41 +391,62 @@ def _input_hasher(opts: BatchOptions, source_format: str, stream: StreamHasher |
     return FileHasher(Path(opts.input))
 
 
-def _plan(opts: BatchOptions, out: Path, target: Path, parquet: bool, fp: dict, source,
-          stream: StreamHasher | None, ui: BatchUI) -> _Plan:
+def _plan(
+    opts: BatchOptions,
+    out: Path,
+    target: Path,
+    parquet: bool,
+    fp: dict,
+    source,
+    stream: StreamHasher | None,
+    ui: BatchUI,
+) -> _Plan:
     """What to continue from; a fresh state when nothing was committed. Refuses unsafe reruns."""
     state = None if opts.overwrite else load_state(state_path(out))
-    if state is not None and not state.complete and state.stats.get("rows", 0) == 0 \
-            and state.output_bytes == 0:
+    if (
+        state is not None
+        and not state.complete
+        and state.stats.get("rows", 0) == 0
+        and state.output_bytes == 0
+    ):
         state = None  # nothing was committed (e.g. the model failed to load): start afresh
     if state is None:
         foreign = out.exists() and out.stat().st_size > 0 and not state_path(out).exists()
         if foreign and not opts.overwrite:
-            raise UsageError(f"{out} exists and has no run-batch state beside it; "
-                             f"pass --overwrite to replace it")
+            raise UsageError(
+                f"{out} exists and has no run-batch state beside it; pass --overwrite to replace it"
+            )
         hasher = _input_hasher(opts, source.format, stream)
-        fresh = JobState(fingerprint=fp, created=int(time.time()),
-                         input_hash={"position": 0, "blake2b": hasher.digest_at(0)})
+        fresh = JobState(
+            fingerprint=fp,
+            created=int(time.time()),
+            input_hash={"position": 0, "blake2b": hasher.digest_at(0)},
+        )
         return _Plan(fresh, hasher, new_hasher())
     diff = fingerprint_mismatch(state.fingerprint, fp)
     if diff is not None:
-        raise UsageError(f"cannot resume {out}: {diff}; rerun with the same settings, "
-                         f"or {OVERWRITE}")
+        raise UsageError(
+            f"cannot resume {out}: {diff}; rerun with the same settings, or {OVERWRITE}"
+        )
     if state.complete:
         _verify_finished(out, parquet, state)
         return _Plan(state)
     if state.output_bytes > 0 and not target.exists():
         raise UsageError(f"cannot resume {out}: its partial output is gone; {OVERWRITE}")
     if state.legacy:
-        ui.info(f"{state_path(out)} is from an older llmctl: the input and output contents "
-                f"cannot be checked, only their sizes; resuming")
+        ui.info(
+            f"{state_path(out)} is from an older llmctl: the input and output contents "
+            f"cannot be checked, only their sizes; resuming"
+        )
         state.version = STATE_VERSION
-    return _Plan(state, _verify_input(opts, out, source.format, stream, state),
-                 _verify_output(target, state))
+    return _Plan(
+        state, _verify_input(opts, out, source.format, stream, state), _verify_output(target, state)
+    )
 
 
-def _verify_input(opts: BatchOptions, out: Path, source_format: str, stream: StreamHasher | None,
-                  state: JobState):
+def _verify_input(
+    opts: BatchOptions, out: Path, source_format: str, stream: StreamHasher | None, state: JobState
+):
     """The input hasher, after checking the input starts with the bytes the job consumed."""
     hasher = _input_hasher(opts, source_format, stream)
     if state.input_hash is None:
@@ -375,8 +460,10 @@ def _verify_input(opts: BatchOptions, out: Path, source_format: str, stream: Str
     except PrefixChanged:
         same = False
     if not same:
-        raise UsageError(f"cannot resume {out}: the input changed since the job started (the rows "
-                         f"already served are not the same); rerun with that input, or {OVERWRITE}")
+        raise UsageError(
+            f"cannot resume {out}: the input changed since the job started (the rows "
+            f"already served are not the same); rerun with that input, or {OVERWRITE}"
+        )
     return hasher
 
 
@@ -384,12 +471,16 @@ def _verify_output(target: Path, state: JobState):
     """The hash of the sink file's committed prefix, after checking it against the state."""
     size = target.stat().st_size if target.exists() else 0
     if size < state.output_bytes:
-        raise UsageError(f"cannot resume: {target} is shorter ({size} bytes) than its state file "
-                         f"says ({state.output_bytes}); it was changed by hand: {OVERWRITE}")
+        raise UsageError(
+            f"cannot resume: {target} is shorter ({size} bytes) than its state file "
+            f"says ({state.output_bytes}); it was changed by hand: {OVERWRITE}"
+        )
     hasher = hash_file_prefix(target, state.output_bytes)
     if state.output_blake2b is not None and hasher.hexdigest() != state.output_blake2b:
-        raise UsageError(f"cannot resume: the first {state.output_bytes} bytes of {target} (the "
-                         f"rows committed) were changed since; {OVERWRITE}")
+        raise UsageError(
+            f"cannot resume: the first {state.output_bytes} bytes of {target} (the "
+            f"rows committed) were changed since; {OVERWRITE}"
+        )
     return hasher
 
 
@@ -403,12 +494,16 @@ def _verify_finished(out: Path, parquet: bool, state: JobState) -> None:
     if want is None and not parquet:  # a legacy state: a JSONL output is its committed bytes
         want = state.output_bytes
     if want is not None and size != want:
-        raise UsageError(f"{out} was changed since its job finished ({size} bytes, was {want}); "
-                         f"{again}")
-    if state.final_blake2b is not None \
-            and hash_file_prefix(out, size).hexdigest() != state.final_blake2b:
-        raise UsageError(f"{out} was changed since its job finished (same size, other bytes); "
-                         f"{again}")
+        raise UsageError(
+            f"{out} was changed since its job finished ({size} bytes, was {want}); {again}"
+        )
+    if (
+        state.final_blake2b is not None
+        and hash_file_prefix(out, size).hexdigest() != state.final_blake2b
+    ):
+        raise UsageError(
+            f"{out} was changed since its job finished (same size, other bytes); {again}"
+        )
 
 
 # -- driving ------------------------------------------------------------------------------------
@@ -416,11 +511,14 @@ def _verify_finished(out: Path, parquet: bool, state: JobState) -> None:
 
 def _record_format(opts: BatchOptions, source_format: str, model_name: str, created: int):
     if source_format == "openai":
+
         def fmt(row: InputRow, r: RowResult) -> bytes:
             return encode_record(openai_record(row, r, model_name, created, opts.include_token_ids))
     else:
+
         def fmt(row: InputRow, r: RowResult) -> bytes:
             return encode_record(simple_record(row, r, opts.include_token_ids))
+
     return fmt
 
 
@@ -428,9 +526,17 @@ class _Job:
     """The session's state commits and the job loop, with interruptions and write failures turned
     into one-line errors. `state` only ever holds what is on disk."""
 
-    def __init__(self, opts: BatchOptions, source, out: Path | None, state: JobState,
-                 defaults: SamplingParams, engine_config: EngineConfig, ui: BatchUI,
-                 input_hasher=None):
+    def __init__(
+        self,
+        opts: BatchOptions,
+        source,
+        out: Path | None,
+        state: JobState,
+        defaults: SamplingParams,
+        engine_config: EngineConfig,
+        ui: BatchUI,
+        input_hasher=None,
+    ):
         self.opts, self.source, self.out, self.state = opts, source, out, state
         self.defaults, self.engine_config, self.ui = defaults, engine_config, ui
         self.input_hasher = input_hasher
@@ -458,10 +564,15 @@ class _Job:
                 digest = self.input_hasher.digest_at(position)
             except NotVerifiedYet:
                 return  # a resumed stdin not yet checked: keep the last commit (safe, only older)
-            self._save(next_index=c.next_index, next_position=c.next_position,
-                       done_after=c.done_after, output_bytes=c.output_bytes,
-                       output_blake2b=sink.digest(), stats=c.stats.to_state(),
-                       input_hash={"position": position, "blake2b": digest})
+            self._save(
+                next_index=c.next_index,
+                next_position=c.next_position,
+                done_after=c.done_after,
+                output_bytes=c.output_bytes,
+                output_blake2b=sink.digest(),
+                stats=c.stats.to_state(),
+                input_hash={"position": position, "blake2b": digest},
+            )
 
         return on_commit
 
@@ -469,20 +580,35 @@ class _Job:
         opts, state = self.opts, self.state
         model_name = getattr(runtime, "model_name", None) or opts.model or "llmctl-demo"
         max_in_flight = opts.max_in_flight or 2 * self.engine_config.max_num_seqs
-        settings = JobSettings(max_in_flight=max_in_flight, window=4 * max_in_flight,
-                               ordered=opts.ordered, max_errors=opts.max_errors,
-                               commit_rows=opts.commit_rows,
-                               commit_interval_s=opts.commit_interval_s)
+        settings = JobSettings(
+            max_in_flight=max_in_flight,
+            window=4 * max_in_flight,
+            ordered=opts.ordered,
+            max_errors=opts.max_errors,
+            commit_rows=opts.commit_rows,
+            commit_interval_s=opts.commit_interval_s,
+        )
         stats = BatchStats.from_state(state.stats)
         stats.input_format = self.source.format  # said in the summary: detection may have chosen it
         rows_total = self.source.count_rows()
         fmt = _record_format(opts, self.source.format, model_name, state.created)
         rows = self.source.rows(state.next_index, state.next_position)
-        job = BatchJob(engine, runtime, rows, sink, fmt, self.defaults, settings, stats=stats,
-                       start_index=state.next_index, start_position=state.next_position,
-                       done_after=state.done_after,
-                       on_commit=None if self.out is None else self._on_commit(sink),
-                       on_progress=self.ui.progress, rows_total=rows_total)
+        job = BatchJob(
+            engine,
+            runtime,
+            rows,
+            sink,
+            fmt,
+            self.defaults,
+            settings,
+            stats=stats,
+            start_index=state.next_index,
+            start_position=state.next_position,
+            done_after=state.done_after,
+            on_commit=None if self.out is None else self._on_commit(sink),
+            on_progress=self.ui.progress,
+            rows_total=rows_total,
+        )
         if stats.rows:
             self.ui.info(f"resuming {self.out}: {stats.rows} rows already written")
         self.ui.start(rows_total, stats.rows)
@@ -533,13 +659,17 @@ class _WriteErrors:
             raise StdoutClosed("") from None
         if issubclass(kind, KeyboardInterrupt):
             if out is None:
-                raise BatchInterrupted(f"interrupted after {rows} rows (no resume with -o -)") \
-                    from None
+                raise BatchInterrupted(
+                    f"interrupted after {rows} rows (no resume with -o -)"
+                ) from None
             if self.finishing:
-                raise BatchInterrupted(f"interrupted while finishing {out}; rerun the same command "
-                                       f"to finish it") from None
-            raise BatchInterrupted(f"interrupted: {job._committed_rows()} rows are safely in "
-                                   f"{out}; rerun the same command to continue") from None
+                raise BatchInterrupted(
+                    f"interrupted while finishing {out}; rerun the same command to finish it"
+                ) from None
+            raise BatchInterrupted(
+                f"interrupted: {job._committed_rows()} rows are safely in "
+                f"{out}; rerun the same command to continue"
+            ) from None
         if issubclass(kind, OSError):
             raise _write_error(error, out, job._committed_rows(), rows) from None
         return False
@@ -551,7 +681,10 @@ def _write_error(e: OSError, out: Path | None, committed: int, written: int) -> 
             return LlmctlError(f"disk full after {written} rows written to stdout")
         return LlmctlError(f"cannot write stdout: {e.strerror or e}")
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return LlmctlError(f"disk full after {committed} committed rows; free space and rerun "
-                           f"to resume")
-    return LlmctlError(f"cannot write {out}: {e.strerror or e}; the {committed} rows committed "
-                       f"before are kept, rerun to continue")
+        return LlmctlError(
+            f"disk full after {committed} committed rows; free space and rerun to resume"
+        )
+    return LlmctlError(
+        f"cannot write {out}: {e.strerror or e}; the {committed} rows committed "
+        f"before are kept, rerun to continue"
+    )

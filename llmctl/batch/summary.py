@@ -67,8 +67,14 @@ class BatchStats:
     spec_accepted: int = 0
     input_format: str | None = None  # the format the input was read as (detected or given)
 
-    def add_row(self, prompt_tokens: int, completion_tokens: int, error_code: str | None,
-                ttft: float | None = None, tpot: float | None = None) -> None:
+    def add_row(
+        self,
+        prompt_tokens: int,
+        completion_tokens: int,
+        error_code: str | None,
+        ttft: float | None = None,
+        tpot: float | None = None,
+    ) -> None:
         self.rows += 1
         self.prompt_tokens += prompt_tokens
         self.output_tokens += completion_tokens
@@ -81,22 +87,35 @@ class BatchStats:
             self.tpot.add(tpot)
 
     def to_state(self) -> dict:
-        return {"rows": self.rows, "errors": self.errors, "prompt_tokens": self.prompt_tokens,
-                "output_tokens": self.output_tokens, "elapsed_s": self.elapsed_s,
-                "errors_by_code": dict(self.errors_by_code),
-                "ttft": self.ttft.to_state(), "tpot": self.tpot.to_state(),
-                "spec_proposed": self.spec_proposed, "spec_accepted": self.spec_accepted,
-                "input_format": self.input_format}
+        return {
+            "rows": self.rows,
+            "errors": self.errors,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "elapsed_s": self.elapsed_s,
+            "errors_by_code": dict(self.errors_by_code),
+            "ttft": self.ttft.to_state(),
+            "tpot": self.tpot.to_state(),
+            "spec_proposed": self.spec_proposed,
+            "spec_accepted": self.spec_accepted,
+            "input_format": self.input_format,
+        }
 
     @classmethod
     def from_state(cls, d: dict) -> "BatchStats":
-        return cls(rows=int(d.get("rows", 0)), errors=int(d.get("errors", 0)),
-                   prompt_tokens=int(d.get("prompt_tokens", 0)), output_tokens=int(d.get("output_tokens", 0)),
-                   elapsed_s=float(d.get("elapsed_s", 0.0)),
-                   errors_by_code={str(k): int(v) for k, v in d.get("errors_by_code", {}).items()},
-                   ttft=LogHistogram.from_state(d.get("ttft")), tpot=LogHistogram.from_state(d.get("tpot")),
-                   spec_proposed=int(d.get("spec_proposed", 0)), spec_accepted=int(d.get("spec_accepted", 0)),
-                   input_format=d.get("input_format"))
+        return cls(
+            rows=int(d.get("rows", 0)),
+            errors=int(d.get("errors", 0)),
+            prompt_tokens=int(d.get("prompt_tokens", 0)),
+            output_tokens=int(d.get("output_tokens", 0)),
+            elapsed_s=float(d.get("elapsed_s", 0.0)),
+            errors_by_code={str(k): int(v) for k, v in d.get("errors_by_code", {}).items()},
+            ttft=LogHistogram.from_state(d.get("ttft")),
+            tpot=LogHistogram.from_state(d.get("tpot")),
+            spec_proposed=int(d.get("spec_proposed", 0)),
+            spec_accepted=int(d.get("spec_accepted", 0)),
+            input_format=d.get("input_format"),
+        )
 
     def copy(self) -> "BatchStats":
         return BatchStats.from_state(self.to_state())
@@ -124,7 +143,9 @@ class BatchStats:
             "speculative": {
                 "proposed_tokens": self.spec_proposed,
                 "accepted_tokens": self.spec_accepted,
-                "acceptance_rate": round(self.spec_accepted / self.spec_proposed, 4) if self.spec_proposed else None,
+                "acceptance_rate": round(self.spec_accepted / self.spec_proposed, 4)
+                if self.spec_proposed
+                else None,
             },
         }
 

@@ -8,7 +8,9 @@ from llmctl.errors import NotImplementedYet
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("distill", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    @app.command(
+        "distill", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
+    )
     def distill(ctx: typer.Context) -> None:
         """Not available yet in this release."""
         raise NotImplementedYet("'llmctl distill' is not implemented yet in this release")

@@ -54,12 +54,37 @@ def register(app: typer.Typer) -> None:
     @app.command("eval", help=HELP)
     def eval(
         model: str = typer.Argument(None, metavar="MODEL", help=MODEL_HELP, show_default=False),
-        data: Path = typer.Option(..., "--data", help="Plain-text file, or JSONL with a \"text\" field.", show_default=False),
-        seq_len: int = typer.Option(512, "--seq-len", help="Tokens per window (at most the model's context)."),
-        stride: int = typer.Option(None, "--stride", help="Tokens between window starts (default: seq-len / 2).", show_default=False),
-        reference: str = typer.Option(None, "--reference", help="Reference model for KL(reference || model); same tokenizer.", show_default=False),
-        max_tokens: int = typer.Option(None, "--max-tokens", min=2, help="Evaluate only the first N tokens of the data.", show_default=False),
-        as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
+        data: Path = typer.Option(
+            ...,
+            "--data",
+            help="Plain-text file, or JSONL with a \"text\" field.",
+            show_default=False,
+        ),
+        seq_len: int = typer.Option(
+            512, "--seq-len", help="Tokens per window (at most the model's context)."
+        ),
+        stride: int = typer.Option(
+            None,
+            "--stride",
+            help="Tokens between window starts (default: seq-len / 2).",
+            show_default=False,
+        ),
+        reference: str = typer.Option(
+            None,
+            "--reference",
+            help="Reference model for KL(reference || model); same tokenizer.",
+            show_default=False,
+        ),
+        max_tokens: int = typer.Option(
+            None,
+            "--max-tokens",
+            min=2,
+            help="Evaluate only the first N tokens of the data.",
+            show_default=False,
+        ),
+        as_json: bool = typer.Option(
+            False, "--json", help="Print one JSON object instead of the table."
+        ),
         dtype: str = Dtype,
         device: str = Device,
         quiet: bool = Quiet,
@@ -73,9 +98,13 @@ def register(app: typer.Typer) -> None:
         text = read_text(data)
         runtime = load_runtime(model, dtype=dtype, device=device)
         if runtime.tokenizer is None:
-            raise UsageError(f"{runtime.model_name} has no tokenizer; eval needs one to read --data")
+            raise UsageError(
+                f"{runtime.model_name} has no tokenizer; eval needs one to read --data"
+            )
         if seq_len > runtime.config.max_position_embeddings:
-            raise UsageError(f"--seq-len {seq_len} exceeds the model's context ({runtime.config.max_position_embeddings})")
+            raise UsageError(
+                f"--seq-len {seq_len} exceeds the model's context ({runtime.config.max_position_embeddings})"
+            )
         ids = runtime.encode(text)
         if max_tokens is not None:
             ids = ids[:max_tokens]
@@ -83,8 +112,10 @@ def register(app: typer.Typer) -> None:
         if reference is not None:
             ref_model, ref_config = load_model(resolve_model_path(reference), dtype, runtime.device)
             if ref_config.vocab_size != runtime.config.vocab_size:
-                raise UsageError(f"--reference has vocabulary {ref_config.vocab_size}, the model {runtime.config.vocab_size}; "
-                                 "KL needs the same tokenizer")
+                raise UsageError(
+                    f"--reference has vocabulary {ref_config.vocab_size}, the model {runtime.config.vocab_size}; "
+                    "KL needs the same tokenizer"
+                )
 
         def progress(done: int, total: int) -> None:
             if not quiet and (done == total or done % max(1, total // 10) == 0):
@@ -92,8 +123,12 @@ def register(app: typer.Typer) -> None:
 
         result = perplexity(runtime.model, ids, seq_len, stride, ref_model, progress)
         record = {
-            "schema": "llmctl.eval", "schema_version": 1, "model": runtime.model_name, "reference": reference,
-            "data": str(data), "method": METHOD,
+            "schema": "llmctl.eval",
+            "schema_version": 1,
+            "model": runtime.model_name,
+            "reference": reference,
+            "data": str(data),
+            "method": METHOD,
             "environment": environment(runtime.device, str(runtime.dtype).replace("torch.", "")),
             "result": result.to_dict(),
         }
@@ -108,7 +143,9 @@ def _print(record: dict) -> None:
     from rich.table import Table
 
     r = record["result"]
-    table = Table(title=f"eval {record['model']} on {record['data']}", show_header=False, title_justify="left")
+    table = Table(
+        title=f"eval {record['model']} on {record['data']}", show_header=False, title_justify="left"
+    )
     table.add_column(style="bold")
     table.add_column(justify="right")
     table.add_row("perplexity", f"{r['perplexity']:.4f}")
@@ -117,6 +154,10 @@ def _print(record: dict) -> None:
         table.add_row("mean KL(reference || model)", f"{r['mean_kl']:.6f} nats")
         table.add_row("reference perplexity", f"{r['reference_perplexity']:.4f}")
     table.add_row("scored tokens / tokens", f"{r['num_scored_tokens']:,} / {r['num_tokens']:,}")
-    table.add_row("windows (seq-len, stride)", f"{r['num_windows']} ({r['seq_len']}, {r['stride']})")
-    table.add_row("dtype, device", f"{record['environment']['dtype']}, {record['environment']['device']}")
+    table.add_row(
+        "windows (seq-len, stride)", f"{r['num_windows']} ({r['seq_len']}, {r['stride']})"
+    )
+    table.add_row(
+        "dtype, device", f"{record['environment']['dtype']}, {record['environment']['device']}"
+    )
     Console().print(table)

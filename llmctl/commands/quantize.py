@@ -49,29 +49,53 @@ def register(app: typer.Typer) -> None:
     @app.command("quantize", help=HELP, no_args_is_help=True)
     def quantize(
         model: str = typer.Argument(..., help="Model folder (or hub id) to quantize."),
-        output: Path = typer.Option(..., "--output", "-o", help="Output folder for the quantized model."),
+        output: Path = typer.Option(
+            ..., "--output", "-o", help="Output folder for the quantized model."
+        ),
         awq: bool = typer.Option(False, "--awq", help="Activation-aware weight quantization."),
-        gptq: bool = typer.Option(False, "--gptq", help="GPTQ (second-order error feedback, act-order)."),
+        gptq: bool = typer.Option(
+            False, "--gptq", help="GPTQ (second-order error feedback, act-order)."
+        ),
         rtn: bool = typer.Option(False, "--rtn", help="Round to nearest (no calibration needed)."),
         bits: int = typer.Option(4, "--bits", help="4 or 8."),
         group_size: str = typer.Option(
-            "auto", "--group-size",
-            help="Input columns per scale/zero group: auto, channel, or a power of two >= 16."),
+            "auto",
+            "--group-size",
+            help="Input columns per scale/zero group: auto, channel, or a power of two >= 16.",
+        ),
         symmetric: Optional[bool] = typer.Option(
-            None, "--symmetric/--asymmetric", help="Zero point fixed at the middle (default for GPTQ/RTN) or fitted (AWQ).",
-            show_default=False),
-        calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration data: .jsonl, .parquet or text."),
-        eval_data: Optional[Path] = typer.Option(None, "--eval-data", help="Held-out data for perplexity (same formats)."),
+            None,
+            "--symmetric/--asymmetric",
+            help="Zero point fixed at the middle (default for GPTQ/RTN) or fitted (AWQ).",
+            show_default=False,
+        ),
+        calib: Optional[Path] = typer.Option(
+            None, "--calib", help="Calibration data: .jsonl, .parquet or text."
+        ),
+        eval_data: Optional[Path] = typer.Option(
+            None, "--eval-data", help="Held-out data for perplexity (same formats)."
+        ),
         num_samples: int = typer.Option(128, "--num-samples", help="Calibration sequences."),
         seq_len: int = typer.Option(512, "--seq-len", help="Tokens per calibration sequence."),
-        fmt: str = typer.Option("compressed-tensors", "--format", help="compressed-tensors, awq or gptq."),
-        ignore: List[str] = typer.Option([], "--ignore", help="Linear layers to keep unquantized (repeatable)."),
-        act_order: bool = typer.Option(True, "--act-order/--no-act-order", help="GPTQ: columns by decreasing Hessian diagonal."),
-        dampening: float = typer.Option(0.01, "--dampening", help="GPTQ: fraction of the mean Hessian diagonal added."),
+        fmt: str = typer.Option(
+            "compressed-tensors", "--format", help="compressed-tensors, awq or gptq."
+        ),
+        ignore: List[str] = typer.Option(
+            [], "--ignore", help="Linear layers to keep unquantized (repeatable)."
+        ),
+        act_order: bool = typer.Option(
+            True, "--act-order/--no-act-order", help="GPTQ: columns by decreasing Hessian diagonal."
+        ),
+        dampening: float = typer.Option(
+            0.01, "--dampening", help="GPTQ: fraction of the mean Hessian diagonal added."
+        ),
         device: str = Device,
-        report_json: Optional[Path] = typer.Option(None, "--report-json", help="Also write the report as JSON here."),
-        overwrite: bool = typer.Option(False, "--overwrite",
-                                       help="Replace an earlier llmctl output in -o."),
+        report_json: Optional[Path] = typer.Option(
+            None, "--report-json", help="Also write the report as JSON here."
+        ),
+        overwrite: bool = typer.Option(
+            False, "--overwrite", help="Replace an earlier llmctl output in -o."
+        ),
         quiet: bool = Quiet,
     ) -> None:
         from llmctl.compress.quantize_job import QuantizeArgs, run_quantize
@@ -81,10 +105,22 @@ def register(app: typer.Typer) -> None:
         if len(chosen) != 1:
             raise UsageError("choose exactly one method: --awq, --gptq or --rtn")
         args = QuantizeArgs(
-            model=model, output=str(output), method=chosen[0], bits=bits, group_size=group_size, symmetric=symmetric,
-            calib=str(calib) if calib else None, eval_data=str(eval_data) if eval_data else None,
-            num_samples=num_samples, seq_len=seq_len, format=fmt, ignore=list(ignore), device=device,
-            act_order=act_order, dampening=dampening, overwrite=overwrite,
+            model=model,
+            output=str(output),
+            method=chosen[0],
+            bits=bits,
+            group_size=group_size,
+            symmetric=symmetric,
+            calib=str(calib) if calib else None,
+            eval_data=str(eval_data) if eval_data else None,
+            num_samples=num_samples,
+            seq_len=seq_len,
+            format=fmt,
+            ignore=list(ignore),
+            device=device,
+            act_order=act_order,
+            dampening=dampening,
+            overwrite=overwrite,
             report_json=str(report_json) if report_json else None,
         )
         report = _run_with_progress(args, run_quantize, quiet)
@@ -107,8 +143,14 @@ def _run_with_progress(args, run_quantize, quiet: bool):
 
     if quiet:
         return run_quantize(args, warn=lambda m: print(f"llmctl: warning: {m}", file=sys.stderr))
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
         task = bar.add_task(f"{args.method} layers", total=None)
 
         def progress(done: int, total: int) -> None:
@@ -131,12 +173,21 @@ def _print_report(r) -> None:
     ppl = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     summary = Table(title=f"llmctl quantize: {r.output}", show_header=False)
     for k, v in (
-        ("method", f"{r.method} {r.bits}-bit, group {r.group_size}, {'symmetric' if r.symmetric else 'asymmetric'}"),
+        (
+            "method",
+            f"{r.method} {r.bits}-bit, group {r.group_size}, {'symmetric' if r.symmetric else 'asymmetric'}",
+        ),
         ("format", r.format),
         ("wall time", f"{r.wall_time_s:.1f} s"),
         ("size", f"{_fmt_size(r.size_before_bytes)} -> {_fmt_size(r.size_after_bytes)}"),
-        ("perplexity", f"{ppl(r.perplexity_before)} -> {ppl(r.perplexity_after)} ({r.eval_tokens} held-out tokens)"),
-        ("calibration", f"{r.calibration['num_samples']} x {r.calibration['seq_len']} tokens from {r.calibration['source']}"),
+        (
+            "perplexity",
+            f"{ppl(r.perplexity_before)} -> {ppl(r.perplexity_after)} ({r.eval_tokens} held-out tokens)",
+        ),
+        (
+            "calibration",
+            f"{r.calibration['num_samples']} x {r.calibration['seq_len']} tokens from {r.calibration['source']}",
+        ),
     ):
         summary.add_row(k, v)
     con.print(summary)
@@ -145,5 +196,7 @@ def _print_report(r) -> None:
     layers.add_column("shape")
     layers.add_column("error", justify="right")
     for row in r.layers:
-        layers.add_row(row["name"], "x".join(map(str, row["shape"])), f"{row['rel_output_error']:.2e}")
+        layers.add_row(
+            row["name"], "x".join(map(str, row["shape"])), f"{row['rel_output_error']:.2e}"
+        )
     con.print(layers)

@@ -56,43 +56,95 @@ def register(app: typer.Typer) -> None:
     @app.command("sparsify", help=HELP, no_args_is_help=True)
     def sparsify(
         model: str = typer.Argument(..., help="Model folder (or hub id) to prune."),
-        output: Path = typer.Option(..., "--output", "-o", help="Output folder for the pruned model."),
-        pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M semi-structured pattern: 2:4 (default) or 4:8.",
-                                              show_default=False),
-        sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Unstructured fraction of zeros instead, e.g. 0.5.",
-                                                 show_default=False),
-        method: Optional[str] = typer.Option(None, "--method", help="magnitude, wanda or sparsegpt (default).",
-                                             show_default=False),
-        calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration data: .jsonl, .parquet or text."),
-        eval_data: Optional[Path] = typer.Option(None, "--eval-data", help="Held-out data for perplexity (same formats)."),
-        num_samples: Optional[int] = typer.Option(None, "--num-samples", help="Calibration sequences (default 128).",
-                                                  show_default=False),
-        seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per calibration sequence (default 512).",
-                                              show_default=False),
-        ignore: Optional[List[str]] = typer.Option(None, "--ignore", help="Linear layers to keep dense (repeatable)."),
-        dampening: Optional[float] = typer.Option(None, "--dampening", help="SparseGPT: fraction of the mean Hessian "
-                                                  "diagonal added (default 0.01).", show_default=False),
-        block_size: Optional[int] = typer.Option(None, "--block-size", help="SparseGPT: columns per mask/update block "
-                                                 "(default 128).", show_default=False),
-        recipe: Optional[Path] = typer.Option(None, "--recipe", help="YAML recipe (sparsify, then optionally quantize); "
-                                              "flags given here override it."),
-        evaluate: bool = typer.Option(True, "--eval/--no-eval", help="Measure perplexity before and after."),
+        output: Path = typer.Option(
+            ..., "--output", "-o", help="Output folder for the pruned model."
+        ),
+        pattern: Optional[str] = typer.Option(
+            None,
+            "--pattern",
+            help="N:M semi-structured pattern: 2:4 (default) or 4:8.",
+            show_default=False,
+        ),
+        sparsity: Optional[float] = typer.Option(
+            None,
+            "--sparsity",
+            help="Unstructured fraction of zeros instead, e.g. 0.5.",
+            show_default=False,
+        ),
+        method: Optional[str] = typer.Option(
+            None, "--method", help="magnitude, wanda or sparsegpt (default).", show_default=False
+        ),
+        calib: Optional[Path] = typer.Option(
+            None, "--calib", help="Calibration data: .jsonl, .parquet or text."
+        ),
+        eval_data: Optional[Path] = typer.Option(
+            None, "--eval-data", help="Held-out data for perplexity (same formats)."
+        ),
+        num_samples: Optional[int] = typer.Option(
+            None, "--num-samples", help="Calibration sequences (default 128).", show_default=False
+        ),
+        seq_len: Optional[int] = typer.Option(
+            None,
+            "--seq-len",
+            help="Tokens per calibration sequence (default 512).",
+            show_default=False,
+        ),
+        ignore: Optional[List[str]] = typer.Option(
+            None, "--ignore", help="Linear layers to keep dense (repeatable)."
+        ),
+        dampening: Optional[float] = typer.Option(
+            None,
+            "--dampening",
+            help="SparseGPT: fraction of the mean Hessian diagonal added (default 0.01).",
+            show_default=False,
+        ),
+        block_size: Optional[int] = typer.Option(
+            None,
+            "--block-size",
+            help="SparseGPT: columns per mask/update block (default 128).",
+            show_default=False,
+        ),
+        recipe: Optional[Path] = typer.Option(
+            None,
+            "--recipe",
+            help="YAML recipe (sparsify, then optionally quantize); flags given here override it.",
+        ),
+        evaluate: bool = typer.Option(
+            True, "--eval/--no-eval", help="Measure perplexity before and after."
+        ),
         device: str = Device,
-        report_json: Optional[Path] = typer.Option(None, "--report-json", help="Also write the report as JSON here."),
-        overwrite: bool = typer.Option(False, "--overwrite",
-                                       help="Replace an earlier llmctl output in -o."),
+        report_json: Optional[Path] = typer.Option(
+            None, "--report-json", help="Also write the report as JSON here."
+        ),
+        overwrite: bool = typer.Option(
+            False, "--overwrite", help="Replace an earlier llmctl output in -o."
+        ),
         quiet: bool = Quiet,
     ) -> None:
         from llmctl.compress.sparse.recipe import load_recipe, merge_args, run_recipe
 
         loaded = load_recipe(recipe) if recipe is not None else None
-        args = merge_args(loaded, {
-            "model": model, "output": str(output), "pattern": pattern, "sparsity": sparsity, "method": method,
-            "calib": str(calib) if calib else None, "eval_data": str(eval_data) if eval_data else None,
-            "num_samples": num_samples, "seq_len": seq_len, "ignore": list(ignore) if ignore else None,
-            "dampening": dampening, "block_size": block_size, "device": device, "evaluate": evaluate,
-            "overwrite": overwrite, "report_json": str(report_json) if report_json else None,
-        }).resolve()
+        args = merge_args(
+            loaded,
+            {
+                "model": model,
+                "output": str(output),
+                "pattern": pattern,
+                "sparsity": sparsity,
+                "method": method,
+                "calib": str(calib) if calib else None,
+                "eval_data": str(eval_data) if eval_data else None,
+                "num_samples": num_samples,
+                "seq_len": seq_len,
+                "ignore": list(ignore) if ignore else None,
+                "dampening": dampening,
+                "block_size": block_size,
+                "device": device,
+                "evaluate": evaluate,
+                "overwrite": overwrite,
+                "report_json": str(report_json) if report_json else None,
+            },
+        ).resolve()
         report = _run_with_progress(loaded, args, run_recipe, quiet)
         if report_json:
             from llmctl.compress.output_dir import write_report
@@ -112,14 +164,26 @@ def _run_with_progress(recipe, args, run_recipe, quiet: bool):
         err.print(f"[yellow]warning:[/yellow] {msg}")
 
     if quiet:
-        return run_recipe(recipe, args, warn=lambda m: print(f"llmctl: warning: {m}", file=sys.stderr))
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True) as bar:
+        return run_recipe(
+            recipe, args, warn=lambda m: print(f"llmctl: warning: {m}", file=sys.stderr)
+        )
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
         tasks: dict[str, int] = {}
 
         def progress(stage: str, done: int, total: int) -> None:
             if stage not in tasks:
-                label = f"{args.method} {args.pattern or args.sparsity}" if stage == "sparsify" else "quantize"
+                label = (
+                    f"{args.method} {args.pattern or args.sparsity}"
+                    if stage == "sparsify"
+                    else "quantize"
+                )
                 tasks[stage] = bar.add_task(label, total=total)
             bar.update(tasks[stage], completed=done, total=total)
 
@@ -137,16 +201,26 @@ def _print_report(report) -> None:
     summary = Table(title=f"llmctl sparsify: {out}", show_header=False)
     rows = [
         ("method", f"{r.method}, pattern {r.pattern}"),
-        ("sparsity", f"{r.global_sparsity:.2%} of pruned linears, {r.model_sparsity:.2%} of all decoder linears"),
-        ("perplexity", "not measured (--no-eval)" if r.perplexity_after is None else
-         f"{ppl(r.perplexity_before)} -> {ppl(r.perplexity_after)} ({r.eval_tokens} held-out tokens)"),
+        (
+            "sparsity",
+            f"{r.global_sparsity:.2%} of pruned linears, {r.model_sparsity:.2%} of all decoder linears",
+        ),
+        (
+            "perplexity",
+            "not measured (--no-eval)"
+            if r.perplexity_after is None
+            else f"{ppl(r.perplexity_before)} -> {ppl(r.perplexity_after)} ({r.eval_tokens} held-out tokens)",
+        ),
         ("wall time", f"{r.wall_time_s:.1f} s"),
     ]
     if report.quantize is not None:
         q = report.quantize
         rows += [
             ("then quantized", f"{q.method} {q.bits}-bit, group {q.group_size}, {q.format}"),
-            ("perplexity", f"{ppl(q.perplexity_before)} (sparse) -> {ppl(q.perplexity_after)} (sparse + quantized)"),
+            (
+                "perplexity",
+                f"{ppl(q.perplexity_before)} (sparse) -> {ppl(q.perplexity_after)} (sparse + quantized)",
+            ),
             ("zeros kept", "yes, every pruned weight is exactly zero after quantization"),
         ]
     rows.append(("speed", r.speed_note))
@@ -159,8 +233,14 @@ def _print_report(report) -> None:
     for line in r.layers:
         err = line.get("rel_output_error")
         layer, linear = _split(line["name"])
-        layers.add_row(layer, linear, "x".join(map(str, line["shape"])), f"{line['sparsity']:.2%}",
-                       "yes" if line["pattern_ok"] else "NO", "-" if err is None else f"{err:.4g}")
+        layers.add_row(
+            layer,
+            linear,
+            "x".join(map(str, line["shape"])),
+            f"{line['sparsity']:.2%}",
+            "yes" if line["pattern_ok"] else "NO",
+            "-" if err is None else f"{err:.4g}",
+        )
     con.print(layers)
     for name, why in r.skipped.items():
         con.print(f"dense: {name} ({why})")

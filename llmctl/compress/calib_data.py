@@ -45,8 +45,9 @@ class CalibrationSet:
     warnings: list[str] = field(default_factory=list)
 
 
-def _record_tokens(rec: Any, tok: Tokenizes, where: str,
-                   vocab_size: int | None = None) -> list[int]:
+def _record_tokens(
+    rec: Any, tok: Tokenizes, where: str, vocab_size: int | None = None
+) -> list[int]:
     if not isinstance(rec, dict):
         raise UsageError(f"{where}: expected a JSON object with one of {', '.join(TEXT_COLUMNS)}")
     if rec.get("prompt_token_ids") is not None:
@@ -76,8 +77,9 @@ def _read_text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8-sig")  # a leading BOM is skipped
     except UnicodeDecodeError:
-        raise UsageError(f"{path}: not UTF-8 text; use .jsonl, .parquet or a UTF-8 text file") \
-            from None
+        raise UsageError(
+            f"{path}: not UTF-8 text; use .jsonl, .parquet or a UTF-8 text file"
+        ) from None
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
 
@@ -108,8 +110,9 @@ def _parquet_records(path: Path) -> list[tuple[str, Any]]:
     return [(f"{path.name} row {i}", r) for i, r in enumerate(table.select(cols).to_pylist())]
 
 
-def read_token_stream(path: Path, tok: Tokenizes, separator: int | None = None,
-                      vocab_size: int | None = None) -> list[int]:
+def read_token_stream(
+    path: Path, tok: Tokenizes, separator: int | None = None, vocab_size: int | None = None
+) -> list[int]:
     """All records of `path` tokenized and concatenated (records joined by `separator` if given)."""
     if not path.is_file():
         raise UsageError(f"calibration file {path} not found")
@@ -132,22 +135,29 @@ def _encode_text(text: str, tok: Tokenizes, name: str) -> list[int]:
     try:
         return tok.encode(text)
     except RequestError as e:
-        raise UsageError(f"{name}: {e.message}; give --calib as JSONL with prompt_token_ids") from None
+        raise UsageError(
+            f"{name}: {e.message}; give --calib as JSONL with prompt_token_ids"
+        ) from None
     except Exception as e:  # the tokenizer refused the text
         raise UsageError(f"{name}: cannot tokenize ({type(e).__name__}: {e})") from None
 
 
-def cut_sequences(stream: list[int], num_samples: int, seq_len: int,
-                  source: str = "calibration data") -> tuple[torch.Tensor, list[str]]:
+def cut_sequences(
+    stream: list[int], num_samples: int, seq_len: int, source: str = "calibration data"
+) -> tuple[torch.Tensor, list[str]]:
     """Up to num_samples non-overlapping windows of seq_len, spread evenly over the stream."""
     warnings = []
     n_windows = len(stream) // seq_len
     if n_windows == 0:
-        raise UsageError(f"{source} has {len(stream)} tokens for calibration, fewer than one "
-                         f"sequence of --seq-len {seq_len}; give more data or a smaller --seq-len")
+        raise UsageError(
+            f"{source} has {len(stream)} tokens for calibration, fewer than one "
+            f"sequence of --seq-len {seq_len}; give more data or a smaller --seq-len"
+        )
     ids = torch.tensor(stream[: n_windows * seq_len], dtype=torch.long).reshape(n_windows, seq_len)
     if n_windows < num_samples:
-        warnings.append(f"calibration data gives only {n_windows} sequences of {seq_len} tokens (asked for {num_samples})")
+        warnings.append(
+            f"calibration data gives only {n_windows} sequences of {seq_len} tokens (asked for {num_samples})"
+        )
         return ids, warnings
     pick = torch.linspace(0, n_windows - 1, num_samples).round().long().unique()
     return ids[pick], warnings

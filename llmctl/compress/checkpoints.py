@@ -47,9 +47,13 @@ def _encode(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(value, torch.dtype):
         return {"dtype": str(value).removeprefix("torch.")}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {"type": type(value).__name__,
-                "fields": {f.name: _encode(getattr(value, f.name), f"{key}.{f.name}", tensors)
-                           for f in dataclasses.fields(value)}}
+        return {
+            "type": type(value).__name__,
+            "fields": {
+                f.name: _encode(getattr(value, f.name), f"{key}.{f.name}", tensors)
+                for f in dataclasses.fields(value)
+            },
+        }
     if isinstance(value, (tuple, list)):
         kind = "tuple" if isinstance(value, tuple) else "list"
         return {kind: [_encode(v, f"{key}.{i}", tensors) for i, v in enumerate(value)]}
@@ -99,15 +103,26 @@ def _replace_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     os.replace(tmp, path)
 
 
-def save(ckpt: Path, fingerprint: str, i: int, layer: nn.Module, records: dict[str, Any],
-         hidden: torch.Tensor) -> None:
+def save(
+    ckpt: Path,
+    fingerprint: str,
+    i: int,
+    layer: nn.Module,
+    records: dict[str, Any],
+    hidden: torch.Tensor,
+) -> None:
     """Layer i's weights and records, then the next inputs, then progress.json (written last)."""
     ckpt.mkdir(parents=True, exist_ok=True)
     prefix = f"model.layers.{i}."
-    tensors = {f"state/{k}": v.detach().to("cpu").contiguous().clone()
-               for k, v in layer.state_dict().items()}
-    encoded = {name: _encode(rec, f"rec/{name}", tensors)
-               for name, rec in records.items() if name.startswith(prefix)}
+    tensors = {
+        f"state/{k}": v.detach().to("cpu").contiguous().clone()
+        for k, v in layer.state_dict().items()
+    }
+    encoded = {
+        name: _encode(rec, f"rec/{name}", tensors)
+        for name, rec in records.items()
+        if name.startswith(prefix)
+    }
     _replace_tensors(ckpt / f"layer_{i}.safetensors", tensors)
     _replace_json(ckpt / f"layer_{i}.json", {"records": encoded})
     _replace_tensors(ckpt / "hidden.safetensors", {"hidden": hidden.contiguous()})
@@ -121,8 +136,9 @@ def _header(path: Path) -> dict[str, tuple[list[int], str]]:
 
     try:
         with safe_open(str(path), "pt") as f:
-            return {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype())
-                    for k in f.keys()}
+            return {
+                k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()
+            }
     except (SafetensorError, OSError) as e:
         raise CorruptCheckpoint(f"{path.name}: {e}") from None
 
@@ -160,7 +176,7 @@ def _check_layer(ckpt: Path, i: int, layer: nn.Module, types: dict[str, type]) -
 
 def _apply_layer(ckpt: Path, i: int, layer: nn.Module) -> None:
     state = _tensors(ckpt / f"layer_{i}.safetensors", "state/")
-    layer.load_state_dict({k[len("state/"):]: v for k, v in state.items()})
+    layer.load_state_dict({k[len("state/") :]: v for k, v in state.items()})
 
 
 def _load_checked(ckpt: Path, done: int, layers: nn.ModuleList, hidden_shape: tuple[int, ...]):
@@ -168,8 +184,9 @@ def _load_checked(ckpt: Path, done: int, layers: nn.ModuleList, hidden_shape: tu
         raise CorruptCheckpoint(f"progress.json: {done} finished layers of {len(layers)}")
     header = _header(ckpt / "hidden.safetensors")
     if list(header) != ["hidden"] or tuple(header["hidden"][0]) != hidden_shape:
-        raise CorruptCheckpoint(f"hidden.safetensors: expected hidden states of shape "
-                                f"{list(hidden_shape)}")
+        raise CorruptCheckpoint(
+            f"hidden.safetensors: expected hidden states of shape {list(hidden_shape)}"
+        )
     types = _record_types()
     records: dict[str, Any] = {}
     for i in range(done):
@@ -179,8 +196,13 @@ def _load_checked(ckpt: Path, done: int, layers: nn.ModuleList, hidden_shape: tu
     return records, _tensors(ckpt / "hidden.safetensors", "hidden")["hidden"]
 
 
-def load(ckpt: Path, fingerprint: str, layers: nn.ModuleList, hidden_shape: tuple[int, ...],
-         warn: Callable[[str], None]) -> tuple[int, torch.Tensor | None, dict[str, Any]]:
+def load(
+    ckpt: Path,
+    fingerprint: str,
+    layers: nn.ModuleList,
+    hidden_shape: tuple[int, ...],
+    warn: Callable[[str], None],
+) -> tuple[int, torch.Tensor | None, dict[str, Any]]:
     """(finished layers, next inputs, their records) of a previous run with this fingerprint, the
     layers' weights loaded; (0, None, {}) when there is none, or (with a warning) when it is
     damaged."""

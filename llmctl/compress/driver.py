@@ -36,7 +36,9 @@ class SubLayerGroup:
 
 
 SUBLAYER_GROUPS = (
-    SubLayerGroup("attn_in", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
+    SubLayerGroup(
+        "attn_in", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"
+    ),
     SubLayerGroup("attn_out", ("self_attn.o_proj",), "self_attn.v_proj"),
     SubLayerGroup("mlp_in", ("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm"),
     SubLayerGroup("mlp_out", ("mlp.down_proj",), "mlp.up_proj"),
@@ -51,15 +53,20 @@ def decoder_linears(config) -> list[tuple[str, int, int]]:
     (no weights), in forward order."""
     h, f, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
     shapes = dict(zip(LINEAR_NAMES, ((q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f))))
-    return [(f"model.layers.{i}.{rel}", *shapes[rel])
-            for i in range(config.num_layers) for rel in LINEAR_NAMES]
+    return [
+        (f"model.layers.{i}.{rel}", *shapes[rel])
+        for i in range(config.num_layers)
+        for rel in LINEAR_NAMES
+    ]
 
 
 class LayerMethod(Protocol):
     def observe(self, name: str, x: torch.Tensor) -> None:
         """x [B, S, in]: inputs of linear `name` (full module name) for one calibration batch."""
 
-    def process_group(self, layer_index: int, layer: nn.Module, group: SubLayerGroup, names: list[str]) -> dict[str, Any]:
+    def process_group(
+        self, layer_index: int, layer: nn.Module, group: SubLayerGroup, names: list[str]
+    ) -> dict[str, Any]:
         """Change the group's linears in place; return a record per full linear name (may be empty)."""
 
     def finish_layer(self, layer_index: int, layer: nn.Module) -> dict[str, Any]:
@@ -102,7 +109,14 @@ class DriverResult:
     resumed_layers: int = 0  # layers taken from the checkpoint instead of recomputed
 
 
-def _run_layer(layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, device, batch_size: int, keep: bool):
+def _run_layer(
+    layer: nn.Module,
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    device,
+    batch_size: int,
+    keep: bool,
+):
     """layer.forward_dense over hidden [N, S, H] in mini-batches; returns the outputs (on CPU) if keep."""
     outs = []
     for i in range(0, hidden.shape[0], batch_size):
@@ -147,7 +161,9 @@ def calibrate_layers(
         result.records.update(records)
         result.resumed_layers = start
     if hidden is None:
-        hidden = model.model.embed_tokens(input_ids.to(model.model.embed_tokens.weight.device)).to("cpu")
+        hidden = model.model.embed_tokens(input_ids.to(model.model.embed_tokens.weight.device)).to(
+            "cpu"
+        )
     if progress and start:
         progress(start, n_layers)
     for i in range(start, n_layers):
@@ -155,11 +171,19 @@ def calibrate_layers(
         home = next(layer.parameters()).device
         layer.to(device)
         for group in SUBLAYER_GROUPS:
-            names = [f"model.layers.{i}.{rel}" for rel in group.linears
-                     if not ignore(f"model.layers.{i}.{rel}")]
+            names = [
+                f"model.layers.{i}.{rel}"
+                for rel in group.linears
+                if not ignore(f"model.layers.{i}.{rel}")
+            ]
             if names:
-                _observe_group(method, layer, group, names, lambda: _run_layer(
-                    layer, hidden, positions, device, batch_size, keep=False))
+                _observe_group(
+                    method,
+                    layer,
+                    group,
+                    names,
+                    lambda: _run_layer(layer, hidden, positions, device, batch_size, keep=False),
+                )
                 result.records.update(method.process_group(i, layer, group, names))
         result.records.update(method.finish_layer(i, layer))
         hidden = _run_layer(layer, hidden, positions, device, batch_size, keep=True)
@@ -171,8 +195,13 @@ def calibrate_layers(
     return result
 
 
-def _observe_group(method: LayerMethod, layer: nn.Module, group: SubLayerGroup, names: list[str],
-                   run: Callable[[], None]) -> None:
+def _observe_group(
+    method: LayerMethod,
+    layer: nn.Module,
+    group: SubLayerGroup,
+    names: list[str],
+    run: Callable[[], None],
+) -> None:
     """Run the layer forward (`run`) with hooks that hand the group's inputs to `method`; the hook
     of the group's last linear stops the forward: later parts are not needed yet."""
     last = group.linears[-1]
@@ -223,7 +252,9 @@ class HessianMethod:
             self.acc[name] = HessianAccumulator(x.shape[-1], device=x.device)
         self.acc[name].add(x)
 
-    def process_group(self, layer_index: int, layer: nn.Module, group: SubLayerGroup, names: list[str]) -> dict[str, Any]:
+    def process_group(
+        self, layer_index: int, layer: nn.Module, group: SubLayerGroup, names: list[str]
+    ) -> dict[str, Any]:
         out = {}
         for name in names:
             H = self.acc.pop(name).H

@@ -71,7 +71,11 @@ def damped_cholesky_inverse(H: torch.Tensor, percdamp: float = 0.01) -> torch.Te
             if int(info) == 0 and torch.isfinite(U).all():
                 return U
         if attempt < MAX_DAMP_RETRIES:
-            log.warning("Hessian not positive definite with dampening %.3g; retrying with %.3g", damp_frac, damp_frac * 10)
+            log.warning(
+                "Hessian not positive definite with dampening %.3g; retrying with %.3g",
+                damp_frac,
+                damp_frac * 10,
+            )
             damp_frac *= 10
     raise LlmctlError(
         f"Cholesky factorisation failed even with dampening {damp_frac:g} of the mean diagonal; "

@@ -89,8 +89,10 @@ def settle(args: JobArgs, prep: Prepared, warn: Callable[[str], None]) -> None:
     patterns that match no layer (warnings, so they come after the errors)."""
     context = prep.config.max_position_embeddings
     if args.seq_len > context:
-        warn(f"--seq-len {args.seq_len} is above the model's context ({context} tokens); "
-             f"calibrating on sequences of {context}")
+        warn(
+            f"--seq-len {args.seq_len} is above the model's context ({context} tokens); "
+            f"calibrating on sequences of {context}"
+        )
         args.seq_len = context
     for pattern in unmatched_patterns(args.ignore, [n for n, _, _ in prep.linears] + ["lm_head"]):
         warn(f"--ignore {pattern!r} matches no linear layer of the model")
@@ -102,8 +104,11 @@ def load_job_calibration(args: JobArgs, rt, warn: Callable[[str], None], calibra
     from llmctl.compress.calib_data import DEFAULT_WARNING, load_calibration
 
     calib = load_calibration(
-        Path(args.calib) if args.calib else None, rt, num_samples=args.num_samples,
-        seq_len=args.seq_len, eval_data=Path(args.eval_data) if args.eval_data else None,
+        Path(args.calib) if args.calib else None,
+        rt,
+        num_samples=args.num_samples,
+        seq_len=args.seq_len,
+        eval_data=Path(args.eval_data) if args.eval_data else None,
         separator=rt.eos_token_ids[0] if rt.eos_token_ids else None,
         vocab_size=rt.config.vocab_size,
     )
@@ -115,8 +120,11 @@ def load_job_calibration(args: JobArgs, rt, warn: Callable[[str], None], calibra
 
 def calibration_summary(calib) -> dict:
     """The report's `calibration` entry."""
-    return {"source": calib.source, "num_samples": int(calib.input_ids.shape[0]),
-            "seq_len": int(calib.input_ids.shape[1])}
+    return {
+        "source": calib.source,
+        "num_samples": int(calib.input_ids.shape[0]),
+        "seq_len": int(calib.input_ids.shape[1]),
+    }
 
 
 def eval_tokens(heldout) -> int:

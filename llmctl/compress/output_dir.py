@@ -34,8 +34,17 @@ LEGACY_WORK_DIRS = (".llmctl-quantize-tmp", ".llmctl-sparsify-tmp", ".llmctl-spa
 RECIPE_FILE = "recipe.yaml"
 RECIPE_HEADER = "# llmctl "  # first line of every recipe.yaml llmctl writes
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
-SIDE_FILE_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "generation_config",
-                      "vocab", "merges", "chat_template", "license", "notice")
+SIDE_FILE_PREFIXES = (
+    "tokenizer",
+    "special_tokens_map",
+    "added_tokens",
+    "generation_config",
+    "vocab",
+    "merges",
+    "chat_template",
+    "license",
+    "notice",
+)
 # auto_map names custom code that is not copied; quantization_config is the source's scheme
 DROPPED_CONFIG_KEYS = ("auto_map", "quantization_config")
 
@@ -69,11 +78,14 @@ def same_or_inside(path: Path, folder: Path) -> bool:
 def check_disjoint(source: Path, out: Path, flag: str = "-o") -> None:
     """Refuse an output that is the source folder, lies inside it, or contains it."""
     if same_or_inside(out, source):
-        raise UsageError(f"{flag} {out} is the source model folder {source} or lies inside it; "
-                         "writing there would destroy the source: choose another folder")
+        raise UsageError(
+            f"{flag} {out} is the source model folder {source} or lies inside it; "
+            "writing there would destroy the source: choose another folder"
+        )
     if same_or_inside(source, out):
-        raise UsageError(f"{flag} {out} contains the source model folder {source}; "
-                         "choose another folder")
+        raise UsageError(
+            f"{flag} {out} contains the source model folder {source}; choose another folder"
+        )
 
 
 def _is_ours(entry: Path, keep: tuple[Path, ...]) -> bool:
@@ -108,8 +120,9 @@ def _check_writable(path: Path, flag: str) -> None:
     if not probe.is_dir():
         raise UsageError(f"{flag} {path}: {probe} is a file, not a folder")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {path}: folder {probe} is not writable "
-                         "(read-only or no permission)")
+        raise UsageError(
+            f"{flag} {path}: folder {probe} is not writable (read-only or no permission)"
+        )
 
 
 @dataclass(frozen=True)
@@ -136,8 +149,9 @@ class OutputFolder:
         return cls(Path(os.path.realpath(os.path.expanduser(str(output)))))
 
     @classmethod
-    def plan(cls, output: str | Path, *, overwrite: bool,
-             keep: tuple[Path, ...] = ()) -> "OutputFolder":
+    def plan(
+        cls, output: str | Path, *, overwrite: bool, keep: tuple[Path, ...] = ()
+    ) -> "OutputFolder":
         """Check `-o` before any work and create nothing. `keep`: files the run itself writes into
         the folder later (a --report-json there), which an --overwrite may replace."""
         final = cls.at(output).final
@@ -147,13 +161,16 @@ class OutputFolder:
             ours = (WORK_DIR, *LEGACY_WORK_DIRS)
             entries = sorted(e for e in final.iterdir() if e.name not in ours)
             if entries and not overwrite:
-                raise UsageError(f"output folder {output} is not empty; choose another -o "
-                                 "or pass --overwrite")
+                raise UsageError(
+                    f"output folder {output} is not empty; choose another -o or pass --overwrite"
+                )
             foreign = [e.name for e in entries if not _is_ours(e, keep)]
             if entries and (foreign or not _is_llmctl_output(final)):
                 what = f"holds {foreign[0]!r}, which" if foreign else "is not an output that"
-                raise UsageError(f"--overwrite refused: {output} {what} llmctl did not write "
-                                 "(it replaces only an earlier llmctl output); choose another -o")
+                raise UsageError(
+                    f"--overwrite refused: {output} {what} llmctl did not write "
+                    "(it replaces only an earlier llmctl output); choose another -o"
+                )
         _check_writable(final, "-o")
         return cls(final)
 
@@ -197,8 +214,9 @@ def check_input_file(path: str | Path | None, flag: str) -> None:
         raise UsageError(f"{flag} {path} is not a file")
 
 
-def check_output_file(path: str | Path | None, flag: str, inputs: tuple[Path, ...] = (),
-                      create_parents: bool = False) -> None:
+def check_output_file(
+    path: str | Path | None, flag: str, inputs: tuple[Path, ...] = (), create_parents: bool = False
+) -> None:
     """A file the run writes at the end (--report-json, --json, --csv): refuse now, before any
     work, a missing (unless `create_parents`) or unwritable folder, a folder or device in its
     place, or one of the run's inputs."""
@@ -214,8 +232,9 @@ def check_output_file(path: str | Path | None, flag: str, inputs: tuple[Path, ..
     _check_writable(p.parent, flag)
     for source in inputs:
         if p.exists() and same_or_inside(p, source):
-            raise UsageError(f"{flag} {path} would overwrite the input {source}; "
-                             "choose another file")
+            raise UsageError(
+                f"{flag} {path} would overwrite the input {source}; choose another file"
+            )
 
 
 @contextmanager
@@ -225,10 +244,13 @@ def writing(what: str) -> Iterator[None]:
         yield
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise LlmctlError(f"disk full while writing {what}; finished layers are kept: "
-                              "free space and rerun the same command to resume") from None
-        raise LlmctlError(f"cannot write {what}: {e.strerror or e}"
-                          + (f" ({e.filename})" if e.filename else "")) from None
+            raise LlmctlError(
+                f"disk full while writing {what}; finished layers are kept: "
+                "free space and rerun the same command to resume"
+            ) from None
+        raise LlmctlError(
+            f"cannot write {what}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+        ) from None
 
 
 def write_report(path: str | Path, doc: dict, flag: str = "--report-json") -> None:

@@ -19,15 +19,20 @@ from typing import Callable
 
 import torch
 
-from llmctl.runtime.formats import FORMATS
 from llmctl.compress.job_common import (
-    Prepared, calibration_summary, check_common_options, eval_tokens, load_job_calibration, prepare,
+    Prepared,
+    calibration_summary,
+    check_common_options,
+    eval_tokens,
+    load_job_calibration,
+    prepare,
     settle,
 )
 from llmctl.compress.output_dir import copy_side_files, output_config, writing
-from llmctl.runtime.formats.spec import BITS, parse_group_size, resolve_group_size
 from llmctl.errors import UsageError
 from llmctl.runtime.evaluate import HELDOUT_METHOD, heldout_perplexity
+from llmctl.runtime.formats import FORMATS
+from llmctl.runtime.formats.spec import BITS, parse_group_size, resolve_group_size
 
 METHODS = ("awq", "gptq", "rtn")
 Finish = Callable[[Path], None]  # called with the finished result folder before it moves into place
@@ -58,11 +63,15 @@ class QuantizeArgs:
         if self.method not in METHODS:
             raise UsageError(f"unknown method {self.method!r}; use --awq, --gptq or --rtn")
         if self.format not in FORMATS:
-            raise UsageError(f"unknown --format {self.format!r}; choose one of {', '.join(FORMATS)}")
+            raise UsageError(
+                f"unknown --format {self.format!r}; choose one of {', '.join(FORMATS)}"
+            )
         if self.bits not in BITS or isinstance(self.bits, bool):
             raise UsageError(f"--bits must be 4 or 8, got {self.bits!r}")
         if self.format == "awq" and self.bits != 4:
-            raise UsageError("--format awq stores 4-bit weights only; use --bits 4 or --format compressed-tensors")
+            raise UsageError(
+                "--format awq stores 4-bit weights only; use --bits 4 or --format compressed-tensors"
+            )
         self.group_size = parse_group_size(self.group_size)
         if self.format == "awq" and self.group_size == "channel":
             resolve_group_size("channel", [], channel_format="awq")  # raises with the one message
@@ -123,7 +132,9 @@ def check_layers(args: QuantizeArgs, linears: list[tuple[str, int, int]]) -> str
         per = 32 // args.bits
         for n, out_f, _ in linears:
             if out_f % per:
-                raise UsageError(f"{n}: {out_f} output features are not a multiple of {per}, which --format {args.format} needs")
+                raise UsageError(
+                    f"{n}: {out_f} output features are not a multiple of {per}, which --format {args.format} needs"
+                )
     return note
 
 
@@ -141,8 +152,16 @@ def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
-def _write_output(out: Path, model_path: Path, model, records: dict, spec, args: QuantizeArgs,
-                  out_dtype, note: str | None) -> None:
+def _write_output(
+    out: Path,
+    model_path: Path,
+    model,
+    records: dict,
+    spec,
+    args: QuantizeArgs,
+    out_dtype,
+    note: str | None,
+) -> None:
     from llmctl.runtime.formats import write_quantized
 
     linears = {name: rec.result for name, rec in records.items()}
@@ -243,29 +262,45 @@ def run_quantize(
     calib = load_job_calibration(args, rt, job.warn, calibrates=args.method != "rtn")
     ppl_before = heldout_perplexity(rt.model, calib.heldout)
     result = calibrate_layers(
-        rt.model, calib.input_ids, _method(args, spec), device=job.prep.device, ignore=job.ignored,
-        warn=job.warn, checkpoint_dir=out.resume_dir, fingerprint=_fingerprint(args, rt.model_path),
+        rt.model,
+        calib.input_ids,
+        _method(args, spec),
+        device=job.prep.device,
+        ignore=job.ignored,
+        warn=job.warn,
+        checkpoint_dir=out.resume_dir,
+        fingerprint=_fingerprint(args, rt.model_path),
         progress=progress,
     )
     if result.resumed_layers:
-        job.warn(f"resumed after layer {result.resumed_layers} of an interrupted run in "
-                 f"{out.resume_dir}")
+        job.warn(
+            f"resumed after layer {result.resumed_layers} of an interrupted run in {out.resume_dir}"
+        )
     ppl_after = heldout_perplexity(rt.model, calib.heldout)
     folder = out.fresh_result()
     with writing(f"-o {out.final}"):
-        _write_output(folder, rt.model_path, rt.model, result.records, spec, args, out_dtype,
-                      job.group_note)
+        _write_output(
+            folder, rt.model_path, rt.model, result.records, spec, args, out_dtype, job.group_note
+        )
         if finish is not None:
             finish(folder)
     out.commit()
     return QuantizeReport(
-        method=args.method, bits=args.bits, group_size=args.group_size, symmetric=bool(args.symmetric),
-        format=args.format, output=str(out.final),
+        method=args.method,
+        bits=args.bits,
+        group_size=args.group_size,
+        symmetric=bool(args.symmetric),
+        format=args.format,
+        output=str(out.final),
         wall_time_s=round(time.perf_counter() - job.t0, 3),
-        size_before_bytes=_size(rt.model_path), size_after_bytes=_size(out.final),
-        perplexity_before=ppl_before, perplexity_after=ppl_after,
+        size_before_bytes=_size(rt.model_path),
+        size_after_bytes=_size(out.final),
+        perplexity_before=ppl_before,
+        perplexity_after=ppl_after,
         eval_tokens=eval_tokens(calib.heldout),
         calibration=calibration_summary(calib),
         layers=[result.records[n].to_dict() for n, _, _ in job.prep.linears if n in result.records],
-        resumed_layers=result.resumed_layers, warnings=job.warnings, group_size_note=job.group_note,
+        resumed_layers=result.resumed_layers,
+        warnings=job.warnings,
+        group_size_note=job.group_note,
     )

@@ -31,7 +31,7 @@ class LinearRecord:
 
 def relative_output_error(w: torch.Tensor, q: torch.Tensor, H: torch.Tensor) -> float:
     """||X (W - Q)^T||^2 / ||X W^T||^2 over the calibration tokens, from H = 2 X X^T / n; w, q [out, in]."""
-    d = (w.float() - q.float())
+    d = w.float() - q.float()
     num = torch.einsum("oi,ij,oj->", d, H, d)
     den = torch.einsum("oi,ij,oj->", w.float(), H, w.float())
     return float(num / den) if float(den) > 0 else 0.0
@@ -44,7 +44,9 @@ class LayerSparsity:
     sparsity: float  # fraction of exact zeros after pruning
     pattern_ok: bool  # every group satisfies N:M (always True for unstructured)
     loss: float | None = None  # SparseGPT's OBS error estimate, None for the others
-    rel_error: float | None = None  # ||X(W-W')^T||^2 / ||XW^T||^2 on calibration inputs; None without data
+    rel_error: float | None = (
+        None  # ||X(W-W')^T||^2 / ||XW^T||^2 on calibration inputs; None without data
+    )
 
     def to_dict(self) -> dict:
         return {
@@ -53,5 +55,7 @@ class LayerSparsity:
             "sparsity": round(self.sparsity, 6),
             "pattern_ok": self.pattern_ok,
             **({"obs_loss": self.loss} if self.loss is not None else {}),
-            **({"rel_output_error": round(self.rel_error, 8)} if self.rel_error is not None else {}),
+            **(
+                {"rel_output_error": round(self.rel_error, 8)} if self.rel_error is not None else {}
+            ),
         }

@@ -65,7 +65,7 @@ class BlockManager:
         hits: list[int] = []
         parent = None
         for i in range(limit):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = block_hash(parent, tokens)
             bid = self.hash_to_block.get(h)
             if bid is None:
@@ -130,7 +130,7 @@ class BlockManager:
         full = num_tokens // bs
         for i in range(len(seq.block_hashes), full):
             parent = seq.block_hashes[i - 1] if i else None
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = block_hash(parent, tokens)
             block = self.blocks[seq.block_table[i]]
             block.hash, block.parent_hash, block.token_ids = h, parent, tokens

@@ -10,15 +10,30 @@ from dataclasses import dataclass
 
 from llmctl.errors import UsageError
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "tb": 1000**4}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "tb": 1000**4,
+}
 
 
 def parse_bytes(text: str) -> int:
     """'4GiB' -> 4294967296; '512MB' -> 512000000; plain integers are bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise UsageError(f"cannot read memory size {text!r}; use a number with a unit such as 4GiB or 512MB")
+        raise UsageError(
+            f"cannot read memory size {text!r}; use a number with a unit such as 4GiB or 512MB"
+        )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -33,10 +48,14 @@ AUTO_SPEC_MAX_BATCH = 2
 SPECULATIVE_MODES = ("off", "ngram", "draft", "auto")
 
 
-def speculative_settings(mode: str, draft: str | None, num_tokens: int, max_batch: int | None) -> dict:
+def speculative_settings(
+    mode: str, draft: str | None, num_tokens: int, max_batch: int | None
+) -> dict:
     """EngineConfig fields for the --speculative/--draft/... options of the commands."""
     if mode not in SPECULATIVE_MODES:
-        raise UsageError(f"--speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}")
+        raise UsageError(
+            f"--speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}"
+        )
     if mode == "off" and draft:
         mode = "draft"  # --draft alone asks for it
     if mode == "off":
@@ -47,8 +66,12 @@ def speculative_settings(mode: str, draft: str | None, num_tokens: int, max_batc
         method = mode
     if method == "ngram" and draft:
         raise UsageError("--draft is for --speculative draft or auto, not ngram")
-    return dict(speculative=method, draft_model=draft, num_speculative_tokens=num_tokens,
-                speculative_max_batch=max_batch)
+    return dict(
+        speculative=method,
+        draft_model=draft,
+        num_speculative_tokens=num_tokens,
+        speculative_max_batch=max_batch,
+    )
 
 
 def format_bytes(n: float) -> str:
@@ -72,14 +95,20 @@ class EngineConfig:
     speculative: str | None = None  # None, "ngram" (prompt lookup) or "draft" (needs draft_model)
     draft_model: str | None = None  # folder of a smaller model with the same tokenizer
     num_speculative_tokens: int = 4
-    speculative_max_batch: int | None = None  # speculate only while at most this many run; None: always
-    cuda_graphs: bool = True  # on CUDA with Triton: decode-only steps replay captured graphs (cuda_graphs.py)
+    speculative_max_batch: int | None = (
+        None  # speculate only while at most this many run; None: always
+    )
+    cuda_graphs: bool = (
+        True  # on CUDA with Triton: decode-only steps replay captured graphs (cuda_graphs.py)
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise UsageError(f"--block-size must be >= 1, got {self.block_size}")
         if self.max_num_batched_tokens < 1:
-            raise UsageError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+            raise UsageError(
+                f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
         if self.max_num_seqs < 1:
             raise UsageError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.speculative not in (None, "ngram", "draft"):
@@ -87,6 +116,8 @@ class EngineConfig:
         if self.speculative == "draft" and not self.draft_model:
             raise UsageError("speculative decoding with a draft needs --draft MODEL")
         if self.num_speculative_tokens < 1:
-            raise UsageError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
+            raise UsageError(
+                f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}"
+            )
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise UsageError("--kv-cache-memory must be positive")

@@ -39,8 +39,17 @@ class DecodeGraphs:
     `scratch_block` is a KV block id outside the block manager's range; `max_blocks` is the widest
     block table a sequence can have."""
 
-    def __init__(self, model, kv_caches, sizes: tuple[int, ...], max_blocks: int, scratch_block: int,
-                 block_size: int, device: str | torch.device, use_graphs: bool):
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        sizes: tuple[int, ...],
+        max_blocks: int,
+        scratch_block: int,
+        block_size: int,
+        device: str | torch.device,
+        use_graphs: bool,
+    ):
         self.model, self.kv_caches, self.sizes = model, kv_caches, sizes
         self.block_size, self.use_graphs = block_size, use_graphs
         self.max_blocks = max_blocks
@@ -49,7 +58,9 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.long, device=device)
-        self.block_tables = torch.full((n, max_blocks), scratch_block, dtype=torch.long, device=device)
+        self.block_tables = torch.full(
+            (n, max_blocks), scratch_block, dtype=torch.long, device=device
+        )
         self.context_lens = torch.ones(n, dtype=torch.long, device=device)
         self._scratch_block = scratch_block
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -59,8 +70,14 @@ class DecodeGraphs:
     def fits(self, num_rows: int, table_width: int) -> bool:
         return num_rows <= self.sizes[-1] and table_width <= self.max_blocks
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            context_lens: list[int]) -> torch.Tensor:
+    def run(
+        self,
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        tables: list[list[int]],
+        context_lens: list[int],
+    ) -> torch.Tensor:
         """One decode step of len(ids) sequences (row i: token ids[i] at positions[i], its K/V into
         slots[i], attending over tables[i] up to context_lens[i]). Returns hidden [len(ids), H], a
         view of a static buffer that the next call overwrites."""
@@ -79,7 +96,9 @@ class DecodeGraphs:
     def _fill(self, b: int, ids, positions, slots, tables, context_lens) -> None:
         n, dev = len(ids), self.input_ids.device
         width = max(len(t) for t in tables)
-        rows = torch.tensor([t + [self._scratch_block] * (width - len(t)) for t in tables], dtype=torch.long)
+        rows = torch.tensor(
+            [t + [self._scratch_block] * (width - len(t)) for t in tables], dtype=torch.long
+        )
         # One host-to-device copy per buffer; rows n..b-1 are padding: the scratch block, length 1.
         self.input_ids[:n].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
         self.positions[:n].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
@@ -97,8 +116,17 @@ class DecodeGraphs:
 
     def _meta(self, b: int, max_len: int) -> PagedAttentionMetadata:
         # No gather workspace: a buffer allocated inside a capture belongs to the graph's memory pool.
-        return PagedAttentionMetadata(self.slot_mapping[:b], b, self.block_tables[:b], self.context_lens[:b], [],
-                                      self.block_size, None, None, max_len)
+        return PagedAttentionMetadata(
+            self.slot_mapping[:b],
+            b,
+            self.block_tables[:b],
+            self.context_lens[:b],
+            [],
+            self.block_size,
+            None,
+            None,
+            max_len,
+        )
 
     def _forward(self, b: int, max_len: int) -> torch.Tensor:
         meta = self._meta(b, max_len)

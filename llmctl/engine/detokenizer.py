@@ -27,10 +27,12 @@ class IncrementalText:
         """Catch the text up with `output_ids` (all output tokens so far); returns where the new
         text starts in `self.text`."""
         start = len(self.text)
-        before = detokenize(output_ids[self._prefix:self._read]) if self._read > self._prefix else ""
-        window = detokenize(output_ids[self._prefix:])
+        before = (
+            detokenize(output_ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        )
+        window = detokenize(output_ids[self._prefix :])
         if len(window) > len(before) and not window.endswith("\ufffd"):
-            self.text += window[len(before):]
+            self.text += window[len(before) :]
             self._prefix, self._read = self._read, len(output_ids)
         return start
 

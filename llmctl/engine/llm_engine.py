@@ -63,9 +63,18 @@ class LLMEngine:
     config, the EOS ids, a detokenize callable (token ids -> text; stop strings and output text need
     it) and, for speculative decoding, a proposer (spec_decode.NgramProposer/DraftModelProposer)."""
 
-    def __init__(self, model, model_config: ModelConfig, engine_config: EngineConfig | None = None, *,
-                 eos_token_ids: Iterable[int] = (), detokenize: Detokenize | None = None,
-                 proposer=None, device: str | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        model,
+        model_config: ModelConfig,
+        engine_config: EngineConfig | None = None,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        detokenize: Detokenize | None = None,
+        proposer=None,
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         cfg = engine_config or EngineConfig()
         weight = next(model.parameters())
         device = str(device or weight.device)
@@ -76,7 +85,9 @@ class LLMEngine:
                 f"--kv-cache-memory is smaller than one KV block ({self.runner.bytes_per_block} bytes "
                 f"at block size {cfg.block_size})"
             )
-        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching
+        )
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.sampler = Sampler(cfg.seed)
         model_len = model_config.max_position_embeddings
@@ -97,7 +108,9 @@ class LLMEngine:
     def kv_cache_bytes(self) -> int:
         return self.runner.kv_cache_bytes
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
         """Queue a request; raises RequestError when it can never be served."""
         check_prompt_ids(prompt_token_ids, self.model_config.vocab_size)
         n = len(prompt_token_ids)
@@ -107,7 +120,9 @@ class LLMEngine:
                 "prompt_too_long",
                 f"the prompt has {n} tokens; at most {self.capacity - 1} fit ({where} {self.capacity} tokens)",
             )
-        seq = Sequence(request_id, prompt_token_ids, params, max_len=min(self.capacity, n + params.max_tokens))
+        seq = Sequence(
+            request_id, prompt_token_ids, params, max_len=min(self.capacity, n + params.max_tokens)
+        )
         self.stats.prompt_tokens += n
         self.scheduler.add(seq)
 
@@ -122,7 +137,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress with requests pending")  # a bug, not user error
+                raise RuntimeError(
+                    "scheduler made no progress with requests pending"
+                )  # a bug, not user error
             return []
         t0 = time.perf_counter()
         logits, sampling = self.runner.execute(batch)
@@ -130,13 +147,17 @@ class LLMEngine:
         self.stats.model_seconds += time.perf_counter() - t0
         self.stats.steps += 1
         self.stats.computed_tokens += batch.total_tokens
-        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, self.block_manager.num_used_blocks)
+        self.stats.peak_used_blocks = max(
+            self.stats.peak_used_blocks, self.block_manager.num_used_blocks
+        )
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         now = time.perf_counter()
         finished = []
         for seq, tokens in zip(sampling, new_tokens):
-            if seq.spec_token_ids:  # K/V of rejected drafts stays in the cache but counts as not computed
+            if (
+                seq.spec_token_ids
+            ):  # K/V of rejected drafts stays in the cache but counts as not computed
                 seq.num_computed_tokens -= len(seq.spec_token_ids) - (len(tokens) - 1)
                 seq.spec_token_ids = []
             if seq.first_token_time is None:
@@ -167,7 +188,7 @@ class LLMEngine:
             k = len(seq.spec_token_ids)
             if k:
                 gen = self._generator(seq)
-                tokens = verify(logits[row:row + k + 1], seq.spec_token_ids, seq.params, gen)
+                tokens = verify(logits[row : row + k + 1], seq.spec_token_ids, seq.params, gen)
                 self.stats.spec_proposed += k
                 self.stats.spec_accepted += len(tokens) - 1
                 out.append(tokens)
@@ -198,9 +219,18 @@ class LLMEngine:
             return
         for seq in running:
             p = seq.params
-            if seq.num_computed_tokens != seq.num_tokens - 1 or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            if (
+                seq.num_computed_tokens != seq.num_tokens - 1
+                or p.repetition_penalty != 1.0
+                or p.presence_penalty
+                or p.frequency_penalty
+            ):
                 continue
-            k = min(cfg.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1, seq.max_len - seq.num_tokens - 1)
+            k = min(
+                cfg.num_speculative_tokens,
+                p.max_tokens - seq.num_output_tokens - 1,
+                seq.max_len - seq.num_tokens - 1,
+            )
             if k > 0:
                 seq.spec_token_ids = self.proposer.propose(seq.request_id, seq.token_ids, k)[:k]
 
@@ -218,7 +248,9 @@ class LLMEngine:
         return None
 
     def _output(self, seq: Sequence, now: float) -> RequestOutput:
-        text = self.detokenize(seq.output_token_ids)  # once per request; stops were found incrementally
+        text = self.detokenize(
+            seq.output_token_ids
+        )  # once per request; stops were found incrementally
         if seq.stopped_on_text:
             end = first_stop(text, seq.params.stop)
             text = text if end is None else text[:end]

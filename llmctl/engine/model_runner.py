@@ -16,9 +16,13 @@ from llmctl.engine.config import DEFAULT_KV_CAP, EngineConfig
 from llmctl.engine.cuda_graphs import DecodeGraphs, graph_sizes
 from llmctl.engine.scheduler import ScheduledBatch
 from llmctl.engine.sequence import Sequence
-from llmctl.kernels.attention import GatherWorkspace, PagedAttentionMetadata, PrefillChunk, length_groups
+from llmctl.kernels.attention import (
+    GatherWorkspace,
+    PagedAttentionMetadata,
+    PrefillChunk,
+    length_groups,
+)
 from llmctl.models.config import ModelConfig
-
 
 MIN_GROUPED_DECODES = 8  # below this, one padded decode-attention call costs less than several
 
@@ -30,7 +34,9 @@ class StepInputs:
     ids: list[int] = field(default_factory=list)  # [T] token ids
     positions: list[int] = field(default_factory=list)  # [T]
     slots: list[int] = field(default_factory=list)  # [T] KV slot of each token
-    dec_tables: list[list[int]] = field(default_factory=list)  # block table of each one-token decode
+    dec_tables: list[list[int]] = field(
+        default_factory=list
+    )  # block table of each one-token decode
     dec_lens: list[int] = field(default_factory=list)  # its context length, the new token included
     prefills: list[PrefillChunk] = field(default_factory=list)
     logits_idx: list[int] = field(default_factory=list)  # packed rows whose logits are sampled
@@ -39,11 +45,24 @@ class StepInputs:
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     """K and V of every layer for one token."""
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
+    return (
+        2
+        * config.num_layers
+        * config.num_kv_heads
+        * config.head_dim
+        * torch.empty((), dtype=dtype).element_size()
+    )
 
 
 class ModelRunner:
-    def __init__(self, model, config: ModelConfig, engine_config: EngineConfig, device: str, dtype: torch.dtype):
+    def __init__(
+        self,
+        model,
+        config: ModelConfig,
+        engine_config: EngineConfig,
+        device: str,
+        dtype: torch.dtype,
+    ):
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         if device == "cpu" and dtype == torch.float32 and hasattr(model, "pack_lm_head"):
             model.pack_lm_head()  # batched logits through oneDNN's packed layout (kernels/onednn_linear.py)
@@ -51,27 +70,47 @@ class ModelRunner:
         self.bytes_per_block = kv_bytes_per_token(config, dtype) * self.block_size
         budget = engine_config.kv_cache_memory
         if budget is None:  # enough for max_num_seqs sequences of full length, capped
-            max_len = min(engine_config.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+            max_len = min(
+                engine_config.max_model_len or config.max_position_embeddings,
+                config.max_position_embeddings,
+            )
             per_seq = -(-max_len // self.block_size) * self.bytes_per_block
             budget = min(DEFAULT_KV_CAP, engine_config.max_num_seqs * per_seq)
         self.num_blocks = budget // self.bytes_per_block
         # One block more than the block manager hands out: padded rows of a captured decode step
         # (cuda_graphs.py) write there.
         self.scratch_block = self.num_blocks
-        shape = (config.num_kv_heads, (self.num_blocks + 1) * self.block_size, config.head_dim)  # head-major
+        shape = (
+            config.num_kv_heads,
+            (self.num_blocks + 1) * self.block_size,
+            config.head_dim,
+        )  # head-major
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
             for _ in range(config.num_layers)
         ]
         self.workspace = GatherWorkspace()
         self.graphs: DecodeGraphs | None = None
 
-    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, use_graphs: bool = True) -> None:
+    def enable_decode_graphs(
+        self, max_num_seqs: int, max_model_len: int, use_graphs: bool = True
+    ) -> None:
         """Serve decode-only steps of up to min(max_num_seqs, 256) sequences from static buffers,
         through CUDA graphs (`use_graphs`, CUDA only) or eagerly (the same arithmetic, for tests)."""
         max_blocks = min(-(-max_model_len // self.block_size), self.num_blocks)
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, graph_sizes(max_num_seqs), max_blocks,
-                                   self.scratch_block, self.block_size, self.device, use_graphs)
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            graph_sizes(max_num_seqs),
+            max_blocks,
+            self.scratch_block,
+            self.block_size,
+            self.device,
+            use_graphs,
+        )
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -101,9 +140,18 @@ class ModelRunner:
                 st.dec_lens.append(start + 1)
             else:
                 seq_slots = [table[p // bs] * bs + p % bs for p in range(start + n)]
-                st.prefills.append(PrefillChunk(offset, n, start, torch.tensor(seq_slots, dtype=torch.long, device=self.device)))
+                st.prefills.append(
+                    PrefillChunk(
+                        offset,
+                        n,
+                        start,
+                        torch.tensor(seq_slots, dtype=torch.long, device=self.device),
+                    )
+                )
             k = len(seq.spec_token_ids)
-            if start + n == seq.num_tokens + k:  # caught up: logits for the last token and each draft
+            if (
+                start + n == seq.num_tokens + k
+            ):  # caught up: logits for the last token and each draft
                 st.logits_idx.extend(range(offset + n - 1 - k, offset + n))
                 st.sampling.append(seq)
         return st
@@ -120,8 +168,17 @@ class ModelRunner:
         else:
             dec_tables_t = dec_lens_t = None
         groups = length_groups(st.dec_lens, bs) if nd >= MIN_GROUPED_DECODES else None
-        meta = PagedAttentionMetadata(torch.tensor(st.slots, dtype=torch.long, device=dev), nd, dec_tables_t, dec_lens_t,
-                                      st.prefills, bs, groups, self.workspace, max(st.dec_lens, default=0))
+        meta = PagedAttentionMetadata(
+            torch.tensor(st.slots, dtype=torch.long, device=dev),
+            nd,
+            dec_tables_t,
+            dec_lens_t,
+            st.prefills,
+            bs,
+            groups,
+            self.workspace,
+            max(st.dec_lens, default=0),
+        )
         return (
             torch.tensor(st.ids, dtype=torch.long, device=dev),
             torch.tensor(st.positions, dtype=torch.long, device=dev),
@@ -135,9 +192,16 @@ class ModelRunner:
         """Run one step; returns float32 logits on the CPU, 1 + len(spec_token_ids) rows per sampling
         sequence, in order, and those sequences."""
         st = self._step_inputs(batch)
-        if self.graphs is not None and not st.prefills and self.graphs.fits(len(st.ids), max(map(len, st.dec_tables))):
+        if (
+            self.graphs is not None
+            and not st.prefills
+            and self.graphs.fits(len(st.ids), max(map(len, st.dec_tables)))
+        ):
             hidden = self.graphs.run(st.ids, st.positions, st.slots, st.dec_tables, st.dec_lens)
-            logits_idx, sampling = torch.tensor(st.logits_idx, dtype=torch.long, device=self.device), st.sampling
+            logits_idx, sampling = (
+                torch.tensor(st.logits_idx, dtype=torch.long, device=self.device),
+                st.sampling,
+            )
         else:
             input_ids, positions, meta, logits_idx, sampling = self._tensors(st)
             hidden = self.model(input_ids, positions, meta, self.kv_caches)

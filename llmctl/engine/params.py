@@ -44,9 +44,20 @@ class SamplingParams:
         def bad(msg: str) -> RequestError:
             return RequestError("invalid_parameter", msg)
 
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        if (
+            not isinstance(self.max_tokens, int)
+            or isinstance(self.max_tokens, bool)
+            or self.max_tokens < 1
+        ):
             raise bad(f"max_tokens must be a positive integer, got {show(self.max_tokens)}")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise bad(f"{name} must be a number, got {show(v)}")
@@ -54,7 +65,9 @@ class SamplingParams:
             raise bad(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
+        if self.top_k is not None and (
+            isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1
+        ):
             raise bad(f"top_k must be a positive integer or absent, got {show(self.top_k)}")
         if not 0 <= self.min_p <= 1:
             raise bad(f"min_p must be in [0, 1], got {self.min_p}")
@@ -66,7 +79,9 @@ class SamplingParams:
             raise bad(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise bad("stop_token_ids must be a list of integers")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
             raise bad(f"seed must be an integer, got {show(self.seed)}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise bad(f"seed must be between -2**63 and 2**64 - 1, got {show(self.seed)}")

@@ -59,8 +59,15 @@ def show(value: object) -> str:
 
 
 def json_type(v: object) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
-            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
+    return {
+        dict: "object",
+        list: "array",
+        str: "string",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        type(None): "null",
+    }.get(type(v), type(v).__name__)
 
 
 def check_text(value: str, where: str) -> str:
@@ -69,17 +76,21 @@ def check_text(value: str, where: str) -> str:
         bad = _SURROGATE.search(value)
         if bad is not None:
             point = f"\\u{ord(bad.group()):04x}"
-            raise _err("invalid_text", f"{where} contains a lone surrogate ({point} at "
-                                       f"{bad.start()}), which is not text; encode the text as "
-                                       f"UTF-8 or as surrogate pairs")
+            raise _err(
+                "invalid_text",
+                f"{where} contains a lone surrogate ({point} at "
+                f"{bad.start()}), which is not text; encode the text as "
+                f"UTF-8 or as surrogate pairs",
+            )
     return value
 
 
 def validate_messages(messages: object, where: str = "messages") -> list[dict]:
     """Chat messages as [{'role': str, 'content': str}, ...]; text content parts are joined."""
     if not isinstance(messages, list) or not messages:
-        raise _err("invalid_messages",
-                   f"{where} must be a non-empty list of {{role, content}} objects")
+        raise _err(
+            "invalid_messages", f"{where} must be a non-empty list of {{role, content}} objects"
+        )
     out = []
     for i, m in enumerate(messages):
         at = f"{where}[{i}]"
@@ -89,24 +100,32 @@ def validate_messages(messages: object, where: str = "messages") -> list[dict]:
         if not isinstance(role, str):
             raise _err("invalid_messages", f"{at}.role must be a string")
         if role not in CHAT_ROLES:
-            raise _err("unknown_role", f"{at} has unknown role {show(role)}; "
-                                       f"use one of {', '.join(CHAT_ROLES)}")
+            raise _err(
+                "unknown_role",
+                f"{at} has unknown role {show(role)}; use one of {', '.join(CHAT_ROLES)}",
+            )
         if isinstance(content, list):  # OpenAI content parts: only text parts are supported
-            if not all(isinstance(p, dict) and p.get("type") == "text"
-                       and isinstance(p.get("text"), str) for p in content):
-                raise _err("invalid_messages",
-                           f"{at}.content parts must be {{'type': 'text', 'text': str}}")
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content
+            ):
+                raise _err(
+                    "invalid_messages",
+                    f"{at}.content parts must be {{'type': 'text', 'text': str}}",
+                )
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
-            raise _err("invalid_messages", f"{at}.content must be a string, "
-                                           f"got {json_type(content)}")
+            raise _err(
+                "invalid_messages", f"{at}.content must be a string, got {json_type(content)}"
+            )
         out.append({"role": role, "content": check_text(content, f"{at}.content")})
     return out
 
 
 def validate_token_ids(ids: object, where: str = "prompt_token_ids") -> list[int]:
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                            for t in ids):
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in ids
+    ):
         raise _err("invalid_type", f"{where} must be a list of integers")
     if not ids:
         raise _err("empty_prompt", f"{where} is empty")

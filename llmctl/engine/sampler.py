@@ -22,7 +22,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits [B, V] float32 (one row per sequence) -> B token ids."""
         params = [s.params for s in seqs]
-        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
+        if any(
+            p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params
+        ):
             logits = apply_penalties(logits.clone(), seqs)
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1).tolist()
@@ -51,7 +53,9 @@ class Sampler:
 
 def sampling_probs(logits: torch.Tensor, params) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p applied: the distribution each row samples from. [B, V]"""
-    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32)
+    temps = torch.tensor(
+        [p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32
+    )
     logits = logits / temps[:, None].to(logits.device)
     probs = torch.softmax(apply_top_k_top_p(logits, params), dim=-1)
     min_ps = [p.min_p for p in params]
@@ -72,11 +76,15 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
             seen = torch.tensor(sorted(set(s.token_ids)), dtype=torch.long, device=logits.device)
             seen = seen[seen < vocab]
             row = logits[i, seen]
-            logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            logits[i, seen] = torch.where(
+                row > 0, row / p.repetition_penalty, row * p.repetition_penalty
+            )
         if (p.presence_penalty or p.frequency_penalty) and s.num_output_tokens:
             out = torch.tensor(s.output_token_ids, dtype=torch.long, device=logits.device)
             counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
+                logits.dtype
+            )
     return logits
 
 

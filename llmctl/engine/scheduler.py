@@ -68,7 +68,9 @@ class Scheduler:
                     break
             else:
                 # Draft tokens may be rejected: only verified tokens enter the prefix cache.
-                self.bm.cache_full_blocks(seq, seq.num_computed_tokens + n - len(seq.spec_token_ids))
+                self.bm.cache_full_blocks(
+                    seq, seq.num_computed_tokens + n - len(seq.spec_token_ids)
+                )
                 chosen.append((seq, n))
                 budget -= n
                 i += 1

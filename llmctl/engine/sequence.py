@@ -20,11 +20,29 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_table",
-                 "block_hashes", "params", "status", "max_len", "arrival_time", "first_token_time",
-                 "finish_reason", "text", "stopped_on_text", "generator", "num_preemptions", "spec_token_ids")
+    __slots__ = (
+        "request_id",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "block_table",
+        "block_hashes",
+        "params",
+        "status",
+        "max_len",
+        "arrival_time",
+        "first_token_time",
+        "finish_reason",
+        "text",
+        "stopped_on_text",
+        "generator",
+        "num_preemptions",
+        "spec_token_ids",
+    )
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_len: int):
+    def __init__(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_len: int
+    ):
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -41,13 +59,15 @@ class Sequence:
         self.stopped_on_text = False  # finished because a stop string appeared
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler
         self.num_preemptions = 0
-        self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step, not yet verified
+        self.spec_token_ids: list[
+            int
+        ] = []  # draft tokens proposed for the next step, not yet verified
 
     def step_token_ids(self, start: int, n: int) -> list[int]:
         """The n tokens from position `start` that a step computes, speculative drafts included."""
         if self.spec_token_ids:
-            return (self.token_ids + self.spec_token_ids)[start:start + n]
-        return self.token_ids[start:start + n]
+            return (self.token_ids + self.spec_token_ids)[start : start + n]
+        return self.token_ids[start : start + n]
 
     @property
     def num_tokens(self) -> int:
@@ -55,7 +75,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:

@@ -24,13 +24,13 @@ class NgramProposer:
         self.max_n, self.min_n, self.window = max_n, min_n, window
 
     def propose(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
-        tokens = token_ids[-self.window:]
+        tokens = token_ids[-self.window :]
         length = len(tokens)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            tail = tokens[length - n:]
+            tail = tokens[length - n :]
             for start in range(length - n - 1, -1, -1):  # latest match first
-                if tokens[start:start + n] == tail:
-                    follow = tokens[start + n:start + n + k]
+                if tokens[start : start + n] == tail:
+                    follow = tokens[start + n : start + n + k]
                     if follow:
                         return follow
         return []
@@ -68,14 +68,19 @@ class DraftModelProposer:
             nxt = int(logits.argmax())
             out.append(nxt)
             new = [nxt]
-        self.state[request_id] = (tokens, cache)  # the last draft has no KV yet: it is not in `tokens`
+        self.state[request_id] = (
+            tokens,
+            cache,
+        )  # the last draft has no KV yet: it is not in `tokens`
         return out
 
     def release(self, request_id: str) -> None:
         self.state.pop(request_id, None)
 
 
-def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, generator: torch.Generator) -> list[int]:
+def verify(
+    logits: torch.Tensor, drafts: list[int], params: SamplingParams, generator: torch.Generator
+) -> list[int]:
     """logits [len(drafts) + 1, V] of the target at the positions that predict each draft and the
     token after them. Returns the accepted drafts followed by one corrected or bonus token."""
     if params.greedy:

@@ -18,7 +18,13 @@ from torch.nn.attention.bias import causal_lower_right
 from llmctl.kernels import cpu_native
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
     """k, v [T, kv_heads, D] into the flat slots [T] of the caches."""
     k_cache.index_copy_(1, slots, k.transpose(0, 1))
     v_cache.index_copy_(1, slots, v.transpose(0, 1))
@@ -36,7 +42,12 @@ class GatherWorkspace:
         self._v: torch.Tensor | None = None
 
     def get(self, numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._k is None or self._k.numel() < numel or self._k.dtype != like.dtype or self._k.device != like.device:
+        if (
+            self._k is None
+            or self._k.numel() < numel
+            or self._k.dtype != like.dtype
+            or self._k.device != like.device
+        ):
             self._k = torch.empty(numel, dtype=like.dtype, device=like.device)
             self._v = torch.empty(numel, dtype=like.dtype, device=like.device)
         return self._k[:numel], self._v[:numel]
@@ -83,7 +94,9 @@ def decode_attention(
     return out.transpose(0, 1).reshape(b, heads, d)
 
 
-def length_groups(context_lens: list[int], block_size: int, max_groups: int = 4) -> list[tuple[int, int, int]]:
+def length_groups(
+    context_lens: list[int], block_size: int, max_groups: int = 4
+) -> list[tuple[int, int, int]]:
     """Split decodes sorted by context length (longest first) into at most `max_groups` runs of
     equal count: (start, end, blocks) per run, `blocks` the widest table in it. Each run pads only to
     its own longest sequence, so gathered bytes follow the real lengths, not B x the longest."""
@@ -126,7 +139,9 @@ def chunk_attention(
         group = q.shape[1] // k.shape[1]
         if group > 1:  # CausalBias's flash route takes equal head counts only
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=causal_lower_right(tq, total), scale=scale)
+        out = F.scaled_dot_product_attention(
+            qh, k, v, attn_mask=causal_lower_right(tq, total), scale=scale
+        )
     else:
         qpos = torch.arange(num_computed, total, device=q.device)
         mask = torch.arange(total, device=q.device)[None, :] <= qpos[:, None]  # [Tq, total]
@@ -146,11 +161,30 @@ class PrefillChunk:
 class PagedAttentionMetadata:
     """Where each packed token's K/V goes and what it attends to. Decodes come first in the batch."""
 
-    __slots__ = ("slot_mapping", "num_decodes", "decode_block_tables", "decode_context_lens", "prefills",
-                 "block_size", "decode_groups", "workspace", "decode_max_len")
+    __slots__ = (
+        "slot_mapping",
+        "num_decodes",
+        "decode_block_tables",
+        "decode_context_lens",
+        "prefills",
+        "block_size",
+        "decode_groups",
+        "workspace",
+        "decode_max_len",
+    )
 
-    def __init__(self, slot_mapping, num_decodes, decode_block_tables, decode_context_lens, prefills, block_size,
-                 decode_groups=None, workspace: GatherWorkspace | None = None, decode_max_len: int = 0):
+    def __init__(
+        self,
+        slot_mapping,
+        num_decodes,
+        decode_block_tables,
+        decode_context_lens,
+        prefills,
+        block_size,
+        decode_groups=None,
+        workspace: GatherWorkspace | None = None,
+        decode_max_len: int = 0,
+    ):
         self.slot_mapping = slot_mapping  # [T] int64
         self.num_decodes = num_decodes  # tokens [0, num_decodes) are one-token decodes
         self.decode_block_tables = decode_block_tables  # [num_decodes, max_blocks] int64 or None
@@ -160,7 +194,9 @@ class PagedAttentionMetadata:
         # (start, end, blocks) runs of decodes sorted longest first (see length_groups); None: one run
         self.decode_groups = decode_groups
         self.workspace = workspace
-        self.decode_max_len = decode_max_len  # max(decode_context_lens) as a Python int; 0: not given
+        self.decode_max_len = (
+            decode_max_len  # max(decode_context_lens) as a Python int; 0: not given
+        )
 
 
 def _triton_kernels(t: torch.Tensor):
@@ -174,21 +210,39 @@ def _triton_kernels(t: torch.Tensor):
     return write_kv_triton, decode_attention_triton
 
 
-def _decode(q, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float, triton) -> torch.Tensor:
+def _decode(
+    q, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float, triton
+) -> torch.Tensor:
     if triton is not None:
-        return triton[1](q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, meta.block_size)
+        return triton[1](
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+            meta.block_size,
+        )
     tables, lens, bs = meta.decode_block_tables, meta.decode_context_lens, meta.block_size
-    if meta.decode_max_len and cpu_native.supports(q, k_cache):  # reads the blocks in place: no gather
-        return cpu_native.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, bs, meta.decode_max_len)
+    if meta.decode_max_len and cpu_native.supports(
+        q, k_cache
+    ):  # reads the blocks in place: no gather
+        return cpu_native.paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, scale, bs, meta.decode_max_len
+        )
     if not meta.decode_groups or len(meta.decode_groups) == 1:
         return decode_attention(q, k_cache, v_cache, tables, lens, scale, bs, meta.workspace)
     out = torch.empty_like(q)
     for s, e, nb in meta.decode_groups:
-        out[s:e] = decode_attention(q[s:e], k_cache, v_cache, tables[s:e, :nb], lens[s:e], scale, bs, meta.workspace)
+        out[s:e] = decode_attention(
+            q[s:e], k_cache, v_cache, tables[s:e, :nb], lens[s:e], scale, bs, meta.workspace
+        )
     return out
 
 
-def paged_attention(q, k, v, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    q, k, v, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float
+) -> torch.Tensor:
     """q [T, heads, D], k/v [T, kv_heads, D] for the packed batch; writes K/V, returns [T, heads, D]."""
     triton = _triton_kernels(q)
     (triton[0] if triton else write_kv)(k_cache, v_cache, k, v, meta.slot_mapping)
@@ -200,5 +254,7 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: PagedAttentionMetadata, sca
         out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale, triton)
     for p in meta.prefills:
         s, e = p.start, p.start + p.length
-        out[s:e] = chunk_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, p.slots, p.num_computed, scale)
+        out[s:e] = chunk_attention(
+            q[s:e], k[s:e], v[s:e], k_cache, v_cache, p.slots, p.num_computed, scale
+        )
     return out

@@ -17,7 +17,10 @@ from pathlib import Path
 
 import torch
 
-PLAIN = (torch.Tensor, torch.nn.Parameter)  # a weight's type unless it is a subclass (sparse, quantized)
+PLAIN = (
+    torch.Tensor,
+    torch.nn.Parameter,
+)  # a weight's type unless it is a subclass (sparse, quantized)
 SLAB_BYTES = 1 << 20  # float32 bytes of weight widened at a time: about the size of an L2 cache
 
 
@@ -50,7 +53,9 @@ def slab_rows(k: int) -> int:
     return max(16, SLAB_BYTES // (4 * k) // 16 * 16)
 
 
-def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def upcast_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """F.linear(x, weight, bias) for bf16 x [..., K] and weight [N, K], computed in float32 (as the
     C kernel does) and returned in bf16 [..., N]."""
     n, k = weight.shape

@@ -26,7 +26,9 @@ import torch
 
 from llmctl.kernels import cpu_bf16
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_paged_attention.c", "cpu_linear.c", "cpu_norm.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(n) for n in ("cpu_paged_attention.c", "cpu_linear.c", "cpu_norm.c")
+)
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by the sources: part of the cache key
 # -ffast-math at compile time only: it lets the reductions vectorise and expf use the vector libm;
 # not at link time, where it would add crtfastmath and flush denormals for the whole process.
@@ -51,7 +53,9 @@ def _cpu_fingerprint() -> str:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("LLMCTL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "llmctl")
+    root = os.environ.get("LLMCTL_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "llmctl"
+    )
     return Path(root) / "kernels"
 
 
@@ -63,8 +67,19 @@ def build(sources: tuple[Path, ...] = SOURCES, out_dir: Path | None = None) -> P
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     texts = [s.read_text() for s in (*sources, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, version, *COMPILE_FLAGS, *LINK_FLAGS, *LIBS,
-                                    platform.machine(), _cpu_fingerprint()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\0".join(
+            [
+                *texts,
+                version,
+                *COMPILE_FLAGS,
+                *LINK_FLAGS,
+                *LIBS,
+                platform.machine(),
+                _cpu_fingerprint(),
+            ]
+        ).encode()
+    ).hexdigest()[:16]
     out_dir = out_dir or _cache_dir()
     target = out_dir / f"llmctl_kernels-{key}.so"
     if target.exists():
@@ -89,17 +104,40 @@ def library() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(build()))
     except (RuntimeError, OSError) as e:
-        warnings.warn(f"native CPU kernels unavailable, using the PyTorch reference: {e}", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"native CPU kernels unavailable, using the PyTorch reference: {e}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
-    args = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 4 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                                                         ctypes.c_int64, ctypes.c_int]
+    args = (
+        [ctypes.c_void_p] * 6
+        + [ctypes.c_int] * 4
+        + [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int64, ctypes.c_int]
+    )
     for name in ("paged_decode_f32", "paged_decode_bf16"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
-    lib.linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.linear.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
     lib.linear.restype = None
-    lib.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
     lib.rms_norm.restype = None
     return lib
 
@@ -109,7 +147,12 @@ _KERNELS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf1
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether paged_decode_attention can serve these tensors (CPU, fp32/bf16 cache, D % 16 == 0)."""
-    return q.device.type == "cpu" and k_cache.dtype in _KERNELS and q.shape[-1] % 16 == 0 and library() is not None
+    return (
+        q.device.type == "cpu"
+        and k_cache.dtype in _KERNELS
+        and q.shape[-1] % 16 == 0
+        and library() is not None
+    )
 
 
 def paged_decode_attention(
@@ -128,16 +171,36 @@ def paged_decode_attention(
     kvh, slots, _ = k_cache.shape
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype):
         raise ValueError("paged_decode_attention needs contiguous K/V caches of one dtype")
-    if heads % kvh or d % 16 or max_len > block_tables.shape[1] * block_size:  # the kernel trusts these
-        raise ValueError(f"paged_decode_attention: {heads} heads of {d} over {kvh} KV heads, max_len {max_len} "
-                         f"for {block_tables.shape[1]} blocks of {block_size}")
+    if (
+        heads % kvh or d % 16 or max_len > block_tables.shape[1] * block_size
+    ):  # the kernel trusts these
+        raise ValueError(
+            f"paged_decode_attention: {heads} heads of {d} over {kvh} KV heads, max_len {max_len} "
+            f"for {block_tables.shape[1]} blocks of {block_size}"
+        )
     qf = q.to(torch.float32).contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
     out = torch.empty_like(qf)
     fn = getattr(library(), _KERNELS[k_cache.dtype])
-    failed = fn(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-                b, heads, kvh, d, slots, tables.shape[1], block_size, scale, max_len, torch.get_num_threads())
+    failed = fn(
+        qf.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        b,
+        heads,
+        kvh,
+        d,
+        slots,
+        tables.shape[1],
+        block_size,
+        scale,
+        max_len,
+        torch.get_num_threads(),
+    )
     if failed:
         raise MemoryError("paged_decode_attention: out of memory for its score buffers")
     return out.to(q.dtype)
@@ -158,7 +221,12 @@ def use_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
     weight (not a quantized or sparse tensor subclass) matching x's dtype, K % 8 == 0, few rows,
     and for bfloat16 a CPU without native bf16. (Called per layer per step: cheapest tests first.)"""
     dtype = weight.dtype
-    if x.dtype is not dtype or dtype not in _LINEAR or not x.is_cpu or type(weight) not in cpu_bf16.PLAIN:
+    if (
+        x.dtype is not dtype
+        or dtype not in _LINEAR
+        or not x.is_cpu
+        or type(weight) not in cpu_bf16.PLAIN
+    ):
         return False
     if weight.dim() != 2 or weight.shape[1] % 8:
         return False
@@ -188,8 +256,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m = xf.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
     if m:
-        library().linear(xf.data_ptr(), k, w.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                         m, n, k, int(w.dtype is torch.bfloat16), torch.get_num_threads())
+        library().linear(
+            xf.data_ptr(),
+            k,
+            w.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            m,
+            n,
+            k,
+            int(w.dtype is torch.bfloat16),
+            torch.get_num_threads(),
+        )
     if x.dim() != 2:
         out = out.view(*x.shape[:-1], n)
     return out if x.dtype is torch.float32 else out.to(x.dtype)
@@ -214,6 +292,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(xc)
     rows = xc.numel() // k if k else 0
     if rows:
-        library().rms_norm(xc.data_ptr(), w.data_ptr(), out.data_ptr(), rows, k, eps, int(x.dtype == torch.bfloat16),
-                           torch.get_num_threads())
+        library().rms_norm(
+            xc.data_ptr(),
+            w.data_ptr(),
+            out.data_ptr(),
+            rows,
+            k,
+            eps,
+            int(x.dtype == torch.bfloat16),
+            torch.get_num_threads(),
+        )
     return out

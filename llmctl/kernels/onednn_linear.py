@@ -16,7 +16,11 @@ PACK_ROWS_HINT = 64  # the batch size oneDNN tunes the layout for; any row count
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """weight [N, K] float32 on the CPU -> an opaque packed tensor, or None when not available."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype != torch.float32
+        or not torch.backends.mkldnn.is_available()
+    ):
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
@@ -24,6 +28,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [M, K] float32 -> x @ W^T (+ bias) [M, N], W packed by `pack_weight`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -28,7 +28,9 @@ def quant_matmul_reference(x, qweight, scales, zeros, bits: int, group_size: int
     """x [M, K] @ W^T -> [M, N] in x's dtype, with W [N, K] = (q - z) * s dequantized in fp32.
     qweight uint8 [N, K/2] (bits == 4) or [N, K]; scales [N, K/group]; zeros uint8 [N, K/group]."""
     if bits == 4:
-        q = torch.stack([qweight & 15, qweight >> 4], dim=-1).reshape(qweight.shape[0], -1)  # [N, K]
+        q = torch.stack([qweight & 15, qweight >> 4], dim=-1).reshape(
+            qweight.shape[0], -1
+        )  # [N, K]
     else:
         q = qweight
     n, k = q.shape
@@ -41,10 +43,24 @@ if triton is not None:
 
     @triton.jit
     def _dequant_gemm_kernel(
-        x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K,
-        stride_xm, stride_qn, stride_sn, stride_ym,
-        PACKED4: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        z_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_qn,
+        stride_sn,
+        stride_ym,
+        PACKED4: tl.constexpr,
+        GROUP: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):
         # Program (i, j): rows [i*BM, (i+1)*BM) of x, outputs [j*BN, (j+1)*BN). K is walked in tiles of
         # BLOCK_K, which divides GROUP (and so K): each tile's columns share one scale/zero per output.
@@ -56,19 +72,33 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_mask[:, None], other=0.0)  # [BM, BK]
+            x = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_mask[:, None], other=0.0
+            )  # [BM, BK]
             if PACKED4:  # byte kk // 2 holds columns 2j (low nibble) and 2j + 1 (high nibble)
-                b = tl.load(q_ptr + offs_n[:, None] * stride_qn + (kk // 2)[None, :], mask=n_mask[:, None], other=0)
+                b = tl.load(
+                    q_ptr + offs_n[:, None] * stride_qn + (kk // 2)[None, :],
+                    mask=n_mask[:, None],
+                    other=0,
+                )
                 q = (b.to(tl.int32) >> ((kk & 1) * 4)[None, :]) & 15  # [BN, BK]
             else:
-                q = tl.load(q_ptr + offs_n[:, None] * stride_qn + kk[None, :], mask=n_mask[:, None], other=0)
+                q = tl.load(
+                    q_ptr + offs_n[:, None] * stride_qn + kk[None, :], mask=n_mask[:, None], other=0
+                )
             g = k0 // GROUP
-            s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
+            s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0).to(
+                tl.float32
+            )  # [BN]
             z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
             w = (q.to(tl.float32) - z[:, None]) * s[:, None]  # [BN, BK]
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
         y = acc.to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=m_mask[:, None] & n_mask[None, :])
+        tl.store(
+            y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+            y,
+            mask=m_mask[:, None] & n_mask[None, :],
+        )
 
 
 def quant_matmul_triton(x, qweight, scales, zeros, bits: int, group_size: int) -> torch.Tensor:
@@ -76,7 +106,10 @@ def quant_matmul_triton(x, qweight, scales, zeros, bits: int, group_size: int) -
     output in x's dtype. group_size: a power of two >= 16 dividing K."""
     m, k = x.shape
     n = qweight.shape[0]
-    assert group_size >= 16 and group_size & (group_size - 1) == 0 and k % group_size == 0, (k, group_size)
+    assert group_size >= 16 and group_size & (group_size - 1) == 0 and k % group_size == 0, (
+        k,
+        group_size,
+    )
     assert scales.shape == zeros.shape == (n, k // group_size), (scales.shape, zeros.shape)
     x = x.contiguous()
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
@@ -85,9 +118,23 @@ def quant_matmul_triton(x, qweight, scales, zeros, bits: int, group_size: int) -
     block_n, block_k = 64, min(group_size, 64)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _dequant_gemm_kernel[grid](
-        x, qweight, scales, zeros, y, m, n, k,
-        x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-        PACKED4=bits == 4, GROUP=group_size, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        x,
+        qweight,
+        scales,
+        zeros,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        qweight.stride(0),
+        scales.stride(0),
+        y.stride(0),
+        PACKED4=bits == 4,
+        GROUP=group_size,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
     )
     return y

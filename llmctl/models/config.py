@@ -71,7 +71,9 @@ class ModelConfig:
                 attention_bias=bool(d.get("attention_bias", bias_default)),
                 qk_norm=qk_norm,
                 rope_scaling=rope_scaling,
-                sliding_window=d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None,
+                sliding_window=d.get("sliding_window")
+                if d.get("use_sliding_window", model_type == "mistral")
+                else None,
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=d.get("torch_dtype") or d.get("dtype"),

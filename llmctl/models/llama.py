@@ -15,8 +15,8 @@ from torch import nn
 from llmctl.kernels import cpu_bf16, cpu_native
 from llmctl.kernels.attention import PagedAttentionMetadata, paged_attention
 from llmctl.kernels.onednn_linear import pack_weight, packed_linear
-from llmctl.models.rope import RotaryEmbedding
 from llmctl.models.config import ModelConfig
+from llmctl.models.rope import RotaryEmbedding
 
 
 class Linear(nn.Linear):
@@ -41,7 +41,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_native.use_rms_norm(x, self.weight):  # one pass in C: PyTorch takes 5+ ops, ~20 us a row
+        if cpu_native.use_rms_norm(
+            x, self.weight
+        ):  # one pass in C: PyTorch takes 5+ ops, ~20 us a row
             return cpu_native.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # the same arithmetic, fused: about 1.2-1.5x faster on the CPU
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -96,8 +98,14 @@ class Attention(nn.Module):
             k, v = torch.cat((past[0], k), dim=1), torch.cat((past[1], v), dim=1)
         s, total = x.shape[0], k.shape[1]
         mask = torch.arange(total, device=x.device)[None, :] <= (positions[:, None])  # [S, total]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                                             attn_mask=mask, scale=self.scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )
         return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(s, -1)), (k, v)
 
     def forward_dense(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -105,7 +113,12 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         q, k, v = self.qkv(x, positions)  # [B, S, heads, D]
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale, enable_gqa=True
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            scale=self.scale,
+            enable_gqa=True,
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -171,7 +184,9 @@ class LlamaForCausalLM(nn.Module):
     def layers(self) -> nn.ModuleList:
         return self.model.layers
 
-    def forward(self, input_ids, positions, meta: PagedAttentionMetadata, kv_caches) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, meta: PagedAttentionMetadata, kv_caches
+    ) -> torch.Tensor:
         """Packed tokens [T] -> final hidden states [T, hidden] (normed); K/V written to the caches."""
         x = self.model.embed_tokens(input_ids)
         for layer, kv in zip(self.model.layers, kv_caches):
@@ -194,9 +209,14 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
         # Few rows: the native kernel inside lm_head (1.1-1.3x the packed weight at 4-16 rows, both
         # shapes, 1 thread); more rows: the packed weight (1.2-1.5x F.linear at 16-64 rows).
-        if (self.packed_head is not None and hidden.dim() == 2 and hidden.dtype == torch.float32
-                and hidden.device.type == "cpu" and self._plain_head()
-                and not cpu_native.use_linear(hidden, self.lm_head.weight)):
+        if (
+            self.packed_head is not None
+            and hidden.dim() == 2
+            and hidden.dtype == torch.float32
+            and hidden.device.type == "cpu"
+            and self._plain_head()
+            and not cpu_native.use_linear(hidden, self.lm_head.weight)
+        ):
             return packed_linear(hidden, self.packed_head)
         return self.lm_head(hidden).float()
 

@@ -32,7 +32,9 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 def _int4_block_rows() -> int | None:
     """Row-block width B of the CPU int4 kernel's packed layout, or None (no kernel, unknown layout)."""
     try:
-        q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+        q = torch.randint(
+            0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0)
+        )
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     except (RuntimeError, AttributeError):
         return None
@@ -46,7 +48,9 @@ def _int4_layout_ok() -> bool:
     return _int4_block_rows() is not None
 
 
-def _unpack_int4_cpu(packed: torch.Tensor, n: int, k: int, block: int | None = None) -> torch.Tensor:
+def _unpack_int4_cpu(
+    packed: torch.Tensor, n: int, k: int, block: int | None = None
+) -> torch.Tensor:
     """Codes int32 [n, k] from the CPU int4 kernel's packed uint8 [n, k / 2] (row blocks of `block`)."""
     block = block or _int4_block_rows()
     f = packed.contiguous().reshape(n // block, k, block // 2)
@@ -100,7 +104,9 @@ class QuantLinear(nn.Module):
         self.register_buffer("perm", None)  # input column order grouping act-order columns, or None
 
     @classmethod
-    def from_unpacked(cls, u, dtype: torch.dtype, device: str | torch.device = "cpu") -> "QuantLinear":
+    def from_unpacked(
+        cls, u, dtype: torch.dtype, device: str | torch.device = "cpu"
+    ) -> "QuantLinear":
         """Build from an UnpackedLinear (codes [out, in], scales/zeros [out, groups], g_idx [in])."""
         out_f, in_f = u.codes.shape
         self = cls(in_f, out_f, u.bits, u.group_size)
@@ -109,20 +115,30 @@ class QuantLinear(nn.Module):
         if not torch.equal(g_idx, expected):  # act-order checkpoint: regroup the input columns
             perm = torch.argsort(g_idx, stable=True)
             if not torch.equal(g_idx[perm], expected):
-                raise ModelLoadError(f"g_idx with groups of unequal size (group size {u.group_size}) is not supported")
+                raise ModelLoadError(
+                    f"g_idx with groups of unequal size (group size {u.group_size}) is not supported"
+                )
             self.perm = perm.to(device)
             codes = codes[:, perm]
         device = torch.device(device)
         self.use_int4_kernel = (
-            device.type == "cpu" and u.bits == 4 and out_f % 64 == 0 and u.group_size in INT4_GROUP_SIZES
-            and in_f % u.group_size == 0 and _int4_layout_ok()
+            device.type == "cpu"
+            and u.bits == 4
+            and out_f % 64 == 0
+            and u.group_size in INT4_GROUP_SIZES
+            and in_f % u.group_size == 0
+            and _int4_layout_ok()
         )
         s = u.scales.float()
         z = u.zeros.float()
         self.register_buffer("scales", s.to(device, dtype))  # [out, groups]
-        self.register_buffer("zeros", u.zeros.to(device, torch.uint8 if u.bits <= 8 else torch.int32))
+        self.register_buffer(
+            "zeros", u.zeros.to(device, torch.uint8 if u.bits <= 8 else torch.int32)
+        )
         if self.use_int4_kernel:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                codes.to(torch.int32).contiguous(), 1
+            )
             self.register_buffer("qweight", packed)
             sz = torch.stack([s.t(), ((8 - z) * s).t()], dim=-1)  # [groups, out, 2]
             self.register_buffer("scale_zeros", sz.to(_int4_activation_dtype(dtype)).contiguous())
@@ -161,12 +177,16 @@ class QuantLinear(nn.Module):
         if self.use_int4_kernel and x2.shape[0] <= self.SMALL_BATCH_TOKENS:
             dt = _int4_activation_dtype(x2.dtype)
             sz = self.scale_zeros if self.scale_zeros.dtype == dt else self.scale_zeros.to(dt)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(dt).contiguous(), self.qweight, self.group_size, sz)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.to(dt).contiguous(), self.qweight, self.group_size, sz
+            )
             y = y.to(x2.dtype)
         elif not self.use_int4_kernel and _use_triton(x2.device, x2.shape[0], self.group_size):
             from llmctl.kernels.triton_quant import quant_matmul_triton
 
-            y = quant_matmul_triton(x2, self.qweight, self.scales, self.zeros, self.bits, self.group_size)
+            y = quant_matmul_triton(
+                x2, self.qweight, self.scales, self.zeros, self.bits, self.group_size
+            )
         else:
             y = F.linear(x2, self.dequantize(x2.dtype))
         if self.bias is not None:

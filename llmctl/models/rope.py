@@ -16,7 +16,9 @@ from llmctl.models.config import ModelConfig
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     """[head_dim // 2] float32 inverse frequencies, after any scaling."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
     scaling = config.rope_scaling
     if not scaling:
         return inv_freq
@@ -24,7 +26,10 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
         return inv_freq / float(scaling["factor"])
     # llama3: low frequencies divided by `factor`, high kept, a smooth ramp in between.
     factor = float(scaling["factor"])
-    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    low, high = (
+        float(scaling.get("low_freq_factor", 1.0)),
+        float(scaling.get("high_freq_factor", 4.0)),
+    )
     old_len = float(scaling.get("original_max_position_embeddings", 8192))
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq
@@ -46,7 +51,9 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...]; q [..., heads, D], k [..., kv_heads, D] with the same leading shape."""
         cos = self.cos[positions].to(q.dtype).unsqueeze(-2)  # [..., 1, D]
         sin = self.sin[positions].to(q.dtype).unsqueeze(-2)

@@ -15,14 +15,23 @@ from typing import Any
 from llmctl.errors import UsageError
 from llmctl.profiling.sweep import HIGHER_IS_BETTER, LOWER_IS_BETTER
 
-COMPARED = ("ttft_s", "tpot_s", "e2e_s", "decode_tokens_per_s", "prefill_tokens_per_s", "output_tokens_per_s")
+COMPARED = (
+    "ttft_s",
+    "tpot_s",
+    "e2e_s",
+    "decode_tokens_per_s",
+    "prefill_tokens_per_s",
+    "output_tokens_per_s",
+)
 
 
 def parse_threshold(text: str) -> float:
     """'5%' -> 0.05, '0.05' -> 0.05."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(%?)\s*", str(text))
     if not m:
-        raise UsageError(f"cannot read threshold {text!r}; use a percentage such as 5% (or a fraction such as 0.05)")
+        raise UsageError(
+            f"cannot read threshold {text!r}; use a percentage such as 5% (or a fraction such as 0.05)"
+        )
     value = float(m.group(1)) / (100 if m.group(2) else 1)
     if not 0 <= value < 1:
         raise UsageError(f"threshold must be between 0% and 100%, got {text!r}")
@@ -59,7 +68,9 @@ class Comparison:
         return [d for d in self.deltas if d.regression]
 
 
-def _is_regression(a: float | None, b: float | None, lower_is_better: bool, threshold: float) -> bool:
+def _is_regression(
+    a: float | None, b: float | None, lower_is_better: bool, threshold: float
+) -> bool:
     if a is None or b is None or a <= 0:
         return False
     ratio = b / a
@@ -70,8 +81,13 @@ def _points(record: dict[str, Any]) -> dict[tuple[int, int, int], dict[str, Any]
     return {(p["batch_size"], p["prompt_len"], p["gen_len"]): p for p in record["points"]}
 
 
-def compare_records(a: dict[str, Any], b: dict[str, Any], threshold: float = 0.05, stat: str = "p50",
-                    metrics: tuple[str, ...] = COMPARED) -> Comparison:
+def compare_records(
+    a: dict[str, Any],
+    b: dict[str, Any],
+    threshold: float = 0.05,
+    stat: str = "p50",
+    metrics: tuple[str, ...] = COMPARED,
+) -> Comparison:
     """Every compared metric of every point present in both records."""
     if stat not in ("mean", "p50", "p90", "p99"):
         raise UsageError(f"unknown statistic {stat!r}; choose mean, p50, p90 or p99")
@@ -84,11 +100,23 @@ def compare_records(a: dict[str, Any], b: dict[str, Any], threshold: float = 0.0
                 raise UsageError(f"unknown metric {metric!r}")
             va = (pa[key].get(metric) or {}).get(stat)
             vb = (pb[key].get(metric) or {}).get(stat)
-            deltas.append(MetricDelta(key, metric, va, vb, lower, _is_regression(va, vb, lower, threshold)))
-    return Comparison(deltas, sorted(pa.keys() - pb.keys()), sorted(pb.keys() - pa.keys()), threshold, stat)
+            deltas.append(
+                MetricDelta(key, metric, va, vb, lower, _is_regression(va, vb, lower, threshold))
+            )
+    return Comparison(
+        deltas, sorted(pa.keys() - pb.keys()), sorted(pb.keys() - pa.keys()), threshold, stat
+    )
 
 
-ENVIRONMENT_KEYS = ("device", "gpu_name", "cpu_model", "cpu_threads", "dtype", "torch_version", "llmctl_version")
+ENVIRONMENT_KEYS = (
+    "device",
+    "gpu_name",
+    "cpu_model",
+    "cpu_threads",
+    "dtype",
+    "torch_version",
+    "llmctl_version",
+)
 
 
 def environment_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:

@@ -93,7 +93,9 @@ def peak_memory(device: str) -> tuple[int | None, str]:
     if device.startswith("cuda"):
         import torch
 
-        return int(torch.cuda.max_memory_allocated(torch.device(device))), "cuda_max_memory_allocated"
+        return int(
+            torch.cuda.max_memory_allocated(torch.device(device))
+        ), "cuda_max_memory_allocated"
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -103,6 +105,8 @@ def peak_memory(device: str) -> tuple[int | None, str]:
     try:
         import resource
 
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "cpu_peak_rss_lifetime"
+        return int(
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        ) * 1024, "cpu_peak_rss_lifetime"
     except (ImportError, OSError):
         return None, "unavailable"

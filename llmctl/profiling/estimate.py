@@ -33,7 +33,13 @@ from llmctl.models.config import ModelConfig
 WEIGHT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "int4": 4}
 # KV-cache element formats and their bytes per element.
 KV_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
-_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
+_ALIASES = {
+    "float32": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float": "fp32",
+}
 SCALE_BYTES = 2  # one 16-bit scale per group
 
 
@@ -68,7 +74,9 @@ class WeightBytes:
         return self.linear + self.scales + self.zeros + self.embeddings + self.other
 
 
-def _matrix_bytes(out_f: int, in_f: int, bits: int, group_size: int | None, quantized: bool, float_bytes: int) -> tuple[int, int, int]:
+def _matrix_bytes(
+    out_f: int, in_f: int, bits: int, group_size: int | None, quantized: bool, float_bytes: int
+) -> tuple[int, int, int]:
     """(weight, scales, zeros) bytes of one [out_f, in_f] matrix."""
     if not quantized:
         return out_f * in_f * float_bytes, 0, 0
@@ -76,8 +84,12 @@ def _matrix_bytes(out_f: int, in_f: int, bits: int, group_size: int | None, quan
     return math.ceil(out_f * in_f * bits / 8), groups * SCALE_BYTES, math.ceil(groups * bits / 8)
 
 
-def weight_bytes(config: ModelConfig, dtype: str = "bf16", group_size: int | None = 128,
-                 quantize_embeddings: bool = False) -> WeightBytes:
+def weight_bytes(
+    config: ModelConfig,
+    dtype: str = "bf16",
+    group_size: int | None = 128,
+    quantize_embeddings: bool = False,
+) -> WeightBytes:
     """Bytes of all weights stored as `dtype` (see module docstring for what int formats include)."""
     dtype = normalize_dtype(dtype, WEIGHT_BITS, "weight dtype")
     if group_size is not None and group_size < 1:
@@ -111,7 +123,9 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str = "bf16") -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES[kv_dtype]
 
 
-def kv_bytes_per_sequence(config: ModelConfig, seq_len: int, kv_dtype: str = "bf16", block_size: int = 1) -> int:
+def kv_bytes_per_sequence(
+    config: ModelConfig, seq_len: int, kv_dtype: str = "bf16", block_size: int = 1
+) -> int:
     """KV bytes of one sequence of `seq_len` tokens, rounded up to whole cache blocks."""
     tokens = math.ceil(seq_len / block_size) * block_size
     return tokens * kv_bytes_per_token(config, kv_dtype)
@@ -160,10 +174,20 @@ class Estimate:
         return d
 
 
-def estimate(config: ModelConfig, *, model: str = "", dtype: str = "bf16", group_size: int | None = 128,
-             kv_dtype: str | None = None, seq_len: int | None = None, batch: int = 1, block_size: int = 16,
-             memory_budget: int | None = None, bandwidth: float | None = None,
-             quantize_embeddings: bool = False) -> Estimate:
+def estimate(
+    config: ModelConfig,
+    *,
+    model: str = "",
+    dtype: str = "bf16",
+    group_size: int | None = 128,
+    kv_dtype: str | None = None,
+    seq_len: int | None = None,
+    batch: int = 1,
+    block_size: int = 16,
+    memory_budget: int | None = None,
+    bandwidth: float | None = None,
+    quantize_embeddings: bool = False,
+) -> Estimate:
     """Everything `profile --estimate` prints. kv_dtype None: 16-bit (fp32 for fp32 weights);
     seq_len None: the model's max_position_embeddings."""
     dtype = normalize_dtype(dtype, WEIGHT_BITS, "weight dtype")
@@ -183,11 +207,22 @@ def estimate(config: ModelConfig, *, model: str = "", dtype: str = "bf16", group
     step_bytes = weights.total + batch * seq_len * per_token
     steps_per_s = None if bandwidth is None else bandwidth / step_bytes
     return Estimate(
-        model=model, dtype=dtype, group_size=group_size if dtype.startswith("int") else None, kv_dtype=kv_dtype,
-        seq_len=seq_len, batch=batch, block_size=block_size, num_parameters=config.num_parameters(),
-        weights=weights, kv_bytes_per_token=per_token, kv_bytes_per_sequence=per_seq,
-        kv_bytes_batch=batch * per_seq, memory_budget=memory_budget, max_sequences=max_seqs,
-        bandwidth=bandwidth, decode_bytes_per_step=step_bytes,
+        model=model,
+        dtype=dtype,
+        group_size=group_size if dtype.startswith("int") else None,
+        kv_dtype=kv_dtype,
+        seq_len=seq_len,
+        batch=batch,
+        block_size=block_size,
+        num_parameters=config.num_parameters(),
+        weights=weights,
+        kv_bytes_per_token=per_token,
+        kv_bytes_per_sequence=per_seq,
+        kv_bytes_batch=batch * per_seq,
+        memory_budget=memory_budget,
+        max_sequences=max_seqs,
+        bandwidth=bandwidth,
+        decode_bytes_per_step=step_bytes,
         decode_tokens_per_s_per_sequence=steps_per_s,
         decode_tokens_per_s_aggregate=None if steps_per_s is None else batch * steps_per_s,
         flops_per_token=flops_per_token(config, seq_len),
@@ -196,8 +231,8 @@ def estimate(config: ModelConfig, *, model: str = "", dtype: str = "bf16", group
 
 ESTIMATE_FORMULAS = {
     "weights": "decoder linears at the weight dtype; int formats add one 16-bit scale and one zero point "
-               "(packed at the weight bit width) per group of group_size inputs per output row; embeddings, "
-               "lm_head, norms and biases 16-bit (fp32 for fp32)",
+    "(packed at the weight bit width) per group of group_size inputs per output row; embeddings, "
+    "lm_head, norms and biases 16-bit (fp32 for fp32)",
     "kv_bytes_per_token": "2 x num_layers x num_kv_heads x head_dim x bytes(kv_dtype)",
     "kv_bytes_per_sequence": "ceil(seq_len / block_size) x block_size x kv_bytes_per_token",
     "kv_bytes_batch": "batch x kv_bytes_per_sequence",
@@ -209,8 +244,18 @@ ESTIMATE_FORMULAS = {
 }
 
 
-_RATE_UNITS = {"": 1e9, "b/s": 1, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12,
-               "kib/s": 1024, "mib/s": 1024**2, "gib/s": 1024**3, "tib/s": 1024**4}
+_RATE_UNITS = {
+    "": 1e9,
+    "b/s": 1,
+    "kb/s": 1e3,
+    "mb/s": 1e6,
+    "gb/s": 1e9,
+    "tb/s": 1e12,
+    "kib/s": 1024,
+    "mib/s": 1024**2,
+    "gib/s": 1024**3,
+    "tib/s": 1024**4,
+}
 
 
 def parse_bandwidth(text: str) -> float:
@@ -220,7 +265,9 @@ def parse_bandwidth(text: str) -> float:
     if m and unit and not unit.endswith("/s"):
         unit += "/s"
     if not m or unit not in _RATE_UNITS:
-        raise UsageError(f"cannot read bandwidth {text!r}; use GB/s, e.g. 900 or 900GB/s or 3.35TB/s")
+        raise UsageError(
+            f"cannot read bandwidth {text!r}; use GB/s, e.g. 900 or 900GB/s or 3.35TB/s"
+        )
     return float(m.group(1)) * _RATE_UNITS[unit]
 
 
@@ -233,8 +280,9 @@ def parse_group_size(text: str | int | None) -> int | str | None:
     return None if value == "channel" else value
 
 
-def group_size_for(config: ModelConfig, text: str | int,
-                   quantize_embeddings: bool = False) -> tuple[int | None, str | None]:
+def group_size_for(
+    config: ModelConfig, text: str | int, quantize_embeddings: bool = False
+) -> tuple[int | None, str | None]:
     """(group size or None for per channel, note) for this config's quantized matrices, by the
     rule `llmctl quantize` applies: a size it refuses is refused here too, and auto resolves the
     same way."""
@@ -278,7 +326,10 @@ def _hub_config(repo_id: str) -> str:
         return hf_hub_download(repo_id=repo_id, filename="config.json", local_files_only=True)
     except Exception:  # not cached: try the network below
         pass
-    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    host = (
+        urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname
+        or "huggingface.co"
+    )
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     if not offline:
         try:  # fail in seconds, not after the hub client's retries
@@ -286,15 +337,19 @@ def _hub_config(repo_id: str) -> str:
         except OSError:
             offline = True
     if offline:
-        raise ModelLoadError(f"hub id {repo_id!r} is not in the local cache and {host} is unreachable (offline); "
-                             "pass a local folder or config.json instead")
+        raise ModelLoadError(
+            f"hub id {repo_id!r} is not in the local cache and {host} is unreachable (offline); "
+            "pass a local folder or config.json instead"
+        )
     hub_logger = logging.getLogger("huggingface_hub")
     level = hub_logger.level
     hub_logger.setLevel(logging.ERROR)
     try:
         return hf_hub_download(repo_id=repo_id, filename="config.json")
     except Exception as e:  # unknown or gated repo: one line
-        raise ModelLoadError(f"cannot fetch config.json of hub id {repo_id!r} ({type(e).__name__}); "
-                             "pass a local folder or config.json instead") from None
+        raise ModelLoadError(
+            f"cannot fetch config.json of hub id {repo_id!r} ({type(e).__name__}); "
+            "pass a local folder or config.json instead"
+        ) from None
     finally:
         hub_logger.setLevel(level)

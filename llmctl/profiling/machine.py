@@ -89,7 +89,9 @@ def measure_matmul(device: str, n: int, repeats: int = 3, dtype: str = "bfloat16
     return 2 * n**3 / seconds
 
 
-def measure_machine(device: str, nbytes: int | None = None, matmul_n: int | None = None) -> MachinePeaks:
+def measure_machine(
+    device: str, nbytes: int | None = None, matmul_n: int | None = None
+) -> MachinePeaks:
     """Measure now (about a second on CPU); sizes default to 256 MiB / n=1024 on CPU, 2 GiB / n=8192 on CUDA."""
     cuda = device.startswith("cuda")
     nbytes = nbytes or (2 * 1024**3 if cuda else 256 * 1024**2)
@@ -98,11 +100,19 @@ def measure_machine(device: str, nbytes: int | None = None, matmul_n: int | None
     flops = measure_matmul(device, matmul_n)
     fp32 = measure_matmul(device, matmul_n, dtype="float32")
     return MachinePeaks(
-        key=machine_key(device), device=device, memory_bandwidth=max(bw.values()), matmul_flops_bf16=flops,
+        key=machine_key(device),
+        device=device,
+        memory_bandwidth=max(bw.values()),
+        matmul_flops_bf16=flops,
         matmul_flops_fp32=fp32,
         measured_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        method={"tensor_bytes": nbytes, "read_bytes_per_s": bw["read"], "copy_bytes_per_s": bw["copy"],
-                "matmul_n": matmul_n, "note": "best of repeated runs after a warm-up"},
+        method={
+            "tensor_bytes": nbytes,
+            "read_bytes_per_s": bw["read"],
+            "copy_bytes_per_s": bw["copy"],
+            "matmul_n": matmul_n,
+            "note": "best of repeated runs after a warm-up",
+        },
     )
 
 

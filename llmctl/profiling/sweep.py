@@ -23,13 +23,17 @@ PERCENTILES = (50, 90, 99)
 
 # Metric -> which direction is better; `compare` uses this.
 LOWER_IS_BETTER = ("ttft_s", "tpot_s", "e2e_s", "wall_s")
-HIGHER_IS_BETTER = ("decode_tokens_per_s_per_sequence", "decode_tokens_per_s", "prefill_tokens_per_s",
-                    "output_tokens_per_s")
+HIGHER_IS_BETTER = (
+    "decode_tokens_per_s_per_sequence",
+    "decode_tokens_per_s",
+    "prefill_tokens_per_s",
+    "output_tokens_per_s",
+)
 METRICS = LOWER_IS_BETTER + HIGHER_IS_BETTER
 
 FORMULAS = {
     "prompts": "batch_size requests of prompt_len uniformly random token ids (new ones every repeat), "
-               "greedy, ignore_eos=True, max_tokens=gen_len, all added at once to the engine",
+    "greedy, ignore_eos=True, max_tokens=gen_len, all added at once to the engine",
     "ttft_s": "first_token_time - arrival_time, per request",
     "tpot_s": "(finish_time - first_token_time) / (output_tokens - 1), per request (end-to-end minus TTFT)",
     "e2e_s": "finish_time - arrival_time, per request",
@@ -39,21 +43,23 @@ FORMULAS = {
     "output_tokens_per_s": "batch_size x gen_len / wall_s, per repeat",
     "wall_s": "time from adding the first request to the engine reporting the last finished, per repeat",
     "percentiles": "per-request metrics pool every request of every repeat; per-repeat metrics pool the repeats; "
-                   "linear interpolation between closest ranks (numpy's default)",
+    "linear interpolation between closest ranks (numpy's default)",
     "peak_memory_bytes": "CUDA: torch.cuda.max_memory_allocated over the point's repeats; "
-                         "CPU: peak resident set size (VmHWM, reset per point when /proc/self/clear_refs allows)",
+    "CPU: peak resident set size (VmHWM, reset per point when /proc/self/clear_refs allows)",
     "kv_blocks_used": "most KV-cache blocks in use during any engine step of the point (the engine's peak counter, "
-                      "reset per repeat)",
+    "reset per repeat)",
     "mbu": "(weight_bytes + batch_size x (prompt_len + gen_len / 2) x kv_bytes_per_token) / tpot_s.p50 / "
-           "machine memory_bandwidth",
+    "machine memory_bandwidth",
     "mfu": "batch_size x (prompt_len x flops_per_token(prompt_len / 2) + gen_len x flops_per_token(prompt_len + gen_len / 2)) "
-           "/ wall_s.p50 / machine compute_peak(dtype) (float32's matmul peak for float32 models, the larger of bf16's "
-           "and float32's for 16-bit ones); flops_per_token(c) = 2 x matmul weights + 4 x layers x c x q_size",
+    "/ wall_s.p50 / machine compute_peak(dtype) (float32's matmul peak for float32 models, the larger of bf16's "
+    "and float32's for 16-bit ones); flops_per_token(c) = 2 x matmul weights + 4 x layers x c x q_size",
 }
 
 
 class Engine(Protocol):
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None: ...
 
     def step(self) -> list[RequestOutput]: ...
 
@@ -106,7 +112,9 @@ def grid(batch_sizes: list[int], prompt_lens: list[int], gen_lens: list[int]) ->
     return [SweepPoint(b, p, g) for b in batch_sizes for p in prompt_lens for g in gen_lens]
 
 
-def random_prompts(rng: random.Random, batch_size: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
+def random_prompts(
+    rng: random.Random, batch_size: int, prompt_len: int, vocab_size: int
+) -> list[list[int]]:
     return [[rng.randrange(vocab_size) for _ in range(prompt_len)] for _ in range(batch_size)]
 
 
@@ -128,7 +136,9 @@ def _reset_engine_peak(engine: Any) -> bool:
     return False
 
 
-def run_repeat(engine: Engine, point: SweepPoint, rng: random.Random, vocab_size: int, tag: str) -> RepeatResult:
+def run_repeat(
+    engine: Engine, point: SweepPoint, rng: random.Random, vocab_size: int, tag: str
+) -> RepeatResult:
     """Add the point's requests at once and step the engine until all finish."""
     params = SamplingParams(max_tokens=point.gen_len, temperature=0.0, ignore_eos=True)
     prompts = random_prompts(rng, point.batch_size, point.prompt_len, vocab_size)
@@ -140,7 +150,9 @@ def run_repeat(engine: Engine, point: SweepPoint, rng: random.Random, vocab_size
     most_blocks: int | None = None
     while engine.has_unfinished_requests():
         outputs.extend(engine.step())
-        used = kv_blocks_in_use(engine)  # after the step: finished requests have already freed theirs
+        used = kv_blocks_in_use(
+            engine
+        )  # after the step: finished requests have already freed theirs
         if used is not None:
             most_blocks = used if most_blocks is None else max(most_blocks, used)
     wall = time.perf_counter() - start
@@ -179,21 +191,32 @@ def repeat_rates(rep: RepeatResult, point: SweepPoint) -> dict[str, float | None
     decode_tokens = sum(max(len(o.output_token_ids) - 1, 0) for o in outs)
     n_out = sum(len(o.output_token_ids) for o in outs)
     return {
-        "prefill_tokens_per_s": point.batch_size * point.prompt_len / prefill_span if prefill_span > 0 else None,
-        "decode_tokens_per_s": decode_tokens / decode_span if decode_span > 0 and decode_tokens else None,
+        "prefill_tokens_per_s": point.batch_size * point.prompt_len / prefill_span
+        if prefill_span > 0
+        else None,
+        "decode_tokens_per_s": decode_tokens / decode_span
+        if decode_span > 0 and decode_tokens
+        else None,
         "output_tokens_per_s": n_out / rep.wall_s if rep.wall_s > 0 else None,
         "wall_s": rep.wall_s,
     }
 
 
-def point_record(point: SweepPoint, repeats: list[RepeatResult], peak: tuple[int | None, str],
-                 facts: ModelFacts | None, peaks: Any | None) -> dict[str, Any]:
+def point_record(
+    point: SweepPoint,
+    repeats: list[RepeatResult],
+    peak: tuple[int | None, str],
+    facts: ModelFacts | None,
+    peaks: Any | None,
+) -> dict[str, Any]:
     """The JSON record of one point: settings, metric summaries, memory, KV blocks, MBU/MFU."""
     outs = [o for rep in repeats for o in rep.outputs]
     tpots = [o.tpot for o in outs]
     per_repeat = [repeat_rates(rep, point) for rep in repeats]
     record: dict[str, Any] = {
-        "batch_size": point.batch_size, "prompt_len": point.prompt_len, "gen_len": point.gen_len,
+        "batch_size": point.batch_size,
+        "prompt_len": point.prompt_len,
+        "gen_len": point.gen_len,
         "repeats": len(repeats),
         "output_tokens_min": min(len(o.output_token_ids) for o in outs),
         "output_tokens_max": max(len(o.output_token_ids) for o in outs),
@@ -211,8 +234,9 @@ def point_record(point: SweepPoint, repeats: list[RepeatResult], peak: tuple[int
     return record
 
 
-def utilization(point: SweepPoint, record: dict[str, Any], facts: ModelFacts | None,
-                peaks: Any | None) -> tuple[float | None, float | None]:
+def utilization(
+    point: SweepPoint, record: dict[str, Any], facts: ModelFacts | None, peaks: Any | None
+) -> tuple[float | None, float | None]:
     """(MBU, MFU) of a point against the machine's measured peaks (None without peaks)."""
     if facts is None or peaks is None:
         return None, None
@@ -224,14 +248,21 @@ def utilization(point: SweepPoint, record: dict[str, Any], facts: ModelFacts | N
         mbu = step_bytes / tpot / peaks.memory_bandwidth
     wall = (record.get("wall_s") or {}).get("p50")
     if wall:
-        flops = point.batch_size * (point.prompt_len * facts.flops_per_token(point.prompt_len // 2)
-                                    + point.gen_len * facts.flops_per_token(point.prompt_len + point.gen_len // 2))
+        flops = point.batch_size * (
+            point.prompt_len * facts.flops_per_token(point.prompt_len // 2)
+            + point.gen_len * facts.flops_per_token(point.prompt_len + point.gen_len // 2)
+        )
         mfu = flops / wall / peaks.compute_peak(facts.dtype)
     return mbu, mfu
 
 
-def run_sweep(engine: Engine, settings: SweepSettings, facts: ModelFacts | None = None, peaks: Any | None = None,
-              progress: Callable[[int, int, SweepPoint], None] | None = None) -> list[dict[str, Any]]:
+def run_sweep(
+    engine: Engine,
+    settings: SweepSettings,
+    facts: ModelFacts | None = None,
+    peaks: Any | None = None,
+    progress: Callable[[int, int, SweepPoint], None] | None = None,
+) -> list[dict[str, Any]]:
     """Run every point (warm-up repeats first, not recorded) and return the point records."""
     rng = random.Random(settings.seed)
     records = []
@@ -241,7 +272,10 @@ def run_sweep(engine: Engine, settings: SweepSettings, facts: ModelFacts | None 
         for w in range(settings.warmup):
             run_repeat(engine, point, rng, settings.vocab_size, f"warmup-{n}-{w}")
         reset_peak_memory(settings.device)
-        repeats = [run_repeat(engine, point, rng, settings.vocab_size, f"point-{n}-{r}") for r in range(settings.repeat)]
+        repeats = [
+            run_repeat(engine, point, rng, settings.vocab_size, f"point-{n}-{r}")
+            for r in range(settings.repeat)
+        ]
         records.append(point_record(point, repeats, peak_memory(settings.device), facts, peaks))
     if progress:
         progress(len(settings.points), len(settings.points), None)
@@ -257,8 +291,16 @@ def model_facts(model: Any, config: Any, kv_dtype: str) -> ModelFacts:
         if id(p) not in seen:
             seen.add(id(p))
             weight_bytes += p.numel() * p.element_size()
-    for name, b in model.named_buffers():  # quantized formats keep packed weights and scales in buffers
+    for (
+        name,
+        b,
+    ) in model.named_buffers():  # quantized formats keep packed weights and scales in buffers
         if "rotary" not in name and id(b) not in seen:
             seen.add(id(b))
             weight_bytes += b.numel() * b.element_size()
-    return ModelFacts(weight_bytes, kv_bytes_per_token(config, kv_dtype), lambda ctx: flops_per_token(config, ctx), kv_dtype)
+    return ModelFacts(
+        weight_bytes,
+        kv_bytes_per_token(config, kv_dtype),
+        lambda ctx: flops_per_token(config, ctx),
+        kv_dtype,
+    )

@@ -73,11 +73,14 @@ class _Budget:
     def allow(self, estimate: int, work: int = 0) -> None:
         """Refuse an operation whose result (or work) would exceed the caps, before it runs."""
         if estimate > self.max_chars:
-            raise TemplateLimitError(f"an operation would build about {estimate:,} characters "
-                                     f"(the limit is {self.max_chars:,})")
+            raise TemplateLimitError(
+                f"an operation would build about {estimate:,} characters "
+                f"(the limit is {self.max_chars:,})"
+            )
         if work > self.max_work:
-            raise TemplateLimitError(f"an operation would take about {work:,} steps "
-                                     f"(the limit is {self.max_work:,})")
+            raise TemplateLimitError(
+                f"an operation would take about {work:,} steps (the limit is {self.max_work:,})"
+            )
 
     def account(self, value: Any) -> Any:
         """Measure a value an operation built; returns it unchanged."""
@@ -88,8 +91,9 @@ class _Budget:
             raise TemplateLimitError(f"a value is larger than {self.max_chars:,} characters")
         self.used += len(value) if isinstance(value, (str, bytes, dict, *_CONTAINERS)) else 1
         if self.used > self.max_total:
-            raise TemplateLimitError(f"the template built more than {self.max_total:,} "
-                                     f"characters in all")
+            raise TemplateLimitError(
+                f"the template built more than {self.max_total:,} characters in all"
+            )
         return value
 
 
@@ -224,8 +228,9 @@ def _filter_estimate(name: str, value: Any, bound: dict, budget: _Budget) -> tup
         args = _arg(bound, "kwargs") or _arg(bound, "args") or ()
         return _format_estimate(str(value), _values_of(args), budget, "%"), 0
     if name == "replace":
-        return _replace_estimate(str(value), _arg(bound, "old"), _arg(bound, "new"),
-                                 _arg(bound, "count")), 0
+        return _replace_estimate(
+            str(value), _arg(bound, "old"), _arg(bound, "new"), _arg(bound, "count")
+        ), 0
     if name == "join":
         return _join_estimate(_arg(bound, "d", ""), value, budget), 0
     if name in ("batch", "slice"):
@@ -303,11 +308,15 @@ class LimitedSandbox(ImmutableSandboxedEnvironment):
         budget.tick()
         if isinstance(__obj, types.BuiltinMethodType):  # 'x'.center(n), (1).to_bytes(n)...
             _check_int_args(args, kwargs, budget)
-        if getattr(__obj, "__name__", "") == "join" and args and not isinstance(
-                args[0], (list, tuple, str)):
+        if (
+            getattr(__obj, "__name__", "") == "join"
+            and args
+            and not isinstance(args[0], (list, tuple, str))
+        ):
             args = (list(args[0]), *args[1:])
-        budget.allow(_method_estimate(__obj, args, kwargs, budget)
-                     + _lipsum_estimate(__obj, args, kwargs))
+        budget.allow(
+            _method_estimate(__obj, args, kwargs, budget) + _lipsum_estimate(__obj, args, kwargs)
+        )
         return budget.account(super().call(__context, __obj, *args, **kwargs))
 
     def wrap_str_format(self, value: Any):
@@ -333,8 +342,9 @@ def _check_int_args(args: tuple, kwargs: dict, budget: _Budget) -> None:
     for v in (*args, *kwargs.values()):
         if isinstance(v, int) and not isinstance(v, bool) and abs(v) > budget.max_chars:
             shown = f"{v:,}" if v.bit_length() < 64 else f"about 2**{v.bit_length() - 1}"
-            raise TemplateLimitError(f"an argument of {shown} is larger than the limit "
-                                     f"({budget.max_chars:,})")
+            raise TemplateLimitError(
+                f"an argument of {shown} is larger than the limit ({budget.max_chars:,})"
+            )
 
 
 def _lipsum_estimate(obj: Any, args: tuple, kwargs: dict) -> int:
@@ -361,9 +371,12 @@ def _checked_filter(env: Any, name: str, func: Callable) -> Callable:
         budget.tick()
         _check_int_args(args, kwargs, budget)
         skip = 1 if passes_context else 0
-        if name in _MATERIALISED and len(args) > skip and not isinstance(
-                args[skip], (list, tuple, str, dict)):
-            args = (*args[:skip], list(args[skip]), *args[skip + 1:])
+        if (
+            name in _MATERIALISED
+            and len(args) > skip
+            and not isinstance(args[skip], (list, tuple, str, dict))
+        ):
+            args = (*args[:skip], list(args[skip]), *args[skip + 1 :])
         if signature is not None and len(args) > skip:
             try:
                 bound = signature.bind(*args, **kwargs).arguments
@@ -388,9 +401,12 @@ def _transformers_environment():
 def _build_environment():
     base = _transformers_environment()
     env = LimitedSandbox(
-        trim_blocks=base.trim_blocks, lstrip_blocks=base.lstrip_blocks,
-        keep_trailing_newline=base.keep_trailing_newline, autoescape=base.autoescape,
-        extensions=[type(e) for e in base.extensions.values()])
+        trim_blocks=base.trim_blocks,
+        lstrip_blocks=base.lstrip_blocks,
+        keep_trailing_newline=base.keep_trailing_newline,
+        autoescape=base.autoescape,
+        extensions=[type(e) for e in base.extensions.values()],
+    )
     env.globals.update(base.globals)
     env.tests.update(base.tests)
     env.filters.update({name: _checked_filter(env, name, f) for name, f in base.filters.items()})
@@ -411,7 +427,7 @@ def _request_error(e: Exception) -> RequestError:
 
 def _short(text: str) -> str:
     text = " ".join(str(text).split())
-    return text if len(text) <= _MESSAGE_CHARS else text[:_MESSAGE_CHARS - 3] + "..."
+    return text if len(text) <= _MESSAGE_CHARS else text[: _MESSAGE_CHARS - 3] + "..."
 
 
 class ChatTemplate:
@@ -419,8 +435,10 @@ class ChatTemplate:
 
     def __init__(self, tokenizer: Any, limits: TemplateLimits = TemplateLimits()):
         self.limits = limits
-        self._variables = {k: v if isinstance(v, (str, list)) else str(v)
-                           for k, v in dict(tokenizer.special_tokens_map).items()}
+        self._variables = {
+            k: v if isinstance(v, (str, list)) else str(v)
+            for k, v in dict(tokenizer.special_tokens_map).items()
+        }
         self._template: Any = None
         self._error: RequestError | None = None
         try:
@@ -428,8 +446,10 @@ class ChatTemplate:
             self._env = _build_environment()
             self._template = self._env.from_string(source)
         except Exception as e:  # a template that does not compile fails every chat row alike
-            self._error = RequestError("chat_template_error", "the model's chat template cannot "
-                                       f"be used: {_short(f'{type(e).__name__}: {e}')}")
+            self._error = RequestError(
+                "chat_template_error",
+                f"the model's chat template cannot be used: {_short(f'{type(e).__name__}: {e}')}",
+            )
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages` ({role, content} dicts of strings)."""
@@ -447,8 +467,12 @@ class ChatTemplate:
     def _generate(self, messages: list[dict], add_generation_prompt: bool, budget: _Budget) -> str:
         parts, size = [], 0
         stream = self._template.generate(
-            messages=[dict(m) for m in messages], tools=None, documents=None,
-            add_generation_prompt=add_generation_prompt, **self._variables)
+            messages=[dict(m) for m in messages],
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **self._variables,
+        )
         for chunk in stream:
             size += len(chunk)
             if size > budget.max_chars:

@@ -37,7 +37,9 @@ class PerplexityResult:
     num_windows: int
     seq_len: int
     stride: int
-    mean_kl: float | None  # mean over scored tokens of KL(reference || model), nats; None without a reference
+    mean_kl: (
+        float | None
+    )  # mean over scored tokens of KL(reference || model), nats; None without a reference
     reference_perplexity: float | None
 
     def to_dict(self) -> dict[str, Any]:
@@ -62,7 +64,9 @@ def plan_windows(num_tokens: int, seq_len: int, stride: int) -> list[Window]:
     return windows
 
 
-LOGITS_BUDGET = 2**28  # bytes of float32 logits per forward pass; bounds how many windows run together
+LOGITS_BUDGET = (
+    2**28
+)  # bytes of float32 logits per forward pass; bounds how many windows run together
 
 
 def _log_probs(model: Any, chunks: Any) -> Any:
@@ -85,7 +89,9 @@ def _groups(windows: list[Window], seq_len: int, vocab_size: int) -> list[list[W
     return groups
 
 
-def _score(logp: Any, chunk: Any, window: Window, ref_logp: Any | None) -> tuple[float, float, float, int]:
+def _score(
+    logp: Any, chunk: Any, window: Window, ref_logp: Any | None
+) -> tuple[float, float, float, int]:
     """(sum NLL, sum KL(ref || model), sum reference NLL, count) over one window's scored tokens.
 
     logp, ref_logp [S, V] of the window; chunk [S] its token ids."""
@@ -93,17 +99,25 @@ def _score(logp: Any, chunk: Any, window: Window, ref_logp: Any | None) -> tuple
 
     first = window.score_from - window.begin  # index in the chunk of the first scored token
     targets = chunk[first:, None]  # [n, 1]
-    lp = logp[first - 1: -1]  # [n, V]: position t-1 predicts token t
+    lp = logp[first - 1 : -1]  # [n, V]: position t-1 predicts token t
     nll = -lp.gather(-1, targets).sum().item()
     if ref_logp is None:
         return nll, 0.0, 0.0, targets.shape[0]
-    rp = ref_logp[first - 1: -1]  # [n, V]
-    kl = torch.nn.functional.kl_div(lp, rp, reduction="sum", log_target=True).item()  # sum p_ref (log p_ref - log p)
+    rp = ref_logp[first - 1 : -1]  # [n, V]
+    kl = torch.nn.functional.kl_div(
+        lp, rp, reduction="sum", log_target=True
+    ).item()  # sum p_ref (log p_ref - log p)
     return nll, kl, -rp.gather(-1, targets).sum().item(), targets.shape[0]
 
 
-def perplexity(model: Any, token_ids: Sequence[int] | Any, seq_len: int = 512, stride: int | None = None,
-               reference: Any | None = None, progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
+def perplexity(
+    model: Any,
+    token_ids: Sequence[int] | Any,
+    seq_len: int = 512,
+    stride: int | None = None,
+    reference: Any | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> PerplexityResult:
     """Sliding-window perplexity of `model` on `token_ids` (and KL against `reference`, when given).
 
     stride None: seq_len // 2. Runs under inference mode on the model's device; windows of equal length
@@ -119,12 +133,14 @@ def perplexity(model: Any, token_ids: Sequence[int] | Any, seq_len: int = 512, s
     with torch.inference_mode():
         vocab = model.forward_dense(ids[None, :2]).shape[-1]
         for group in _groups(windows, seq_len, vocab):
-            chunks = torch.stack([ids[w.begin: w.end] for w in group])  # [B, S]
+            chunks = torch.stack([ids[w.begin : w.end] for w in group])  # [B, S]
             logp = _log_probs(model, chunks)  # [B, S, V]
             ref_logp = None if reference is None else _log_probs(reference, chunks)
             if ref_logp is not None and ref_logp.shape[-1] != logp.shape[-1]:
-                raise UsageError(f"the reference model's vocabulary ({ref_logp.shape[-1]}) differs from the "
-                                 f"model's ({logp.shape[-1]})")
+                raise UsageError(
+                    f"the reference model's vocabulary ({ref_logp.shape[-1]}) differs from the "
+                    f"model's ({logp.shape[-1]})"
+                )
             for j, w in enumerate(group):
                 part = _score(logp[j], chunks[j], w, None if ref_logp is None else ref_logp[j])
                 totals = [a + b for a, b in zip(totals, part)]
@@ -133,22 +149,31 @@ def perplexity(model: Any, token_ids: Sequence[int] | Any, seq_len: int = 512, s
                 progress(done, len(windows))
     nll, kl, ref_nll, count = totals
     return PerplexityResult(
-        perplexity=math.exp(nll / count), mean_nll=nll / count, num_scored_tokens=count, num_tokens=ids.numel(),
-        num_windows=len(windows), seq_len=seq_len, stride=stride,
+        perplexity=math.exp(nll / count),
+        mean_nll=nll / count,
+        num_scored_tokens=count,
+        num_tokens=ids.numel(),
+        num_windows=len(windows),
+        seq_len=seq_len,
+        stride=stride,
         mean_kl=None if reference is None else kl / count,
         reference_perplexity=None if reference is None else math.exp(ref_nll / count),
     )
 
 
-METHOD = ("sliding window (Hugging Face strided perplexity): windows [begin, min(begin + seq_len, N)) at begin = 0, "
-          "stride, ...; each scores tokens [max(previous end, begin + 1), end) given the window's earlier tokens; "
-          "perplexity = exp(mean NLL over scored tokens); KL = mean over scored tokens of "
-          "sum_v p_ref(v) (log p_ref(v) - log p_model(v)), in nats")
+METHOD = (
+    "sliding window (Hugging Face strided perplexity): windows [begin, min(begin + seq_len, N)) at begin = 0, "
+    "stride, ...; each scores tokens [max(previous end, begin + 1), end) given the window's earlier tokens; "
+    "perplexity = exp(mean NLL over scored tokens); KL = mean over scored tokens of "
+    "sum_v p_ref(v) (log p_ref(v) - log p_model(v)), in nats"
+)
 
 
 HELDOUT_WINDOW = 256  # tokens per window, capped by the model's context
 HELDOUT_MAX_TOKENS = 65536
-HELDOUT_METHOD = f"llmctl.runtime.evaluate.perplexity, non-overlapping windows of {HELDOUT_WINDOW} tokens"
+HELDOUT_METHOD = (
+    f"llmctl.runtime.evaluate.perplexity, non-overlapping windows of {HELDOUT_WINDOW} tokens"
+)
 
 
 def heldout_perplexity(model: Any, heldout: Any | None) -> float | None:

@@ -39,9 +39,16 @@ class Runtime:
         `speculative == "draft"`."""
         from llmctl.engine.llm_engine import LLMEngine
 
-        return LLMEngine(self.model, self.config, engine_config, eos_token_ids=self.eos_token_ids,
-                         detokenize=self.decode, proposer=self._proposer(engine_config),
-                         device=self.device, dtype=self.dtype)
+        return LLMEngine(
+            self.model,
+            self.config,
+            engine_config,
+            eos_token_ids=self.eos_token_ids,
+            detokenize=self.decode,
+            proposer=self._proposer(engine_config),
+            device=self.device,
+            dtype=self.dtype,
+        )
 
     def _proposer(self, engine_config):
         from llmctl.engine.spec_decode import DraftModelProposer, NgramProposer
@@ -54,8 +61,10 @@ class Runtime:
         dtype = str(self.dtype).replace("torch.", "")
         draft, dcfg = load_model(resolve_model_path(engine_config.draft_model), dtype, self.device)
         if dcfg.vocab_size != self.config.vocab_size:
-            raise UsageError(f"the draft model's vocabulary ({dcfg.vocab_size}) differs from the "
-                             f"target's ({self.config.vocab_size})")
+            raise UsageError(
+                f"the draft model's vocabulary ({dcfg.vocab_size}) differs from the "
+                f"target's ({self.config.vocab_size})"
+            )
         return DraftModelProposer(draft, self.device)
 
     @property
@@ -72,15 +81,18 @@ class Runtime:
         return self.text.apply_chat_template(messages)
 
 
-def load_runtime(model: str | os.PathLike | None = None, dtype: str = "auto",
-                 device: str = "auto") -> Runtime:
+def load_runtime(
+    model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto"
+) -> Runtime:
     """Load everything needed to serve `model` (None: the embedded demo model)."""
     import torch
 
     path = resolve_model_path(model)
     device = resolve_device(device)
     net, config = load_model(path, dtype, device)
-    dtype_t = next(net.parameters()).dtype if dtype == "auto" else resolve_dtype(dtype, config, device)
+    dtype_t = (
+        next(net.parameters()).dtype if dtype == "auto" else resolve_dtype(dtype, config, device)
+    )
     return Runtime(
         model=net,
         config=config,

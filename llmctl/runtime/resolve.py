@@ -13,8 +13,16 @@ from llmctl.errors import ModelLoadError, UsageError
 from llmctl.models.config import ModelConfig
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "demo-model"
-DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-               "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
+DTYPE_NAMES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+}
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
 
@@ -56,7 +64,9 @@ def resolve_dtype(dtype: str, config: ModelConfig, device: str):
     from llmctl.kernels.cpu_bf16 import native_bf16
 
     if dtype == "auto":
-        wanted = DTYPE_NAMES.get(str(config.torch_dtype or "float32").replace("torch.", ""), "float32")
+        wanted = DTYPE_NAMES.get(
+            str(config.torch_dtype or "float32").replace("torch.", ""), "float32"
+        )
         if wanted in ("float16", "bfloat16") and device == "cpu":
             wanted = "bfloat16" if native_bf16() else "float32"
         return getattr(torch, wanted)

@@ -19,7 +19,6 @@ from typing import Callable
 
 import torch
 
-
 MIN_CAPABILITY = (8, 0)  # Ampere: the first generation with sparse tensor cores
 SHAPE_MULTIPLE = 64  # conservative over cuSPARSELt (16) and CUTLASS (32 x 64) minimum blocks
 
@@ -47,12 +46,18 @@ def semi_structured_support(device: str | torch.device) -> tuple[bool, str]:
     """(usable, why not): CUDA, compute capability >= 8.0, and this PyTorch's torch.sparse API."""
     dev = torch.device(device)
     if dev.type != "cuda":
-        return False, "2:4 sparse matmuls need an NVIDIA GPU; on the CPU pruned weights run dense (no speedup)"
+        return (
+            False,
+            "2:4 sparse matmuls need an NVIDIA GPU; on the CPU pruned weights run dense (no speedup)",
+        )
     if not torch.cuda.is_available():
         return False, "CUDA is not available"
     cap = torch.cuda.get_device_capability(dev)
     if cap < MIN_CAPABILITY:
-        return False, f"GPU compute capability {cap[0]}.{cap[1]} has no sparse tensor cores (needs 8.0+)"
+        return (
+            False,
+            f"GPU compute capability {cap[0]}.{cap[1]} has no sparse tensor cores (needs 8.0+)",
+        )
     if not hasattr(torch.sparse, "to_sparse_semi_structured"):
         return False, "this PyTorch build has no torch.sparse.to_sparse_semi_structured"
     return True, ""
@@ -109,7 +114,10 @@ def accelerate_2of4(
     first = next(model.parameters())
     ok, why = semi_structured_support(first.device)
     if not ok:
-        return [SemiStructuredDecision(n, tuple(modules[n].weight.shape), None, None, False, why) for n in names]
+        return [
+            SemiStructuredDecision(n, tuple(modules[n].weight.shape), None, None, False, why)
+            for n in names
+        ]
     from torch.sparse import to_sparse_semi_structured
 
     timings: dict[tuple[int, int], tuple[float, float]] = {}
@@ -118,14 +126,20 @@ def accelerate_2of4(
         w = modules[name].weight
         shape = (int(w.shape[0]), int(w.shape[1]))
         if not shape_supported(w):
-            decisions.append(SemiStructuredDecision(name, shape, None, None, False, "not 2:4, or shape/dtype unsupported"))
+            decisions.append(
+                SemiStructuredDecision(
+                    name, shape, None, None, False, "not 2:4, or shape/dtype unsupported"
+                )
+            )
             continue
         if shape not in timings:
             timings[shape] = timer(w.detach(), tokens)
         dense_ms, sparse_ms = timings[shape]
         faster = dense_ms >= min_gain * sparse_ms
         if faster:
-            modules[name].weight = torch.nn.Parameter(to_sparse_semi_structured(w.detach().contiguous()), requires_grad=False)
+            modules[name].weight = torch.nn.Parameter(
+                to_sparse_semi_structured(w.detach().contiguous()), requires_grad=False
+            )
         reason = "sparse measured faster" if faster else "dense measured faster or equal"
         decisions.append(SemiStructuredDecision(name, shape, dense_ms, sparse_ms, faster, reason))
     return decisions
@@ -149,4 +163,3 @@ def accelerate_from_config(
 
 def decisions_to_dicts(decisions: list[SemiStructuredDecision]) -> list[dict]:
     return [asdict(d) for d in decisions]
-

@@ -32,8 +32,10 @@ def weight_files(path: Path) -> list[Path]:
     if files:
         return files
     if list(path.glob("*.bin")) or list(path.glob("*.pt")):
-        raise ModelLoadError(f"{path} holds only pickle checkpoints (.bin/.pt); "
-                             "llmctl loads safetensors only, never pickle")
+        raise ModelLoadError(
+            f"{path} holds only pickle checkpoints (.bin/.pt); "
+            "llmctl loads safetensors only, never pickle"
+        )
     raise ModelLoadError(f"{path} has no .safetensors weights")
 
 
@@ -52,8 +54,15 @@ def read_tensors(path: Path) -> dict:
     return {name: t for _, name, t in iter_tensors(path)}
 
 
-def assign_dense(model, tensors: Iterable[tuple[str, str, "torch.Tensor"]], config: ModelConfig,  # noqa: F821
-                 dtype, device: str, where: Path, skip_modules: frozenset[str] = frozenset()) -> None:
+def assign_dense(
+    model,
+    tensors: Iterable[tuple[str, str, "torch.Tensor"]],  # noqa: F821 (torch imported lazily)
+    config: ModelConfig,
+    dtype,
+    device: str,
+    where: Path,
+    skip_modules: frozenset[str] = frozenset(),
+) -> None:
     """Copy (file, name, tensor) triples into `model` (built on the meta device); every parameter
     not under a module in `skip_modules` must be given exactly once with its shape."""
     params = {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[0] not in skip_modules}
@@ -62,10 +71,13 @@ def assign_dense(model, tensors: Iterable[tuple[str, str, "torch.Tensor"]], conf
         if name.endswith("rotary_emb.inv_freq"):
             continue
         if name not in params:
-            raise ModelLoadError(f"{file}: unexpected tensor {name!r} for a {config.model_type} model")
+            raise ModelLoadError(
+                f"{file}: unexpected tensor {name!r} for a {config.model_type} model"
+            )
         if tuple(t.shape) != tuple(params[name].shape):
-            raise ModelLoadError(f"{file}: {name} has shape {tuple(t.shape)}, "
-                                 f"expected {tuple(params[name].shape)}")
+            raise ModelLoadError(
+                f"{file}: {name} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}"
+            )
         # Always a copy: get_tensor may return a view of the memory-mapped file, which the file
         # could change under us, at the file's alignment (safetensors' header leaves data
         # 8-byte aligned; the CPU kernels measured slower on such weights than on 64).

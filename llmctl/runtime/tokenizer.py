@@ -14,6 +14,7 @@ from llmctl.engine.requests import validate_messages
 from llmctl.errors import ModelLoadError, RequestError
 from llmctl.models.config import ModelConfig
 
+
 def read_generation_eos(path: Path, config: ModelConfig) -> tuple[int, ...]:
     """EOS ids from generation_config.json, falling back to config.json."""
     ids = list(config.eos_token_ids)
@@ -29,14 +30,18 @@ def read_generation_eos(path: Path, config: ModelConfig) -> tuple[int, ...]:
 
 def load_tokenizer(path: Path):
     """The model's tokenizer, or None when the folder has none (token-id prompts only)."""
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+    if not any(
+        (path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    ):
         return None
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as e:
-        raise ModelLoadError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+        raise ModelLoadError(
+            f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})"
+        ) from None
 
 
 class TextCodec:
@@ -48,8 +53,10 @@ class TextCodec:
 
     def _need(self, what: str):
         if self.tokenizer is None:
-            raise RequestError("no_tokenizer",
-                               f"this model has no tokenizer; {what} needs one (use prompt_token_ids)")
+            raise RequestError(
+                "no_tokenizer",
+                f"this model has no tokenizer; {what} needs one (use prompt_token_ids)",
+            )
         return self.tokenizer
 
     def encode(self, text: str) -> list[int]:
@@ -70,8 +77,10 @@ class TextCodec:
         tok = self._need("a chat prompt")
         messages = validate_messages(messages)
         if not getattr(tok, "chat_template", None):
-            raise RequestError("no_chat_template",
-                               "this model has no chat template; send `prompt` instead of `messages`")
+            raise RequestError(
+                "no_chat_template",
+                "this model has no chat template; send `prompt` instead of `messages`",
+            )
         if self._chat_template is None:
             from llmctl.runtime.chat_template import ChatTemplate
 

@@ -47,7 +47,9 @@ def _accelerate_2of4(model, config: ModelConfig) -> None:
         return
     from llmctl.runtime import semi_structured as ss
 
-    model.semi_structured = ss.accelerate_from_config(model, config.raw, timer=ss.time_dense_vs_sparse)
+    model.semi_structured = ss.accelerate_from_config(
+        model, config.raw, timer=ss.time_dense_vs_sparse
+    )
 
 
 def _materialise_buffers(model, config: ModelConfig, device: str) -> None:
@@ -55,4 +57,3 @@ def _materialise_buffers(model, config: ModelConfig, device: str) -> None:
 
     rotary = RotaryEmbedding(config).to(device)
     model.rotary.cos, model.rotary.sin = rotary.cos, rotary.sin
-

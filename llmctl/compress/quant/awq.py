@@ -23,7 +23,9 @@ from llmctl.runtime.formats.spec import QuantResult, QuantSpec
 
 @dataclass
 class ScaleSearch:
-    scales: torch.Tensor  # [in] multiply the linears' input columns, divide the previous op's output
+    scales: (
+        torch.Tensor
+    )  # [in] multiply the linears' input columns, divide the previous op's output
     alpha: float
     loss: float
     loss_unscaled: float  # alpha = 0, plain RTN
@@ -55,7 +57,12 @@ def search_scales(
     w_all = torch.cat([w.float() for w in weights])  # [sum out, in]
     # weight magnitude per input channel, relative within each quantization group
     wg = w_all.abs().reshape(w_all.shape[0], -1, spec.group_size)
-    w_mean = (wg / wg.amax(dim=-1, keepdim=True).clamp(min=1e-8)).reshape(w_all.shape).mean(dim=0).clamp(min=1e-8)
+    w_mean = (
+        (wg / wg.amax(dim=-1, keepdim=True).clamp(min=1e-8))
+        .reshape(w_all.shape)
+        .mean(dim=0)
+        .clamp(min=1e-8)
+    )
     if block is None:
         block = lambda ws: torch.cat([x @ w.t() for w in ws], dim=-1)  # noqa: E731
     with torch.no_grad():
@@ -64,7 +71,11 @@ def search_scales(
         loss0 = 0.0
         for k in range(n_grid + 1):
             alpha = k / n_grid
-            s = (x_mean.pow(alpha) / w_mean.pow(1 - alpha)).clamp(min=1e-4) if k else torch.ones_like(x_mean)
+            s = (
+                (x_mean.pow(alpha) / w_mean.pow(1 - alpha)).clamp(min=1e-4)
+                if k
+                else torch.ones_like(x_mean)
+            )
             s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1 (range-neutral)
             eff = [fake_quant(w.float() * s[None, :], spec) / s[None, :] for w in weights]
             loss = float((block(eff) - ref).float().pow(2).mean())
@@ -77,7 +88,12 @@ def search_scales(
 
 
 def search_clip(
-    x: torch.Tensor, w: torch.Tensor, spec: QuantSpec, n_grid: int = 20, max_shrink: float = 0.5, max_tokens: int = 512
+    x: torch.Tensor,
+    w: torch.Tensor,
+    spec: QuantSpec,
+    n_grid: int = 20,
+    max_shrink: float = 0.5,
+    max_tokens: int = 512,
 ) -> torch.Tensor:
     """Per (output row, group) clipping ratio in [1 - max_shrink, 1]: returns ratios [out, groups]."""
     out_f, in_f = w.shape
@@ -118,12 +134,16 @@ def clip_groups(wg: torch.Tensor, ratio: torch.Tensor, spec: QuantSpec) -> torch
     return torch.maximum(torch.minimum(wg, hi), lo)
 
 
-def quantize_awq(w: torch.Tensor, x: torch.Tensor | None, spec: QuantSpec, clip: bool = True) -> QuantResult:
+def quantize_awq(
+    w: torch.Tensor, x: torch.Tensor | None, spec: QuantSpec, clip: bool = True
+) -> QuantResult:
     """Clip (searched on inputs x [tokens, in]) then quantize an already-scaled weight [out, in]."""
     if clip and x is not None:
         out_f, in_f = w.shape
         ratio = search_clip(x, w, spec)
-        w = clip_groups(w.float().reshape(out_f, -1, spec.group_size), ratio, spec).reshape(out_f, in_f)
+        w = clip_groups(w.float().reshape(out_f, -1, spec.group_size), ratio, spec).reshape(
+            out_f, in_f
+        )
     return quantize_rtn(w, spec)
 
 
@@ -132,7 +152,9 @@ def fold_into_norm(norm_weight: torch.Tensor, s: torch.Tensor) -> None:
     norm_weight.data.div_(s.to(norm_weight.dtype))
 
 
-def fold_into_linear_output(weight: torch.Tensor, bias: torch.Tensor | None, s: torch.Tensor) -> None:
+def fold_into_linear_output(
+    weight: torch.Tensor, bias: torch.Tensor | None, s: torch.Tensor
+) -> None:
     """Rows of a previous linear's weight [out, in] (and its bias [out]) /= s [out], in place."""
     weight.data.div_(s.to(weight.dtype)[:, None])
     if bias is not None:

@@ -46,7 +46,7 @@ def quantize_gptq(
     zeros = torch.zeros(out_f, n_groups, dtype=torch.int32)
     if act_order:
         for g in range(n_groups):
-            scales[:, g], zeros[:, g] = group_params(W[:, g * gs:(g + 1) * gs], spec)
+            scales[:, g], zeros[:, g] = group_params(W[:, g * gs : (g + 1) * gs], spec)
         perm = torch.argsort(torch.diag(H), descending=True)
         W = W[:, perm]
         H = H[perm][:, perm]

@@ -33,18 +33,25 @@ def _set_weight(linear: nn.Linear, w: torch.Tensor) -> None:
 
 
 def gptq_method(
-    spec: QuantSpec, *, act_order: bool = True, percdamp: float = 0.01, block_size: int = 128, preserve_zeros: bool = True
+    spec: QuantSpec,
+    *,
+    act_order: bool = True,
+    percdamp: float = 0.01,
+    block_size: int = 128,
+    preserve_zeros: bool = True,
 ) -> HessianMethod:
     """GPTQ per linear. RTN and AWQ map an exact zero to its zero point, so they keep zeros by
     construction; GPTQ's error feedback would refill them, hence the mask of exact zeros."""
+
     def fn(name: str, linear: nn.Linear, H: torch.Tensor) -> LinearRecord:
         w = linear.weight.detach().float().cpu().clone()
         lspec = spec.for_width(name, w.shape[1])
         H = H.cpu()
         # exact zeros stay exactly zero (sparse-then-quantize); a dense weight has next to none
         mask = (w == 0) if preserve_zeros and bool((w == 0).any()) else None
-        r = quantize_gptq(w, H, lspec, percdamp=percdamp, block_size=block_size,
-                          act_order=act_order, mask=mask)
+        r = quantize_gptq(
+            w, H, lspec, percdamp=percdamp, block_size=block_size, act_order=act_order, mask=mask
+        )
         _set_weight(linear, r.weight)
         return LinearRecord(name, tuple(w.shape), r, relative_output_error(w, r.weight, H))
 
@@ -66,12 +73,16 @@ def rtn_method(spec: QuantSpec) -> HessianMethod:
 class AwqMethod:
     """LayerMethod for AWQ: per group, scale search and folding; at the layer's end, clip and quantize."""
 
-    def __init__(self, spec: QuantSpec, *, n_grid: int = 20, max_tokens: int = 4096, clip: bool = True):
+    def __init__(
+        self, spec: QuantSpec, *, n_grid: int = 20, max_tokens: int = 4096, clip: bool = True
+    ):
         self.spec, self.n_grid, self.max_tokens, self.clip = spec, n_grid, max_tokens, clip
         self.xs: dict[str, list[torch.Tensor]] = {}
         self.seqs: dict[str, list[torch.Tensor]] = {}
         self.acc: dict[str, HessianAccumulator] = {}
-        self.pending: dict[str, tuple[torch.Tensor, torch.Tensor, float | None]] = {}  # name -> (x sample, H, alpha)
+        self.pending: dict[
+            str, tuple[torch.Tensor, torch.Tensor, float | None]
+        ] = {}  # name -> (x sample, H, alpha)
 
     def observe(self, name: str, x: torch.Tensor) -> None:
         x2 = x.reshape(-1, x.shape[-1]).float().cpu()
@@ -89,7 +100,9 @@ class AwqMethod:
             x = x[torch.linspace(0, x.shape[0] - 1, self.max_tokens).long()]
         return x
 
-    def process_group(self, layer_index: int, layer: nn.Module, group: SubLayerGroup, names: list[str]) -> dict[str, Any]:
+    def process_group(
+        self, layer_index: int, layer: nn.Module, group: SubLayerGroup, names: list[str]
+    ) -> dict[str, Any]:
         # the group's linears share their inputs, hence one width
         spec = self.spec.for_width(names[0], self.acc[names[0]].H.shape[0])
         x = self._sample(names[0])
@@ -100,7 +113,9 @@ class AwqMethod:
         prev = layer.get_submodule(group.prev)
         alpha = None
         if self._can_fold(prev, linears):
-            quantized = [layer.get_submodule(n.split(".", 3)[3]).weight.detach().float() for n in names]
+            quantized = [
+                layer.get_submodule(n.split(".", 3)[3]).weight.detach().float() for n in names
+            ]
             block = self._block(layer, group, names)
             found = search_scales(x, quantized, spec, n_grid=self.n_grid, block=block)
             s = found.scales
@@ -159,6 +174,8 @@ class AwqMethod:
             clip = self.clip and not name.endswith(("q_proj", "k_proj"))
             r = quantize_awq(w, x, self.spec.for_width(name, w.shape[1]), clip=clip)
             _set_weight(linear, r.weight)
-            records[name] = LinearRecord(name, tuple(w.shape), r, relative_output_error(w, r.weight, H), alpha)
+            records[name] = LinearRecord(
+                name, tuple(w.shape), r, relative_output_error(w, r.weight, H), alpha
+            )
         self.pending.clear()
         return records

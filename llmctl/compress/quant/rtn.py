@@ -30,13 +30,17 @@ def group_params(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.
     # all-zero groups: any positive scale reproduces them exactly
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     scale = scale.to(spec.scale_dtype).float()
-    scale = torch.where(scale > 0, scale, torch.full_like(scale, torch.finfo(spec.scale_dtype).tiny))
+    scale = torch.where(
+        scale > 0, scale, torch.full_like(scale, torch.finfo(spec.scale_dtype).tiny)
+    )
     if zero is None:
         zero = torch.round(-wmin / scale).clamp(0, spec.maxq)
     return scale, zero.to(torch.int32)
 
 
-def quantize_with(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+def quantize_with(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: QuantSpec
+) -> torch.Tensor:
     """Integer codes [rows, cols] of `w` for per-row `scale`/`zero` [rows] (or broadcastable [rows, cols])."""
     if scale.dim() == 1:
         scale, zero = scale[:, None], zero[:, None]

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from llmctl.compress.output_dir import copy_side_files, output_config
-from llmctl.runtime import tensors as tensor_io
 from llmctl.compress.sparse.masks import SparsityPattern
+from llmctl.runtime import tensors as tensor_io
 
 SHARD_BYTES = 4 * 1024**3  # split weights into files of at most ~4 GiB, as HF does
 _STORED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,7 +54,9 @@ def stored_dtype(raw_config: dict[str, Any], fallback: torch.dtype) -> torch.dty
     return _STORED_DTYPES.get(name, fallback)
 
 
-def _state_dict(model: torch.nn.Module, tie_word_embeddings: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _state_dict(
+    model: torch.nn.Module, tie_word_embeddings: bool, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """Parameters by HF name (buffers like RoPE tables are not weights), tied lm_head left out."""
     out = {}
     for name, p in model.named_parameters():
@@ -93,7 +95,9 @@ def save_dense_model(
     for stale in out_dir.glob("model*.safetensors*"):
         stale.unlink()
     if len(shards) == 1:
-        tensor_io.save_safetensors(shards[0], out_dir / "model.safetensors", metadata={"format": "pt"})
+        tensor_io.save_safetensors(
+            shards[0], out_dir / "model.safetensors", metadata={"format": "pt"}
+        )
     else:
         weight_map = {}
         for i, shard in enumerate(shards, 1):

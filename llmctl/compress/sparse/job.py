@@ -21,7 +21,12 @@ from typing import Any, Callable
 import torch
 
 from llmctl.compress.job_common import (
-    Prepared, calibration_summary, check_common_options, eval_tokens, load_job_calibration, prepare,
+    Prepared,
+    calibration_summary,
+    check_common_options,
+    eval_tokens,
+    load_job_calibration,
+    prepare,
     settle,
 )
 from llmctl.compress.output_dir import writing
@@ -60,17 +65,22 @@ class SparsifyArgs:
     def resolve(self) -> "SparsifyArgs":
         """Every check that needs no model; raises UsageError naming the flag."""
         if self.method not in METHODS:
-            raise UsageError(f"unknown --method {self.method!r}; choose one of {', '.join(METHODS)}")
+            raise UsageError(
+                f"unknown --method {self.method!r}; choose one of {', '.join(METHODS)}"
+            )
         pattern = parse_pattern(self.pattern, self.sparsity)  # raises UsageError on bad input
         if pattern.structured:
             self.pattern, self.sparsity = pattern.label(), None
         check_common_options(self)
         if self.block_size < 1:
-            raise UsageError(f"--block-size must be a positive number of columns, "
-                             f"got {self.block_size}")
+            raise UsageError(
+                f"--block-size must be a positive number of columns, got {self.block_size}"
+            )
         if pattern.structured and self.block_size % pattern.m:  # type: ignore[operator]
-            raise UsageError(f"--block-size {self.block_size} must be a multiple of the pattern's "
-                             f"group width {pattern.m} (--pattern {pattern.label()})")
+            raise UsageError(
+                f"--block-size {self.block_size} must be a multiple of the pattern's "
+                f"group width {pattern.m} (--pattern {pattern.label()})"
+            )
         return self
 
 
@@ -114,8 +124,9 @@ def _decoder_sparsity(model) -> float:
     return zeros / max(1, total)
 
 
-def _load_data(args: SparsifyArgs, rt,
-               warn: Callable[[str], None]) -> tuple[Any, torch.Tensor | None]:
+def _load_data(
+    args: SparsifyArgs, rt, warn: Callable[[str], None]
+) -> tuple[Any, torch.Tensor | None]:
     """(calibration set or None, held-out token ids or None) for this run; warnings go to `warn`."""
     from llmctl.compress.calib_data import read_token_stream
 
@@ -136,8 +147,10 @@ def check_targets(args: SparsifyArgs, linears: list[tuple[str, int, int]]) -> No
     pattern = parse_pattern(args.pattern, args.sparsity)
     ignored = make_ignore(args.ignore)
     if not any(not ignored(name) and pattern.fits(k) for name, _, k in linears):
-        raise UsageError("no linear layer left to prune (--ignore, or no layer width divisible by "
-                         "the group width)")
+        raise UsageError(
+            "no linear layer left to prune (--ignore, or no layer width divisible by "
+            "the group width)"
+        )
 
 
 @dataclass
@@ -165,12 +178,16 @@ def _check(args: SparsifyArgs, warn: Callable[[str], None]) -> _Job:
     check_targets(args, prep.linears)
     raw = prep.config.raw
     if raw.get("quantization_config"):
-        raise UsageError(f"{prep.model_path} is quantized; sparsify the unquantized model, "
-                         "then quantize the result")
+        raise UsageError(
+            f"{prep.model_path} is quantized; sparsify the unquantized model, "
+            "then quantize the result"
+        )
     settle(args, prep, note)
     if raw.get("sparsity_config"):
-        note(f"{prep.model_path} is already sparse ({raw['sparsity_config'].get('pattern')}); "
-             "pruning it again")
+        note(
+            f"{prep.model_path} is already sparse ({raw['sparsity_config'].get('pattern')}); "
+            "pruning it again"
+        )
     return _Job(args, prep, note, warnings, t0)
 
 
@@ -194,7 +211,9 @@ def run_sparsify(
     pattern = parse_pattern(args.pattern, args.sparsity)
     # calibrate in float32 on the CPU, one layer at a time on --device
     rt = load_runtime(job.prep.model_path, dtype="float32", device="cpu")
-    settings = SparsifySettings(pattern, args.method, tuple(args.ignore), args.dampening, args.block_size)
+    settings = SparsifySettings(
+        pattern, args.method, tuple(args.ignore), args.dampening, args.block_size
+    )
     targets = target_linears(rt.model, settings)
     for name, why in targets.skipped.items():
         if not why.startswith("ignored"):
@@ -202,26 +221,41 @@ def run_sparsify(
     calib, heldout = _load_data(args, rt, job.warn)
     ppl_before = heldout_perplexity(rt.model, heldout) if args.evaluate else None
     result = sparsify_model(
-        rt.model, settings, calib.input_ids if calib is not None else None, progress,
-        device=job.prep.device, checkpoint_dir=out.resume_dir, warn=job.warn,
+        rt.model,
+        settings,
+        calib.input_ids if calib is not None else None,
+        progress,
+        device=job.prep.device,
+        checkpoint_dir=out.resume_dir,
+        warn=job.warn,
         fingerprint=_fingerprint(args, rt.model_path),
     )
     if result.resumed_layers:
-        job.warn(f"resumed after layer {result.resumed_layers} of an interrupted run in "
-                 f"{out.resume_dir}")
+        job.warn(
+            f"resumed after layer {result.resumed_layers} of an interrupted run in {out.resume_dir}"
+        )
     ppl_after = heldout_perplexity(rt.model, heldout) if args.evaluate else None
     global_sparsity = _write(out, rt, args, pattern, result.lines, finish)
     return SparsifyReport(
-        method=args.method, pattern=pattern.label(), output=str(out.final),
+        method=args.method,
+        pattern=pattern.label(),
+        output=str(out.final),
         wall_time_s=round(time.perf_counter() - job.t0, 3),
         global_sparsity=round(global_sparsity, 6),
-        model_sparsity=round(_decoder_sparsity(rt.model), 6), perplexity_before=ppl_before,
-        perplexity_after=ppl_after, eval_tokens=eval_tokens(heldout) if args.evaluate else 0,
+        model_sparsity=round(_decoder_sparsity(rt.model), 6),
+        perplexity_before=ppl_before,
+        perplexity_after=ppl_after,
+        eval_tokens=eval_tokens(heldout) if args.evaluate else 0,
         perplexity_method=HELDOUT_METHOD,
-        calibration=(calibration_summary(calib)
-                     if calib is not None and needs_calibration(args.method) else None),
-        layers=[line.to_dict() for line in result.lines], skipped=targets.skipped,
-        resumed_layers=result.resumed_layers, warnings=job.warnings,
+        calibration=(
+            calibration_summary(calib)
+            if calib is not None and needs_calibration(args.method)
+            else None
+        ),
+        layers=[line.to_dict() for line in result.lines],
+        skipped=targets.skipped,
+        resumed_layers=result.resumed_layers,
+        warnings=job.warnings,
     )
 
 

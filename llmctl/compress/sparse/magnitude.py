@@ -7,7 +7,9 @@ import torch
 from llmctl.compress.sparse.masks import SparsityPattern, prune_mask
 
 
-def magnitude_mask(weight: torch.Tensor, pattern: SparsityPattern, scope: str = "layer") -> torch.Tensor:
+def magnitude_mask(
+    weight: torch.Tensor, pattern: SparsityPattern, scope: str = "layer"
+) -> torch.Tensor:
     """Bool mask (True = pruned) over weight [out, in] by |W|.
 
     N:M patterns choose within each group of M input columns; unstructured sparsity compares the

@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 
 from llmctl.compress.driver import HessianMethod, SubLayerGroup, calibrate_layers, make_ignore
-from llmctl.compress.sparse.masks import SparsityPattern
 from llmctl.compress.records import LayerSparsity
+from llmctl.compress.sparse.masks import SparsityPattern
 from llmctl.compress.sparse.prune import METHODS, needs_calibration, prune_linear
 from llmctl.compress.sparse.wanda import InputNormAccumulator
 
@@ -25,7 +25,9 @@ from llmctl.compress.sparse.wanda import InputNormAccumulator
 class SparsifySettings:
     pattern: SparsityPattern
     method: str = "sparsegpt"
-    ignore: tuple[str, ...] = ()  # as quantize's --ignore: globs, dotted suffixes ("down_proj", "layers.0.*"), re:REGEX
+    ignore: tuple[
+        str, ...
+    ] = ()  # as quantize's --ignore: globs, dotted suffixes ("down_proj", "layers.0.*"), re:REGEX
     percdamp: float = 0.01
     blocksize: int = 128
 
@@ -50,7 +52,9 @@ def target_linears(model: torch.nn.Module, settings: SparsifySettings) -> Target
         if ignored(name):
             targets.skipped[name] = "ignored (--ignore)"
         elif not settings.pattern.fits(module.in_features):
-            targets.skipped[name] = f"{module.in_features} inputs are not a multiple of {settings.pattern.m}"
+            targets.skipped[name] = (
+                f"{module.in_features} inputs are not a multiple of {settings.pattern.m}"
+            )
         else:
             targets.names.append(name)
     return targets
@@ -86,12 +90,15 @@ def sparsify_model(
         return SparsifyResult(_magnitude(model, settings, targets, progress), targets)
     if calib_ids is None:
         raise ValueError(f"{settings.method} needs calibration token ids")
-    lines, resumed = _calibrated(model, settings, targets, calib_ids, progress, device,
-                                 checkpoint_dir, fingerprint, warn)
+    lines, resumed = _calibrated(
+        model, settings, targets, calib_ids, progress, device, checkpoint_dir, fingerprint, warn
+    )
     return SparsifyResult(lines, targets, resumed)
 
 
-def _magnitude(model, settings: SparsifySettings, targets: Targets, progress: ProgressFn | None) -> list[LayerSparsity]:
+def _magnitude(
+    model, settings: SparsifySettings, targets: Targets, progress: ProgressFn | None
+) -> list[LayerSparsity]:
     modules = dict(model.named_modules())
     lines = []
     for i, name in enumerate(targets.names):
@@ -118,19 +125,39 @@ def _calibrated(
 ) -> tuple[list[LayerSparsity], int]:
     """Wanda/SparseGPT through the shared driver: each linear sees its inputs as produced by the
     already-pruned sub-layers and layers before it. Pruning runs where the layer is (--device)."""
-    method = WandaMethod(settings) if settings.method == "wanda" else HessianMethod(_sparsegpt_fn(settings))
+    method = (
+        WandaMethod(settings)
+        if settings.method == "wanda"
+        else HessianMethod(_sparsegpt_fn(settings))
+    )
     wanted = set(targets.names)
     result = calibrate_layers(
-        model, calib_ids, method, device=device, ignore=lambda name: name not in wanted,
-        checkpoint_dir=checkpoint_dir, fingerprint=fingerprint, progress=progress, warn=warn,
+        model,
+        calib_ids,
+        method,
+        device=device,
+        ignore=lambda name: name not in wanted,
+        checkpoint_dir=checkpoint_dir,
+        fingerprint=fingerprint,
+        progress=progress,
+        warn=warn,
     )
-    return [result.records[name] for name in targets.names if name in result.records], result.resumed_layers
+    return [
+        result.records[name] for name in targets.names if name in result.records
+    ], result.resumed_layers
 
 
 def _sparsegpt_fn(settings: SparsifySettings):
     def fn(name: str, linear: torch.nn.Linear, hessian: torch.Tensor) -> LayerSparsity:
-        new, line = prune_linear(name, linear.weight, settings.pattern, "sparsegpt", hessian,
-                                 percdamp=settings.percdamp, blocksize=settings.blocksize)
+        new, line = prune_linear(
+            name,
+            linear.weight,
+            settings.pattern,
+            "sparsegpt",
+            hessian,
+            percdamp=settings.percdamp,
+            blocksize=settings.blocksize,
+        )
         with torch.no_grad():
             linear.weight.copy_(new)
         return line
@@ -151,12 +178,16 @@ class WandaMethod:
             self.acc[name] = InputNormAccumulator(x.shape[-1], device=x.device)
         self.acc[name].add(x)
 
-    def process_group(self, layer_index: int, layer: torch.nn.Module, group: SubLayerGroup, names: list[str]) -> dict:
+    def process_group(
+        self, layer_index: int, layer: torch.nn.Module, group: SubLayerGroup, names: list[str]
+    ) -> dict:
         out = {}
         for name in names:
             linear = layer.get_submodule(name.split(".", 3)[3])
             norms = self.acc.pop(name).norms()
-            new, line = prune_linear(name, linear.weight, self.settings.pattern, "wanda", input_norms=norms)
+            new, line = prune_linear(
+                name, linear.weight, self.settings.pattern, "wanda", input_norms=norms
+            )
             with torch.no_grad():
                 linear.weight.copy_(new)
             out[name] = line

@@ -7,16 +7,15 @@ line of the sparsify report.
 
 from __future__ import annotations
 
-
 import torch
 
 from llmctl.compress.hessian import damped_cholesky_inverse, dead_inputs
 from llmctl.compress.records import LayerSparsity, relative_output_error
 from llmctl.compress.sparse.magnitude import magnitude_mask
 from llmctl.compress.sparse.masks import SparsityPattern, apply_mask, zero_fraction
-from llmctl.runtime.semi_structured import satisfies_nm
 from llmctl.compress.sparse.sparsegpt import sparsegpt_prune
 from llmctl.compress.sparse.wanda import input_norms_from_hessian, wanda_mask
+from llmctl.runtime.semi_structured import satisfies_nm
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
 
@@ -52,12 +51,18 @@ def prune_linear(
         new = apply_mask(w, magnitude_mask(w, pattern, scope="layer"))
     elif method == "wanda":
         if input_norms is None and hessian is None:
-            raise ValueError(f"{name}: wanda needs the input norms (or the Hessian) of the layer's inputs")
-        norms = (input_norms if input_norms is not None else input_norms_from_hessian(hessian)).to(w.device)
+            raise ValueError(
+                f"{name}: wanda needs the input norms (or the Hessian) of the layer's inputs"
+            )
+        norms = (input_norms if input_norms is not None else input_norms_from_hessian(hessian)).to(
+            w.device
+        )
         w = _zero_dead_columns(w, norms == 0)
         new = apply_mask(w, wanda_mask(w, norms, pattern))
         if hessian is not None:
-            rel_error = relative_output_error(weight.detach().float(), new, hessian.to(w.device).float())
+            rel_error = relative_output_error(
+                weight.detach().float(), new, hessian.to(w.device).float()
+            )
     else:
         if hessian is None:
             raise ValueError(f"{name}: sparsegpt needs the Hessian of the layer's inputs")
@@ -67,7 +72,9 @@ def prune_linear(
         new, loss = res.weight, res.loss
         rel_error = relative_output_error(weight.detach().float(), new, h.float())
     ok = satisfies_nm(new, pattern.n, pattern.m) if pattern.structured else True  # type: ignore[arg-type]
-    line = LayerSparsity(name, (int(w.shape[0]), int(w.shape[1])), zero_fraction(new), ok, loss, rel_error)
+    line = LayerSparsity(
+        name, (int(w.shape[0]), int(w.shape[1])), zero_fraction(new), ok, loss, rel_error
+    )
     return new.to(weight.dtype), line
 
 

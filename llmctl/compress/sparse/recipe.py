@@ -26,13 +26,33 @@ from llmctl.errors import LlmctlError, UsageError
 
 CALIBRATION_KEYS = ("calib", "eval_data", "num_samples", "seq_len")
 SPARSIFY_KEYS = ("method", "pattern", "sparsity", "ignore", "dampening", "block_size")
-QUANTIZE_KEYS = ("method", "bits", "group_size", "symmetric", "format", "ignore", "act_order", "dampening")
+QUANTIZE_KEYS = (
+    "method",
+    "bits",
+    "group_size",
+    "symmetric",
+    "format",
+    "ignore",
+    "act_order",
+    "dampening",
+)
 STAGE_DIR = "sparse-stage"  # inside the output's work folder
 _TYPES: dict[str, tuple[type, ...]] = {
-    "calib": (str,), "eval_data": (str,), "num_samples": (int,), "seq_len": (int,),
-    "method": (str,), "pattern": (str,), "sparsity": (float, int), "ignore": (list,),
-    "dampening": (float, int), "block_size": (int,), "bits": (int,), "group_size": (int, str),
-    "symmetric": (bool,), "format": (str,), "act_order": (bool,),
+    "calib": (str,),
+    "eval_data": (str,),
+    "num_samples": (int,),
+    "seq_len": (int,),
+    "method": (str,),
+    "pattern": (str,),
+    "sparsity": (float, int),
+    "ignore": (list,),
+    "dampening": (float, int),
+    "block_size": (int,),
+    "bits": (int,),
+    "group_size": (int, str),
+    "symmetric": (bool,),
+    "format": (str,),
+    "act_order": (bool,),
 }
 
 
@@ -52,7 +72,9 @@ def _section(doc: dict, name: str, allowed: tuple[str, ...], path: Path) -> dict
         raise UsageError(f"{path}: `{name}` must be a mapping")
     unknown = sorted(set(sec) - set(allowed), key=str)
     if unknown:
-        raise UsageError(f"{path}: unknown key {unknown[0]!r} in `{name}`; allowed: {', '.join(allowed)}")
+        raise UsageError(
+            f"{path}: unknown key {unknown[0]!r} in `{name}`; allowed: {', '.join(allowed)}"
+        )
     if isinstance(sec.get("pattern"), int):  # YAML 1.1 reads an unquoted 2:4 as 124 (base 60)
         raise UsageError(f'{path}: quote the pattern, for example pattern: "2:4"')
     for key, value in sec.items():
@@ -81,15 +103,23 @@ def load_recipe(path: Path) -> Recipe:
     except yaml.YAMLError as e:
         raise UsageError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(doc, dict):
-        raise UsageError(f"{path}: expected a mapping with `sparsify` (and optionally `quantize`, `calibration`)")
+        raise UsageError(
+            f"{path}: expected a mapping with `sparsify` (and optionally `quantize`, `calibration`)"
+        )
     unknown = sorted(set(doc) - {"calibration", "sparsify", "quantize"})
     if unknown:
-        raise UsageError(f"{path}: unknown section {unknown[0]!r}; allowed: calibration, sparsify, quantize")
+        raise UsageError(
+            f"{path}: unknown section {unknown[0]!r}; allowed: calibration, sparsify, quantize"
+        )
     sparsify = _section(doc, "sparsify", SPARSIFY_KEYS, path)
     if sparsify is None:
         raise UsageError(f"{path}: a recipe needs a `sparsify` section")
-    return Recipe(str(path), _section(doc, "calibration", CALIBRATION_KEYS, path) or {}, sparsify,
-                  _section(doc, "quantize", QUANTIZE_KEYS, path))
+    return Recipe(
+        str(path),
+        _section(doc, "calibration", CALIBRATION_KEYS, path) or {},
+        sparsify,
+        _section(doc, "quantize", QUANTIZE_KEYS, path),
+    )
 
 
 def merge_args(recipe: Recipe | None, cli: dict[str, Any]) -> SparsifyArgs:
@@ -131,12 +161,16 @@ def run_recipe(
     warn: Callable[[str], None] = lambda msg: None,
 ) -> RecipeReport:
     """Sparsify (and quantize when the recipe says so) into args.output."""
-    stage_progress = (lambda stage: (lambda d, t: progress(stage, d, t))) if progress else (lambda stage: None)
+    stage_progress = (
+        (lambda stage: lambda d, t: progress(stage, d, t)) if progress else (lambda stage: None)
+    )
     warn = _once(warn)
     if recipe is not None:
         from llmctl.compress.output_dir import check_output_file
 
-        check_output_file(args.report_json, "--report-json", (Path(recipe.path),), create_parents=True)
+        check_output_file(
+            args.report_json, "--report-json", (Path(recipe.path),), create_parents=True
+        )
     if recipe is None or recipe.quantize is None:
         report = run_sparsify(args, progress=stage_progress("sparsify"), warn=warn)
         return RecipeReport(report, None, None, None if recipe is None else recipe.path)
@@ -147,8 +181,9 @@ def run_recipe(
     qargs, note = _check_quantize_stage(recipe, args, warn)
     stage = OutputFolder.at(args.output).work / STAGE_DIR
     qargs.model = str(stage)
-    sparse_args = SparsifyArgs(**{**args.__dict__, "output": str(stage), "overwrite": True,
-                                  "report_json": None})
+    sparse_args = SparsifyArgs(
+        **{**args.__dict__, "output": str(stage), "overwrite": True, "report_json": None}
+    )
     s_report = run_sparsify(sparse_args, progress=stage_progress("sparsify"), warn=warn)
     pruned_masks = _pruned_masks(stage, [line["name"] for line in s_report.layers])
 
@@ -189,9 +224,17 @@ def _check_quantize_stage(recipe: Recipe, args: SparsifyArgs, warn: Callable[[st
     args.resolve()
     q = dict(recipe.quantize or {})
     qargs = QuantizeArgs(
-        model=None, output=args.output, method=q.pop("method", "gptq"), calib=args.calib,
-        eval_data=args.eval_data, num_samples=args.num_samples, seq_len=args.seq_len,
-        device=args.device, overwrite=args.overwrite, report_json=args.report_json, **q,
+        model=None,
+        output=args.output,
+        method=q.pop("method", "gptq"),
+        calib=args.calib,
+        eval_data=args.eval_data,
+        num_samples=args.num_samples,
+        seq_len=args.seq_len,
+        device=args.device,
+        overwrite=args.overwrite,
+        report_json=args.report_json,
+        **q,
     ).resolve()
     prep = prepare(args)  # the output folder, inputs and model
     check_format_available(qargs.format)
@@ -204,8 +247,9 @@ def _check_quantize_stage(recipe: Recipe, args: SparsifyArgs, warn: Callable[[st
     return qargs, note
 
 
-def write_recipe(path: Path, args: SparsifyArgs, qargs: Any | None,
-                 note: str | None = None) -> None:
+def write_recipe(
+    path: Path, args: SparsifyArgs, qargs: Any | None, note: str | None = None
+) -> None:
     """The resolved settings of this run in recipe form: `llmctl sparsify MODEL -o OUT --recipe path` repeats it."""
     import yaml
 

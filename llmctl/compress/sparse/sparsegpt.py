@@ -36,10 +36,14 @@ def sparsegpt_prune(
     """Prune weight [out, in] to `pattern`, updating the kept weights; hinv_chol is U [in, in] (upper)."""
     rows, cols = weight.shape
     if hinv_chol.shape != (cols, cols):
-        raise ValueError(f"Cholesky factor {tuple(hinv_chol.shape)} does not match {cols} input columns")
+        raise ValueError(
+            f"Cholesky factor {tuple(hinv_chol.shape)} does not match {cols} input columns"
+        )
     if pattern.structured:
         if cols % pattern.m or blocksize % pattern.m:  # type: ignore[operator]
-            raise ValueError(f"{cols} columns / block {blocksize} are not multiples of the group width {pattern.m}")
+            raise ValueError(
+                f"{cols} columns / block {blocksize} are not multiples of the group width {pattern.m}"
+            )
     w_all = weight.detach().float().clone()
     u_all = hinv_chol.detach().float().to(w_all.device)
     mask = torch.zeros_like(w_all, dtype=torch.bool)

@@ -41,10 +41,14 @@ def input_norms_from_hessian(hessian: torch.Tensor) -> torch.Tensor:
 def wanda_scores(weight: torch.Tensor, input_norms: torch.Tensor) -> torch.Tensor:
     """|W| * ||X_j||: weight [out, in], input_norms [in] -> scores [out, in] (float32)."""
     if input_norms.shape != (weight.shape[1],):
-        raise ValueError(f"input norms {tuple(input_norms.shape)} do not match weight {tuple(weight.shape)}")
+        raise ValueError(
+            f"input norms {tuple(input_norms.shape)} do not match weight {tuple(weight.shape)}"
+        )
     return weight.detach().abs().float() * input_norms.to(weight.device).float().unsqueeze(0)
 
 
-def wanda_mask(weight: torch.Tensor, input_norms: torch.Tensor, pattern: SparsityPattern) -> torch.Tensor:
+def wanda_mask(
+    weight: torch.Tensor, input_norms: torch.Tensor, pattern: SparsityPattern
+) -> torch.Tensor:
     """Bool mask (True = pruned): per output row for unstructured sparsity, per M-group for N:M."""
     return prune_mask(wanda_scores(weight, input_norms), pattern, scope="row")

@@ -10,5 +10,4 @@ folder into our model (packed `models.qlinear.QuantLinear` layers); the loader c
 from llmctl.runtime.formats.packing import UnpackedLinear
 from llmctl.runtime.formats.registry import FORMATS, detect_format, read_quantized, write_quantized
 
-
 __all__ = ["FORMATS", "UnpackedLinear", "detect_format", "read_quantized", "write_quantized"]

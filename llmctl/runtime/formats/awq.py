@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from llmctl.errors import ModelLoadError, UsageError
 from llmctl.runtime.formats.packing import UnpackedLinear, pack_rows, unpack_rows
 from llmctl.runtime.formats.spec import QuantResult, QuantSpec
-from llmctl.errors import ModelLoadError, UsageError
 
 # field i of a word holds output column AWQ_ORDER[i] of its 8 (the interleave the GEMM kernel reads)
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -21,12 +21,18 @@ AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 def pack_awq(name: str, r: QuantResult, spec: QuantSpec, ignore: list[str], dtype: torch.dtype):
     if spec.bits != 4:
-        raise UsageError("--format awq stores 4-bit weights only; use --bits 4 or --format compressed-tensors")
+        raise UsageError(
+            "--format awq stores 4-bit weights only; use --bits 4 or --format compressed-tensors"
+        )
     if spec.group_size is None:
-        raise UsageError("--format awq stores groups only; --group-size channel needs "
-                         "--format compressed-tensors or gptq")
+        raise UsageError(
+            "--format awq stores groups only; --group-size channel needs "
+            "--format compressed-tensors or gptq"
+        )
     if r.codes.shape[0] % 8:
-        raise UsageError(f"{name}: {r.codes.shape[0]} output features are not a multiple of 8, which --format awq needs")
+        raise UsageError(
+            f"{name}: {r.codes.shape[0]} output features are not a multiple of 8, which --format awq needs"
+        )
     tensors = {
         f"{name}.qweight": pack_rows(r.codes.t(), 4, AWQ_ORDER),
         f"{name}.qzeros": pack_rows(r.zeros.t(), 4, AWQ_ORDER),
@@ -48,13 +54,19 @@ def unpack_awq(tensors: dict[str, torch.Tensor], qcfg: dict):
     gs = int(qcfg.get("group_size", qcfg.get("q_group_size", 128)))
     version = str(qcfg.get("version", "gemm")).lower()
     if bits != 4 or version != "gemm":
-        raise ModelLoadError(f"AWQ checkpoints with bits={bits}, version={version!r} are not supported (4-bit GEMM only)")
+        raise ModelLoadError(
+            f"AWQ checkpoints with bits={bits}, version={version!r} are not supported (4-bit GEMM only)"
+        )
     names = [k[: -len(".qweight")] for k in tensors if k.endswith(".qweight")]
     linears = {}
     for n in names:
         codes = unpack_rows(tensors.pop(f"{n}.qweight"), 4, AWQ_ORDER).t().contiguous()  # [out, in]
-        zeros = unpack_rows(tensors.pop(f"{n}.qzeros"), 4, AWQ_ORDER).t().contiguous()  # [out, groups]
+        zeros = (
+            unpack_rows(tensors.pop(f"{n}.qzeros"), 4, AWQ_ORDER).t().contiguous()
+        )  # [out, groups]
         scales = tensors.pop(f"{n}.scales").float().t().contiguous()
         g_idx = torch.arange(codes.shape[1], dtype=torch.int32) // gs
-        linears[n] = UnpackedLinear(codes, scales, zeros, g_idx, 4, gs, tensors.pop(f"{n}.bias", None))
+        linears[n] = UnpackedLinear(
+            codes, scales, zeros, g_idx, 4, gs, tensors.pop(f"{n}.bias", None)
+        )
     return linears, tensors

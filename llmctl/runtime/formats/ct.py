@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from llmctl.errors import ModelLoadError
 from llmctl.runtime.formats.packing import UnpackedLinear
 from llmctl.runtime.formats.spec import QuantResult, QuantSpec
-from llmctl.errors import ModelLoadError
-
 
 MIN_VERSION = "0.15"  # the first release with compressors.pack_quantized (pyproject's lower bound)
 
@@ -31,20 +30,28 @@ def require_package(error: type[Exception] = ModelLoadError, hint: str = "") -> 
         import compressed_tensors.compressors.pack_quantized  # noqa: F401
         import compressed_tensors.quantization  # noqa: F401
     except ImportError as e:
-        raise error(f"the compressed-tensors format needs the compressed-tensors package >= "
-                    f"{MIN_VERSION}, which does not import here ({e}); "
-                    f"pip install 'compressed-tensors>={MIN_VERSION}'{hint}") from None
+        raise error(
+            f"the compressed-tensors format needs the compressed-tensors package >= "
+            f"{MIN_VERSION}, which does not import here ({e}); "
+            f"pip install 'compressed-tensors>={MIN_VERSION}'{hint}"
+        ) from None
 
 
 def _scheme(spec: QuantSpec):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     if spec.group_size is None:  # per channel: one scale (and zero point) per output row
-        args = QuantizationArgs(num_bits=spec.bits, type="int", symmetric=spec.symmetric,
-                                strategy="channel")
+        args = QuantizationArgs(
+            num_bits=spec.bits, type="int", symmetric=spec.symmetric, strategy="channel"
+        )
     else:
-        args = QuantizationArgs(num_bits=spec.bits, type="int", symmetric=spec.symmetric,
-                                strategy="group", group_size=spec.group_size)
+        args = QuantizationArgs(
+            num_bits=spec.bits,
+            type="int",
+            symmetric=spec.symmetric,
+            strategy="group",
+            group_size=spec.group_size,
+        )
     return QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
 
 
@@ -78,8 +85,14 @@ def unpack_ct(tensors: dict[str, torch.Tensor], qcfg: dict):
     cfg = QuantizationConfig.model_validate(qcfg)
     fmt = cfg.format
     groups = list(cfg.config_groups.values())
-    if fmt not in ("pack-quantized", "mixed-precision") or len(groups) != 1 or groups[0].weights is None:
-        raise ModelLoadError(f"compressed-tensors checkpoints in format {fmt!r} are not supported (pack-quantized only)")
+    if (
+        fmt not in ("pack-quantized", "mixed-precision")
+        or len(groups) != 1
+        or groups[0].weights is None
+    ):
+        raise ModelLoadError(
+            f"compressed-tensors checkpoints in format {fmt!r} are not supported (pack-quantized only)"
+        )
     w = groups[0].weights
     if w.type != "int" or w.strategy not in ("group", "channel") or w.num_bits not in (4, 8):
         raise ModelLoadError(
@@ -90,7 +103,9 @@ def unpack_ct(tensors: dict[str, torch.Tensor], qcfg: dict):
     linears = {}
     for n in names:
         shape = torch.Size(tensors.pop(f"{n}.weight_shape").tolist())
-        codes = unpack_from_int32(tensors.pop(f"{n}.weight_packed"), b, shape).to(torch.int32) + offset
+        codes = (
+            unpack_from_int32(tensors.pop(f"{n}.weight_packed"), b, shape).to(torch.int32) + offset
+        )
         scales = tensors.pop(f"{n}.weight_scale").float()
         out_f, in_f = shape
         gs = w.group_size if w.strategy == "group" else in_f
@@ -98,7 +113,14 @@ def unpack_ct(tensors: dict[str, torch.Tensor], qcfg: dict):
         if w.symmetric or zp is None:
             zeros = torch.full(scales.shape, offset, dtype=torch.int32)
         else:
-            zeros = unpack_from_int32(zp, b, torch.Size((out_f, scales.shape[1])), packed_dim=0).to(torch.int32) + offset
+            zeros = (
+                unpack_from_int32(zp, b, torch.Size((out_f, scales.shape[1])), packed_dim=0).to(
+                    torch.int32
+                )
+                + offset
+            )
         g_idx = torch.arange(in_f, dtype=torch.int32) // gs
-        linears[n] = UnpackedLinear(codes, scales, zeros, g_idx, b, gs, tensors.pop(f"{n}.bias", None))
+        linears[n] = UnpackedLinear(
+            codes, scales, zeros, g_idx, b, gs, tensors.pop(f"{n}.bias", None)
+        )
     return linears, tensors

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from llmctl.errors import ModelLoadError, UsageError
 from llmctl.runtime.formats.packing import UnpackedLinear, pack_rows, unpack_rows
 from llmctl.runtime.formats.spec import QuantResult, QuantSpec
-from llmctl.errors import ModelLoadError, UsageError
 
 
 def pack_gptq(name: str, r: QuantResult, spec: QuantSpec, ignore: list[str], dtype: torch.dtype):
@@ -22,7 +22,9 @@ def pack_gptq(name: str, r: QuantResult, spec: QuantSpec, ignore: list[str], dty
     per = 32 // b
     out_f, in_f = r.codes.shape
     if out_f % per:
-        raise UsageError(f"{name}: {out_f} output features are not a multiple of {per}, which --format gptq needs")
+        raise UsageError(
+            f"{name}: {out_f} output features are not a multiple of {per}, which --format gptq needs"
+        )
     tensors = {
         f"{name}.qweight": pack_rows(r.codes, b).t().contiguous(),  # [in / per, out]
         f"{name}.qzeros": pack_rows((r.zeros.t() - 1) & spec.maxq, b),
@@ -61,5 +63,7 @@ def unpack_gptq(tensors: dict[str, torch.Tensor], qcfg: dict):
         gs = int(qcfg.get("group_size", 128))
         gs = in_f if gs <= 0 else gs
         g_idx = (torch.arange(in_f) // gs if g_idx is None else g_idx).to(torch.int32)
-        linears[n] = UnpackedLinear(codes, scales, zeros, g_idx, b, gs, tensors.pop(f"{n}.bias", None))
+        linears[n] = UnpackedLinear(
+            codes, scales, zeros, g_idx, b, gs, tensors.pop(f"{n}.bias", None)
+        )
     return linears, tensors

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from llmctl.runtime.formats.registry import read_quantized
-from llmctl.models.qlinear import QuantLinear
 from llmctl.errors import ModelLoadError
+from llmctl.models.qlinear import QuantLinear
+from llmctl.runtime.formats.registry import read_quantized
 from llmctl.runtime.tensors import assign_dense
 
 
@@ -27,12 +27,16 @@ def load_quantized(model, path: Path, config, quant: dict, dtype: torch.dtype, d
         try:
             old = model.get_submodule(name)
         except AttributeError:
-            raise ModelLoadError(f"{path.name}: quantized tensor for unknown layer {name!r}") from None
+            raise ModelLoadError(
+                f"{path.name}: quantized tensor for unknown layer {name!r}"
+            ) from None
         if (old.out_features, old.in_features) != tuple(u.codes.shape):
             raise ModelLoadError(
                 f"{name}: quantized shape {tuple(u.codes.shape)}, expected {(old.out_features, old.in_features)}"
             )
-        setattr(model.get_submodule(parent_name), child, QuantLinear.from_unpacked(u, dtype, device))
+        setattr(
+            model.get_submodule(parent_name), child, QuantLinear.from_unpacked(u, dtype, device)
+        )
     # QuantLinear biases come with the quantized layer; everything else must be in `dense`
     dense_triples = ((path.name, name, t) for name, t in dense.items())
     assign_dense(model, dense_triples, config, dtype, device, path, skip_modules=frozenset(linears))

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llmctl.runtime.formats.spec import QuantResult, dequantize
 from llmctl.errors import UsageError
+from llmctl.runtime.formats.spec import QuantResult, dequantize
 
 
 @dataclass
@@ -32,7 +32,9 @@ class UnpackedLinear:
 
     @classmethod
     def from_result(cls, r: QuantResult, bias: torch.Tensor | None = None) -> "UnpackedLinear":
-        return cls(r.codes, r.scales, r.zeros, r.group_index(), r.spec.bits, r.spec.group_size, bias)
+        return cls(
+            r.codes, r.scales, r.zeros, r.group_index(), r.spec.bits, r.spec.group_size, bias
+        )
 
 
 def to_int32(v: torch.Tensor) -> torch.Tensor:
@@ -58,7 +60,9 @@ def unpack_rows(packed: torch.Tensor, bits: int, order: list[int] | None = None)
     per = 32 // bits
     order = order or list(range(per))
     shifts = torch.arange(per, dtype=torch.int64) * bits
-    fields = (packed.to(torch.int64)[:, :, None] >> shifts) & ((1 << bits) - 1)  # [R, W, per] field i
+    fields = (packed.to(torch.int64)[:, :, None] >> shifts) & (
+        (1 << bits) - 1
+    )  # [R, W, per] field i
     out = torch.empty_like(fields)
     out[:, :, order] = fields  # field i holds column order[i]
     return out.reshape(packed.shape[0], -1).to(torch.int32)

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
+from llmctl.errors import ModelLoadError, UsageError
+from llmctl.runtime import tensors as tensor_io
 from llmctl.runtime.formats.awq import pack_awq, unpack_awq
 from llmctl.runtime.formats.ct import pack_ct, require_package, unpack_ct
 from llmctl.runtime.formats.gptq import pack_gptq, unpack_gptq
 from llmctl.runtime.formats.packing import UnpackedLinear
 from llmctl.runtime.formats.spec import QuantResult, QuantSpec
-from llmctl.errors import ModelLoadError, UsageError
-from llmctl.runtime import tensors as tensor_io
 
 FORMATS = ("compressed-tensors", "awq", "gptq")
 PACKERS = {"compressed-tensors": pack_ct, "awq": pack_awq, "gptq": pack_gptq}
@@ -56,10 +56,14 @@ def detect_format(quant_config: dict) -> str:
     method = quant_config.get("quant_method")
     if method in FORMATS:
         return method
-    raise ModelLoadError(f"unsupported quantization_config quant_method {method!r}; supported: {', '.join(FORMATS)}")
+    raise ModelLoadError(
+        f"unsupported quantization_config quant_method {method!r}; supported: {', '.join(FORMATS)}"
+    )
 
 
-def read_quantized(path: str | Path) -> tuple[dict, dict[str, UnpackedLinear], dict[str, torch.Tensor]]:
+def read_quantized(
+    path: str | Path,
+) -> tuple[dict, dict[str, UnpackedLinear], dict[str, torch.Tensor]]:
     """Read a quantized folder: (quantization_config, module name -> UnpackedLinear, dense tensors)."""
     path = Path(path)
     config = json.loads((path / "config.json").read_text())

@@ -80,7 +80,9 @@ class QuantResult:
         return torch.arange(cols, dtype=torch.int32) // self.spec.group_size
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
+def dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor
+) -> torch.Tensor:
     """(codes - zeros[:, g_idx]) * scales[:, g_idx] in float32; codes [out, in], scales/zeros [out, groups]."""
     g = g_idx.long()
     return (codes.float() - zeros.float()[:, g]) * scales.float()[:, g]
@@ -91,8 +93,14 @@ def check_group_size(layer: str, in_features: int, group_size: int) -> None:
     if in_features % group_size == 0:
         return
     ok = [g for g in CANDIDATE_GROUP_SIZES if in_features % g == 0]
-    hint = f"group sizes that work: {', '.join(map(str, ok))}" if ok else "no common group size divides it"
-    raise UsageError(f"{layer}: {in_features} input features are not a multiple of --group-size {group_size}; {hint}")
+    hint = (
+        f"group sizes that work: {', '.join(map(str, ok))}"
+        if ok
+        else "no common group size divides it"
+    )
+    raise UsageError(
+        f"{layer}: {in_features} input features are not a multiple of --group-size {group_size}; {hint}"
+    )
 
 
 def working_group_sizes(in_features: list[int]) -> list[int]:
@@ -118,18 +126,25 @@ def resolve_group_size(
     these (name, input width)s. channel_format: a format that cannot store per-channel scales."""
     g = parse_group_size(value)
     if g == "channel" and channel_format:
-        raise UsageError(f"--format {channel_format} stores groups only; --group-size channel "
-                         "needs --format compressed-tensors or gptq")
+        raise UsageError(
+            f"--format {channel_format} stores groups only; --group-size channel "
+            "needs --format compressed-tensors or gptq"
+        )
     if g == "channel":
         return None, None
     if g != "auto":
         bad = [(n, k) for n, k in widths if k % int(g)]
         if bad:
             ok = working_group_sizes([k for _, k in widths])
-            hint = (f"group sizes that work for every layer: {', '.join(map(str, ok))}" if ok
-                    else "no power-of-two group size fits every layer") + " (or auto, channel)"
-            raise UsageError(f"{bad[0][0]}: {bad[0][1]} input features are not a multiple of "
-                             f"--group-size {g} ({len(bad)} layers affected); {hint}")
+            hint = (
+                f"group sizes that work for every layer: {', '.join(map(str, ok))}"
+                if ok
+                else "no power-of-two group size fits every layer"
+            ) + " (or auto, channel)"
+            raise UsageError(
+                f"{bad[0][0]}: {bad[0][1]} input features are not a multiple of "
+                f"--group-size {g} ({len(bad)} layers affected); {hint}"
+            )
         return int(g), None
     fits = [c for c in AUTO_GROUP_SIZES if all(k % c == 0 for _, k in widths)]
     if fits and fits[0] == DEFAULT_GROUP_SIZE:
@@ -140,8 +155,10 @@ def resolve_group_size(
         return fits[0], f"--group-size auto chose {fits[0]}: {why}"
     if channel_format:
         sizes = ", ".join(map(str, AUTO_GROUP_SIZES))
-        raise UsageError(f"--group-size auto: no group size of {sizes} divides every layer ({why}) "
-                         f"and --format {channel_format} cannot store per-channel scales; "
-                         "use --format compressed-tensors or gptq, or --ignore")
+        raise UsageError(
+            f"--group-size auto: no group size of {sizes} divides every layer ({why}) "
+            f"and --format {channel_format} cannot store per-channel scales; "
+            "use --format compressed-tensors or gptq, or --ignore"
+        )
     others = " or ".join(map(str, AUTO_GROUP_SIZES[1:]))
     return None, f"--group-size auto chose per-channel scales: {why}, nor does {others}"
