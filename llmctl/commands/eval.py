@@ -18,8 +18,8 @@ HELP = """Perplexity of MODEL on a text file (sliding window), and with --refere
 
 \b
 Examples:
-  llmctl eval ../shared/models/tinyshakespeare-5m --data ../shared/data/tinyshakespeare.txt --seq-len 256
-  llmctl eval ./model-int4 --data heldout.jsonl --reference ./model --json
+  llmctl eval --data llmctl/compress/data/calib_default.txt --seq-len 128
+  llmctl eval llmctl/data/demo-model --data llmctl/compress/data/calib_default.txt --seq-len 128 --reference llmctl/data/demo-model --json
 
 --data is plain text, or JSONL (.jsonl) whose rows have a "text" field (documents joined by a blank line).
 Scored tokens: windows of --seq-len tokens every --stride tokens (default seq-len / 2); each token is scored once, from its own window's earlier tokens (Hugging Face's strided perplexity); the first token of the text is never scored (nor, when --stride equals --seq-len, the first of each window).

@@ -33,11 +33,9 @@ HELP = """Profile a model: measured sweeps, estimates from config.json, and regr
 
 \b
 Examples:
-  llmctl profile ./my-model --batch-sizes 1,4 --prompt-lens 32 --gen-lens 16 \\
-      --json run.json --csv run.csv --plot run.png --markdown
-  llmctl profile --estimate meta-llama/Llama-2-7b-hf --dtype int4 \\
-      --seq-len 4096 --batch 8 --memory 24GiB --bandwidth 1000
-  llmctl profile compare main.json branch.json --threshold 10%
+  llmctl profile --batch-sizes 1,4 --prompt-lens 32 --gen-lens 16 --json run.json --csv run.csv
+  llmctl profile --estimate llmctl/data/demo-model/config.json --dtype int4 --seq-len 256 --batch 8 --memory 24GiB --bandwidth 1000
+  llmctl profile compare run.json run.json --threshold 10%
 
 MODEL is a local folder or hub id (default: the embedded demo model); --estimate also takes a config.json file.
 """
