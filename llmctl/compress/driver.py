@@ -130,6 +130,26 @@ def _run_layer(
 
 
 @torch.no_grad()
+def _calibrate_layer(
+    i: int,
+    layer: nn.Module,
+    method: LayerMethod,
+    ignore: Callable[[str], bool],
+    run: Callable[..., Any],
+) -> dict[str, Any]:
+    """Layer i's sub-layer groups in order (each observed on the outputs of those before it),
+    then the method's end-of-layer step; returns their records."""
+    records: dict[str, Any] = {}
+    for group in SUBLAYER_GROUPS:
+        names = [f"model.layers.{i}.{rel}" for rel in group.linears]
+        names = [n for n in names if not ignore(n)]
+        if names:
+            _observe_group(method, layer, group, names, lambda: run(keep=False))
+            records.update(method.process_group(i, layer, group, names))
+    records.update(method.finish_layer(i, layer))
+    return records
+
+
 def calibrate_layers(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -170,23 +190,12 @@ def calibrate_layers(
         layer = layers[i]
         home = next(layer.parameters()).device
         layer.to(device)
-        for group in SUBLAYER_GROUPS:
-            names = [
-                f"model.layers.{i}.{rel}"
-                for rel in group.linears
-                if not ignore(f"model.layers.{i}.{rel}")
-            ]
-            if names:
-                _observe_group(
-                    method,
-                    layer,
-                    group,
-                    names,
-                    lambda: _run_layer(layer, hidden, positions, device, batch_size, keep=False),
-                )
-                result.records.update(method.process_group(i, layer, group, names))
-        result.records.update(method.finish_layer(i, layer))
-        hidden = _run_layer(layer, hidden, positions, device, batch_size, keep=True)
+
+        def run(keep: bool, layer=layer, hidden=hidden):
+            return _run_layer(layer, hidden, positions, device, batch_size, keep=keep)
+
+        result.records.update(_calibrate_layer(i, layer, method, ignore, run))
+        hidden = run(keep=True)
         layer.to(home)
         if checkpoint_dir is not None:
             checkpoints.save(checkpoint_dir, fingerprint, i, layer, result.records, hidden)
