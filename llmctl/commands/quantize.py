@@ -6,7 +6,6 @@ the report (a table, and JSON with --report-json).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import List, Optional
 
@@ -133,30 +132,15 @@ def register(app: typer.Typer) -> None:
 
 
 def _run_with_progress(args, run_quantize, quiet: bool):
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from llmctl.commands._output import stage_progress
 
-    err = Console(stderr=True)
-
-    def warn(msg: str) -> None:
-        err.print(f"[yellow]warning:[/yellow] {msg}")
-
-    if quiet:
-        return run_quantize(args, warn=lambda m: print(f"llmctl: warning: {m}", file=sys.stderr))
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-    ) as bar:
-        task = bar.add_task(f"{args.method} layers", total=None)
-
-        def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        return run_quantize(args, progress=progress, warn=warn)
+    with stage_progress(quiet) as (progress, warn):
+        if progress is None:
+            return run_quantize(args, warn=warn)
+        label = f"{args.method} layers"
+        return run_quantize(
+            args, progress=lambda done, total: progress(label, done, total), warn=warn
+        )
 
 
 def _fmt_size(n: int) -> str:

@@ -7,7 +7,6 @@ and prints the report (a table, and JSON with --report-json).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import List, Optional
 
@@ -155,39 +154,17 @@ def register(app: typer.Typer) -> None:
 
 
 def _run_with_progress(recipe, args, run_recipe, quiet: bool):
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from llmctl.commands._output import stage_progress
 
-    err = Console(stderr=True)
+    with stage_progress(quiet) as (progress, warn):
+        if progress is None:
+            return run_recipe(recipe, args, warn=warn)
+        sparsify = f"{args.method} {args.pattern or args.sparsity}"
 
-    def warn(msg: str) -> None:
-        err.print(f"[yellow]warning:[/yellow] {msg}")
+        def by_stage(stage: str, done: int, total: int) -> None:
+            progress(sparsify if stage == "sparsify" else "quantize", done, total)
 
-    if quiet:
-        return run_recipe(
-            recipe, args, warn=lambda m: print(f"llmctl: warning: {m}", file=sys.stderr)
-        )
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-    ) as bar:
-        tasks: dict[str, int] = {}
-
-        def progress(stage: str, done: int, total: int) -> None:
-            if stage not in tasks:
-                label = (
-                    f"{args.method} {args.pattern or args.sparsity}"
-                    if stage == "sparsify"
-                    else "quantize"
-                )
-                tasks[stage] = bar.add_task(label, total=total)
-            bar.update(tasks[stage], completed=done, total=total)
-
-        return run_recipe(recipe, args, progress=progress, warn=warn)
+        return run_recipe(recipe, args, progress=by_stage, warn=warn)
 
 
 def _print_report(report) -> None:
