@@ -15,6 +15,7 @@ A method implements the `LayerMethod` protocol below; `HessianMethod` adapts a p
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,9 +192,7 @@ def calibrate_layers(
         home = next(layer.parameters()).device
         layer.to(device)
 
-        def run(keep: bool, layer=layer, hidden=hidden):
-            return _run_layer(layer, hidden, positions, device, batch_size, keep=keep)
-
+        run = functools.partial(_run_layer, layer, hidden, positions, device, batch_size)
         result.records.update(_calibrate_layer(i, layer, method, ignore, run))
         hidden = run(keep=True)
         layer.to(home)

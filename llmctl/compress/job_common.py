@@ -3,13 +3,13 @@
 Owns: `JobArgs` (the fields both argument classes share), `check_common_options` (range checks of
 those fields), `prepare` (the output folder's plan, nothing created yet; the input files; the model
 folder resolved and kept apart from the output; its config read without loading weights; the
-device) and `settle` (after the job's own checks: --seq-len capped at the model's context, and a
+device), `Notes` (a job's warnings, shown at once and kept for the report) and `settle` (after the job's own checks: --seq-len capped at the model's context, and a
 warning for each --ignore pattern that matches no layer). Loading and calibrating come after.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -61,6 +61,18 @@ def plan_output(args: JobArgs, inputs: tuple[Path, ...] = ()) -> OutputFolder:
     in_output = bool(report) and OutputFolder.at(report[0].parent).final == out.final
     check_output_file(args.report_json, "--report-json", inputs, create_parents=in_output)
     return out
+
+
+@dataclass
+class Notes:
+    """A job's warnings: each one is shown at once through `show` and kept for the report."""
+
+    show: Callable[[str], None]
+    items: list[str] = field(default_factory=list)
+
+    def __call__(self, message: str) -> None:
+        self.items.append(message)
+        self.show(message)
 
 
 def prepare(args: JobArgs) -> Prepared:

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from llmctl.compress.job_common import (
+    Notes,
     Prepared,
     calibration_summary,
     check_common_options,
@@ -208,8 +209,7 @@ class _Job:
     prep: Prepared
     ignored: Callable[[str], bool]
     group_note: str | None
-    warn: Callable[[str], None]
-    warnings: list[str]
+    warn: Notes
     t0: float
 
 
@@ -217,12 +217,7 @@ def _check(args: QuantizeArgs, warn: Callable[[str], None]) -> _Job:
     """Every check, before the model loads; warnings go to `warn` and into the report."""
     from llmctl.compress.driver import make_ignore
 
-    warnings: list[str] = []
-
-    def note(msg: str) -> None:
-        warnings.append(msg)
-        warn(msg)
-
+    note = Notes(warn)
     t0 = time.perf_counter()
     args.resolve()
     prep = prepare(args)
@@ -234,7 +229,7 @@ def _check(args: QuantizeArgs, warn: Callable[[str], None]) -> _Job:
     settle(args, prep, note)
     if group_note:
         note(group_note)
-    return _Job(args, prep, ignored, group_note, note, warnings, t0)
+    return _Job(args, prep, ignored, group_note, note, t0)
 
 
 def run_quantize(
@@ -301,6 +296,6 @@ def run_quantize(
         calibration=calibration_summary(calib),
         layers=[result.records[n].to_dict() for n, _, _ in job.prep.linears if n in result.records],
         resumed_layers=result.resumed_layers,
-        warnings=job.warnings,
+        warnings=job.warn.items,
         group_size_note=job.group_note,
     )

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from llmctl.compress.job_common import (
+    Notes,
     Prepared,
     calibration_summary,
     check_common_options,
@@ -159,19 +160,13 @@ class _Job:
 
     args: SparsifyArgs
     prep: Prepared
-    warn: Callable[[str], None]
-    warnings: list[str]
+    warn: Notes
     t0: float
 
 
 def _check(args: SparsifyArgs, warn: Callable[[str], None]) -> _Job:
     """Every check, before the model loads; warnings go to `warn` and into the report."""
-    warnings: list[str] = []
-
-    def note(msg: str) -> None:
-        warnings.append(msg)
-        warn(msg)
-
+    note = Notes(warn)
     t0 = time.perf_counter()
     args.resolve()
     prep = prepare(args)
@@ -188,7 +183,7 @@ def _check(args: SparsifyArgs, warn: Callable[[str], None]) -> _Job:
             f"{prep.model_path} is already sparse ({raw['sparsity_config'].get('pattern')}); "
             "pruning it again"
         )
-    return _Job(args, prep, note, warnings, t0)
+    return _Job(args, prep, note, t0)
 
 
 def run_sparsify(
@@ -255,7 +250,7 @@ def run_sparsify(
         layers=[line.to_dict() for line in result.lines],
         skipped=targets.skipped,
         resumed_layers=result.resumed_layers,
-        warnings=job.warnings,
+        warnings=job.warn.items,
     )
 
 
