@@ -1,16 +1,85 @@
-"""CLI options shared by several commands, declared once (Typer `Option` objects and help text)."""
+"""CLI options shared by several commands, declared once as `Annotated` aliases.
+
+Owns: the option aliases (`ModelOpt`, `DtypeOpt`, `DeviceOpt`, `QuietOpt`, `ReportJsonOpt`, ...),
+`default_of` (help text that quotes a dataclass's default) and `given` (the options a user set).
+
+Defaults live in the dataclasses below commands/ (EngineConfig, QuantizeArgs, ...): an option here
+defaults to None, `given(...)` drops the Nones, and the dataclass fills in the rest, so a default
+is written once and an explicit flag can be told apart from a default (recipes need that).
+"""
 
 from __future__ import annotations
+
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Annotated, Any, Optional
 
 import typer
 
 MODEL_HELP = "Local folder or hub id of a Llama-family model (default: the embedded demo model)."
-
-Model = typer.Option(None, "--model", "-m", help=MODEL_HELP, show_default=False)
-Dtype = typer.Option(
-    "auto",
-    "--dtype",
-    help="Weights and activations: auto, bfloat16, float16 or float32. auto: the checkpoint's dtype; on a CPU, bfloat16 for half precision, or float32 when the CPU has no native bf16 (AVX2 only), where it is several times faster.",
+DTYPE_HELP = (
+    "Weights and activations: auto, bfloat16, float16 or float32. auto: the checkpoint's dtype; "
+    "on a CPU, bfloat16 for half precision, or float32 when the CPU has no native bf16 (AVX2 "
+    "only), where it is several times faster."
 )
+REPORT_JSON_HELP = "Also write the report as JSON to this file ('-': standard output)."
+
+
+def default_of(cls: type, name: str) -> str:
+    """' (default: X)' for dataclass `cls`'s field `name`, for help text."""
+    for f in fields(cls):
+        if f.name == name:
+            value = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+            if isinstance(value, bool):
+                return ""  # a --x/--no-x switch shows its default itself
+            return f" (default: {value})"
+    raise KeyError(f"{cls.__name__} has no field {name!r}")
+
+
+def given(**options: Any) -> dict[str, Any]:
+    """The options the user set (not None; an empty repeatable option counts as not set)."""
+    return {k: v for k, v in options.items() if v is not None and v != [] and v != ()}
+
+
+def path_str(path: Optional[Path]) -> Optional[str]:
+    """A path option as the string the job dataclasses take (None stays None)."""
+    return None if path is None else str(path)
+
+
+ModelOpt = Annotated[
+    Optional[str], typer.Option("--model", "-m", help=MODEL_HELP, show_default=False)
+]
+DtypeOpt = Annotated[
+    Optional[str], typer.Option("--dtype", help=DTYPE_HELP + " (default: auto)", show_default=False)
+]
+DeviceOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--device",
+        help="auto (cuda when present, else cpu), cpu or cuda (default: auto).",
+        show_default=False,
+    ),
+]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output on stderr.")]
+ReportJsonOpt = Annotated[
+    Optional[Path], typer.Option("--report-json", help=REPORT_JSON_HELP, show_default=False)
+]
+OverwriteOpt = Annotated[
+    bool, typer.Option("--overwrite", help="Replace an earlier llmctl output in -o.")
+]
+CalibOpt = Annotated[
+    Optional[Path],
+    typer.Option("--calib", help="Calibration data: .jsonl, .parquet or text.", show_default=False),
+]
+EvalDataOpt = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--eval-data", help="Held-out data for perplexity (same formats).", show_default=False
+    ),
+]
+
+# Old-style Option objects, until every command uses the aliases above.
+Model = typer.Option(None, "--model", "-m", help=MODEL_HELP, show_default=False)
+Dtype = typer.Option("auto", "--dtype", help=DTYPE_HELP)
 Device = typer.Option("auto", "--device", help="auto (cuda when present, else cpu), cpu or cuda.")
 Quiet = typer.Option(False, "--quiet", "-q", help="No progress output on stderr.")

@@ -2,13 +2,16 @@
 
 Owns: `stage_progress`, the progress callback and warning printer a long job is given: a Rich bar
 per stage on a terminal, one plain line per update when stderr is not a terminal (logs, CI), and
-only warnings with --quiet.
+only warnings with --quiet; and `emit_json`, the one writer of --report-json (a file, or standard
+output for '-').
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
 
 ProgressFn = Callable[[str, int, int], None]  # (stage label, done, total)
@@ -50,3 +53,18 @@ def stage_progress(quiet: bool) -> Iterator[tuple[ProgressFn | None, Callable[[s
             bar.update(tasks[label], completed=done, total=total)
 
         yield progress, lambda message: err.print(f"[yellow]warning:[/yellow] {message}")
+
+
+def emit_json(path: str | Path | None, doc: dict, flag: str = "--report-json") -> None:
+    """Write `doc` as indented JSON to `path` ('-': stdout; None: nothing); OS errors: one line."""
+    if path is None:
+        return
+    text = json.dumps(doc, indent=2) + "\n"
+    if str(path) == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    from llmctl.compress.output_dir import writing
+
+    with writing(f"{flag} {path}"):
+        Path(path).write_text(text)
