@@ -81,13 +81,15 @@ def choose_group(folder: Path, wanted: int) -> tuple[int, str | None]:
         return wanted, None
     g = max([x for x in ok if x <= wanted] or ok)
     return g, (
-        f"--group-size {wanted} does not divide input widths {sorted(set(widths))}: llmctl quantize refuses it "
+        f"--group-size {wanted} does not divide input widths {sorted(set(widths))}: llmctl "
+        "quantize refuses it "
         f"(group sizes that work: {', '.join(map(str, ok))}); using {g}"
     )
 
 
 def token_files() -> tuple[Path, Path, list[int]]:
-    """(calibration JSONL = first 90% of the text's tokens, 4-token stub JSONL, held-out last 10%)."""
+    """(calibration JSONL = first 90% of the text's tokens, 4-token stub JSONL, held-out last
+    10%)."""
     from llmctl.runtime.tokenizer import load_tokenizer
 
     ids = list(load_tokenizer(TS_MODEL).encode(TEXT.read_text()))
@@ -266,7 +268,8 @@ def decode_section(args, machine: dict, stub: Path) -> dict:
             )
         u = out[f"int4_{short}"]
         print(
-            f"int4 kernel: {u['int4_kernel_linears']}/{u['quant_linears']} linears {u['by_projection']} "
+            f"int4 kernel: {u['int4_kernel_linears']}/{u['quant_linears']} linears "
+            f"{u['by_projection']} "
             f"(layout row block {u['int4_block_rows']})",
             flush=True,
         )
@@ -275,7 +278,8 @@ def decode_section(args, machine: dict, stub: Path) -> dict:
         )
         ttft = out[f"ttft_ratio_int4_over_{short}"] = u["ttft_s"] / out[short]["ttft_s"]
         print(
-            f"int4 / {short} decode speedup {speed:.2f}x, TTFT ratio {ttft:.2f} (activations in {dtype})",
+            f"int4 / {short} decode speedup {speed:.2f}x, TTFT ratio {ttft:.2f} (activations in "
+            f"{dtype})",
             flush=True,
         )
     return out
@@ -397,7 +401,8 @@ def gptq_section(name: str, base: Path, calib: Path, stub: Path, heldout: list[i
             print(f"{name} {side}: FAILED: {r['error']}", flush=True)
         else:
             print(
-                f"{name} {side}: whole command {r['process_s']:.1f} s, in-process {r['quantize_s']:.1f} s",
+                f"{name} {side}: whole command {r['process_s']:.1f} s, in-process "
+                f"{r['quantize_s']:.1f} s",
                 flush=True,
             )
     if "error" not in out["llmctl"] and "error" not in out["llm_compressor"]:
@@ -407,7 +412,8 @@ def gptq_section(name: str, base: Path, calib: Path, stub: Path, heldout: list[i
             "in_process": a["quantize_s"] / b["quantize_s"],
         }
         print(
-            f"{name}: llmctl speedup over llm-compressor {out['llmctl_speedup']['command']:.2f}x whole command, "
+            f"{name}: llmctl speedup over llm-compressor {out['llmctl_speedup']['command']:.2f}x "
+            "whole command, "
             f"{out['llmctl_speedup']['in_process']:.2f}x in-process",
             flush=True,
         )

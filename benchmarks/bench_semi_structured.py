@@ -22,8 +22,9 @@ from llmctl.runtime.semi_structured import (
 def _bench_model(
     config_path: str, batch: int, seq_len: int, dtype: torch.dtype, iters: int
 ) -> dict:
-    """End to end: forward_dense of a randomly initialised model of `config_path`'s shape, 2:4-pruned
-    by magnitude, dense against semi-structured (only the linears measured faster are converted)."""
+    """End to end: forward_dense of a randomly initialised model of `config_path`'s shape,
+    2:4-pruned by magnitude, dense against semi-structured (only the linears measured faster are
+    converted)."""
     from llmctl.compress.sparse.masks import parse_pattern
     from llmctl.compress.sparse.pipeline import SparsifySettings, sparsify_model
     from llmctl.models.config import ModelConfig

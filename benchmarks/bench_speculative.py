@@ -12,8 +12,9 @@ Greedy outputs with and without speculation must be identical (asserted): exactl
 bfloat16 a request may diverge only at a near-tie of the target (see GreedyCheck), because verifying
 K+1 positions in one chunk rounds differently from one-token decode steps.
 
-    nice -n 19 python benchmarks/bench_speculative.py --dtype bfloat16 --threads 1 --json spec-bf16.json
-    nice -n 19 python benchmarks/bench_speculative.py --dtype float32 --threads 1 --json spec-fp32.json
+    nice -n 19 python benchmarks/bench_speculative.py --dtype bfloat16 --threads 1 --json
+    spec-bf16.json nice -n 19 python benchmarks/bench_speculative.py --dtype float32 --threads 1
+    --json spec-fp32.json
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def text_prompts(rt, n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def copy_prompts(rt, n: int, chars: int, words: int = 3, seed: int = 1) -> list[list[int]]:
-    """n prompts 'P\\n\\nP\\n\\n' + the first `words` words of P, P a held-out passage of whole lines."""
+    """n prompts 'P\\n\\nP\\n\\n' + the first `words` words of P, P a held-out passage of whole
+    lines."""
     text = held_out_text()
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -117,7 +119,8 @@ def spec_stats(before, after) -> dict:
 
 
 def single(engine, prompts, max_tokens: int, repeats: int):
-    """One request at a time. Returns (medians over repeats, output token ids of the last repeat)."""
+    """One request at a time. Returns (medians over repeats, output token ids of the last
+    repeat)."""
     before = copy.copy(engine.stats)
     rates, ttfts = [], []
     for _ in range(repeats):
@@ -148,9 +151,10 @@ def batched(engine, prompts, max_tokens: int, repeats: int):
 
 
 class GreedyCheck:
-    """Greedy outputs with speculation against plain decoding. float32: identical. bfloat16: a request
-    may diverge only where the target's two candidates are a near-tie (float32 logits within --tie-tol),
-    since verifying K+1 positions in one chunk rounds differently from one-token decode steps."""
+    """Greedy outputs with speculation against plain decoding. float32: identical. bfloat16: a
+    request may diverge only where the target's two candidates are a near-tie (float32 logits within
+    --tie-tol), since verifying K+1 positions in one chunk rounds differently from one-token decode
+    steps."""
 
     def __init__(self, args):
         self.args, self.ref, self.results = args, None, {}
@@ -174,11 +178,13 @@ class GreedyCheck:
         }
         why = "" if not gaps else f"; the others diverge at near-ties, float32 logit gaps {gaps}"
         print(
-            f"  greedy check ({name}): {len(got) - len(gaps)}/{len(got)} identical to plain decoding{why}",
+            f"  greedy check ({name}): {len(got) - len(gaps)}/{len(got)} identical to plain "
+            f"decoding{why}",
             flush=True,
         )
         assert ok, (
-            f"{name}: speculative greedy output differs from plain decoding beyond a near-tie: {gaps}"
+            f"{name}: speculative greedy output differs from plain decoding beyond a near-tie: "
+            f"{gaps}"
         )
 
 
@@ -194,8 +200,10 @@ def single_section(engines, method: str, ks, prompts, args, check) -> dict:
         res["speedup"] = res["decode_tok_s"] / base["decode_tok_s"]
         rows[f"{method}_k{k}"] = res
         print(
-            f"  {method + ' K=' + str(k):>10}  decode {res['decode_tok_s']:7.1f} tok/s  TTFT {res['ttft_ms']:6.1f} ms  "
-            f"acceptance {res['acceptance_rate']:.3f} ({res['spec_accepted']}/{res['spec_proposed']})  "
+            f"  {method + ' K=' + str(k):>10}  decode {res['decode_tok_s']:7.1f} tok/s  TTFT "
+            f"{res['ttft_ms']:6.1f} ms  "
+            f"acceptance {res['acceptance_rate']:.3f} "
+            f"({res['spec_accepted']}/{res['spec_proposed']})  "
             f"tokens/step {res['tokens_per_step']:.2f}  speedup {res['speedup']:.2f}x",
             flush=True,
         )
@@ -227,7 +235,8 @@ def crossover_section(engines, workloads: dict, args, check) -> dict:
 
 
 def crossover(rows: list[dict]) -> dict:
-    """First batch size where speculation is no faster, and the largest one below it where it pays."""
+    """First batch size where speculation is no faster, and the largest one below it where it
+    pays."""
     slow = next((r["batch"] for r in rows if r["speedup"] <= 1.0), None)
     pays = [r["batch"] for r in rows if slow is None or r["batch"] < slow]
     return {"crossover_batch": slow, "pays_up_to_batch": max(pays, default=0)}
@@ -240,10 +249,12 @@ def print_crossover(out: dict) -> None:
         for r in res["rows"]:
             acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
             print(
-                f"  {r['batch']:>5} {r['off_tok_s']:9.1f} {r['spec_tok_s']:9.1f} {r['speedup']:7.2f}x {acc:>7}"
+                f"  {r['batch']:>5} {r['off_tok_s']:9.1f} {r['spec_tok_s']:9.1f} "
+                f"{r['speedup']:7.2f}x {acc:>7}"
             )
         print(
-            f"  {method}: speculation pays up to batch {res['pays_up_to_batch']} (0: not even alone); "
+            f"  {method}: speculation pays up to batch {res['pays_up_to_batch']} (0: not even "
+            "alone); "
             f"crossover (first batch where it does not) {res['crossover_batch']}",
             flush=True,
         )
@@ -287,7 +298,8 @@ def main() -> None:
         "--tie-tol",
         type=float,
         default=0.1,
-        help="bfloat16 only: largest float32 logit gap at which a greedy divergence counts as a tie",
+        help="bfloat16 only: largest float32 logit gap at which a greedy divergence counts as a "
+        "tie",
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -315,7 +327,8 @@ def main() -> None:
     check = GreedyCheck(args)
     print(f"target {args.target} ({args.dtype}, {args.threads} threads), draft {draft}", flush=True)
     print(
-        f"\n1. one request at a time, draft model, {args.max_tokens} new tokens, {args.num_prompts} prompts",
+        f"\n1. one request at a time, draft model, {args.max_tokens} new tokens, "
+        f"{args.num_prompts} prompts",
         flush=True,
     )
     report["single_draft"] = single_section(
@@ -326,7 +339,8 @@ def main() -> None:
         engines, "ngram", args.ngram_ks, copies[: args.num_prompts], args, check
     )
     print(
-        "\n3. crossover (draft on text prompts, n-gram on copy prompts), speculative_max_batch=None",
+        "\n3. crossover (draft on text prompts, n-gram on copy prompts), "
+        "speculative_max_batch=None",
         flush=True,
     )
     report["crossover"] = crossover_section(engines, {"draft": texts, "ngram": copies}, args, check)

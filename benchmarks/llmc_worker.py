@@ -1,7 +1,7 @@
 """Runs llm-compressor's GPTQ (oneshot + GPTQModifier) on given calibration token ids; executed by
 bench_quant.py with the Python of a separate virtual environment that has `llmcompressor`
-installed. Argument: a JSON spec file (model, tokenizer, output, input_ids, bits, group_size, threads,
-dampening, actorder). Prints one line `RESULT {json}`: the phase times, or the error."""
+installed. Argument: a JSON spec file (model, tokenizer, output, input_ids, bits, group_size,
+threads, dampening, actorder). Prints one line `RESULT {json}`: the phase times, or the error."""
 
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ def run(spec: dict) -> dict:
         block_size=128,
     )
     t1 = time.perf_counter()
-    # oneshot wants a processor whenever a dataset is given, even a tokenized one: the tokenizer that made the ids
+    # oneshot wants a processor whenever a dataset is given, even a tokenized one: the tokenizer
+    # that made the ids
     tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
     oneshot(
         model=model,

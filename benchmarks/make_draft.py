@@ -8,8 +8,8 @@ model.safetensors, generation_config.json, the target's tokenizer files) that ll
 
     nice -n 19 python benchmarks/make_draft.py --layers 2 --threads 1
 
-writes /tmp/llmctl-bench/ts-draft-2L (LLMCTL_BENCH_CACHE changes /tmp/llmctl-bench); `--force` remakes it.
-bench_speculative.py calls `ensure_draft`, which makes it only when missing.
+writes /tmp/llmctl-bench/ts-draft-2L (LLMCTL_BENCH_CACHE changes /tmp/llmctl-bench); `--force`
+remakes it. bench_speculative.py calls `ensure_draft`, which makes it only when missing.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def token_splits(tokenizer, text_path: Path = TEXT) -> tuple[torch.Tensor, torch
 
 
 def truncated_student(target, layers: int):
-    """A LlamaForCausalLM with the target's first `layers` decoder layers (and embeddings, norm, head)."""
+    """A LlamaForCausalLM with the target's first `layers` decoder layers (and embeddings, norm,
+    head)."""
     from transformers import LlamaForCausalLM
 
     cfg = target.config.__class__.from_dict(target.config.to_dict())
@@ -123,7 +124,8 @@ def train(
 
 
 def save(student, target_dir: Path, out: Path, report: dict) -> None:
-    """Write the folder under a temporary name, then rename, so a half-written draft is never cached."""
+    """Write the folder under a temporary name, then rename, so a half-written draft is never
+    cached."""
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     student.save_pretrained(tmp, safe_serialization=True)
@@ -172,7 +174,8 @@ def make_draft(
     student = truncated_student(target, layers).eval()
     before = agreement(student, target, held, seq_len, eval_windows)
     print(
-        f"draft {layers}L before training: held-out top-1 agreement {before['top1_agreement']:.3f}, KL {before['kl']:.3f}",
+        f"draft {layers}L before training: held-out top-1 agreement "
+        f"{before['top1_agreement']:.3f}, KL {before['kl']:.3f}",
         flush=True,
     )
     t1, c1 = time.perf_counter(), time.process_time()
@@ -180,7 +183,8 @@ def make_draft(
     train_s, train_cpu = time.perf_counter() - t1, time.process_time() - c1
     after = agreement(student, target, held, seq_len, eval_windows)
     print(
-        f"draft {layers}L after {steps} steps ({train_s:.0f} s wall, {train_cpu:.0f} s CPU): held-out top-1 agreement "
+        f"draft {layers}L after {steps} steps ({train_s:.0f} s wall, {train_cpu:.0f} s CPU): "
+        "held-out top-1 agreement "
         f"{after['top1_agreement']:.3f}, KL {after['kl']:.3f}",
         flush=True,
     )
@@ -235,7 +239,8 @@ def main() -> None:
     out = Path(args.out) if args.out else draft_dir(args.layers)
     if (out / "model.safetensors").is_file() and not args.force:
         print(
-            f"{out} exists (--force remakes it): {json.loads((out / 'draft_report.json').read_text())['after']}"
+            f"{out} exists (--force remakes it): "
+            f"{json.loads((out / 'draft_report.json').read_text())['after']}"
         )
         return
     make_draft(

