@@ -49,9 +49,10 @@ SPECULATIVE_MODES = ("off", "ngram", "draft", "auto")
 
 
 def speculative_settings(
-    mode: str, draft: str | None, num_tokens: int, max_batch: int | None
+    mode: str, draft: str | None, num_tokens: int | None, max_batch: int | None
 ) -> dict:
-    """EngineConfig fields for the --speculative/--draft/... options of the commands."""
+    """EngineConfig fields for the --speculative/--draft/... options of the commands (a None
+    value: EngineConfig's default, for the caller to drop)."""
     if mode not in SPECULATIVE_MODES:
         raise UsageError(
             f"--speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}"
