@@ -28,24 +28,18 @@ from typing import Any
 
 from llmctl.errors import ModelLoadError, UsageError
 from llmctl.models.config import ModelConfig
+from llmctl.profiling.dtypes import canonical_dtype
 
 # Weight storage formats and their bits per element.
-WEIGHT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "int4": 4}
+WEIGHT_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4}
 # KV-cache element formats and their bytes per element.
-KV_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
-_ALIASES = {
-    "float32": "fp32",
-    "bfloat16": "bf16",
-    "float16": "fp16",
-    "half": "fp16",
-    "float": "fp32",
-}
+KV_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
 SCALE_BYTES = 2  # one 16-bit scale per group
 
 
 def normalize_dtype(name: str, table: dict[str, Any], what: str) -> str:
-    """'bfloat16' -> 'bf16'; raises UsageError for a name not in `table`."""
-    key = _ALIASES.get(str(name).lower(), str(name).lower())
+    """'bf16' -> 'bfloat16' (see `dtypes`); raises UsageError for a name not in `table`."""
+    key = canonical_dtype(name)
     if key not in table:
         raise UsageError(f"unknown {what} {name!r}; choose one of: {', '.join(table)}")
     return key
@@ -86,7 +80,7 @@ def _matrix_bytes(
 
 def weight_bytes(
     config: ModelConfig,
-    dtype: str = "bf16",
+    dtype: str = "bfloat16",
     group_size: int | None = 128,
     quantize_embeddings: bool = False,
 ) -> WeightBytes:
@@ -96,7 +90,7 @@ def weight_bytes(
         raise UsageError(f"--group-size must be a positive integer, got {group_size}")
     bits = WEIGHT_BITS[dtype]
     quantized = dtype.startswith("int")
-    float_bytes = 4 if dtype == "fp32" else 2  # what unquantized tensors are stored in
+    float_bytes = 4 if dtype == "float32" else 2  # what unquantized tensors are stored in
     linear = scales = zeros = 0
     for out_f, in_f in linear_shapes(config):
         w, s, z = _matrix_bytes(out_f, in_f, bits, group_size, quantized, float_bytes)
@@ -117,14 +111,14 @@ def _matrix_params(config: ModelConfig) -> int:
     return config.num_layers * per_layer + n_emb * config.vocab_size * config.hidden_size
 
 
-def kv_bytes_per_token(config: ModelConfig, kv_dtype: str = "bf16") -> int:
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: str = "bfloat16") -> int:
     """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
     kv_dtype = normalize_dtype(kv_dtype, KV_BYTES, "KV dtype")
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES[kv_dtype]
 
 
 def kv_bytes_per_sequence(
-    config: ModelConfig, seq_len: int, kv_dtype: str = "bf16", block_size: int = 1
+    config: ModelConfig, seq_len: int, kv_dtype: str = "bfloat16", block_size: int = 1
 ) -> int:
     """KV bytes of one sequence of `seq_len` tokens, rounded up to whole cache blocks."""
     tokens = math.ceil(seq_len / block_size) * block_size
@@ -178,7 +172,7 @@ def estimate(
     config: ModelConfig,
     *,
     model: str = "",
-    dtype: str = "bf16",
+    dtype: str = "bfloat16",
     group_size: int | None = 128,
     kv_dtype: str | None = None,
     seq_len: int | None = None,
@@ -188,11 +182,12 @@ def estimate(
     bandwidth: float | None = None,
     quantize_embeddings: bool = False,
 ) -> Estimate:
-    """Everything `profile --estimate` prints. kv_dtype None: 16-bit (fp32 for fp32 weights);
+    """Everything `profile --estimate` prints. kv_dtype None: the weights' float dtype (bfloat16
+    for int weights);
     seq_len None: the model's max_position_embeddings."""
     dtype = normalize_dtype(dtype, WEIGHT_BITS, "weight dtype")
     if kv_dtype is None:
-        kv_dtype = "fp32" if dtype == "fp32" else ("fp16" if dtype == "fp16" else "bf16")
+        kv_dtype = dtype if dtype in ("float32", "float16") else "bfloat16"
     kv_dtype = normalize_dtype(kv_dtype, KV_BYTES, "KV dtype")
     seq_len = config.max_position_embeddings if seq_len is None else seq_len
     for name, value in (("--seq-len", seq_len), ("--batch", batch), ("--block-size", block_size)):
@@ -232,7 +227,7 @@ def estimate(
 ESTIMATE_FORMULAS = {
     "weights": "decoder linears at the weight dtype; int formats add one 16-bit scale and one zero point "
     "(packed at the weight bit width) per group of group_size inputs per output row; embeddings, "
-    "lm_head, norms and biases 16-bit (fp32 for fp32)",
+    "lm_head, norms and biases 16-bit (float32 for float32)",
     "kv_bytes_per_token": "2 x num_layers x num_kv_heads x head_dim x bytes(kv_dtype)",
     "kv_bytes_per_sequence": "ceil(seq_len / block_size) x block_size x kv_bytes_per_token",
     "kv_bytes_batch": "batch x kv_bytes_per_sequence",

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from llmctl.profiling.dtypes import canonical_dtype
 from llmctl.profiling.environment import machine_key
 
 CACHE_SCHEMA_VERSION = 2  # 2: float32 matmul peak added
@@ -35,10 +36,11 @@ class MachinePeaks:
         return asdict(self)
 
     def compute_peak(self, kv_dtype: str) -> float:
-        """The matmul ceiling for a model in `kv_dtype` ("fp32", "bf16", "fp16"): float32's for
-        float32; for 16-bit dtypes the larger of the two, since a CPU without bf16 units does bf16
-        math on its float32 FMAs (llmctl's kernels do; PyTorch's bf16 matmul there is a slow path)."""
-        if kv_dtype == "fp32":
+        """The matmul ceiling for a model in `kv_dtype` (float32, bfloat16, float16; the short
+        spellings fp32, bf16, fp16 are read too): float32's for float32; for 16-bit dtypes the
+        larger of the two, since a CPU without bf16 units does bf16 math on its float32 FMAs
+        (llmctl's kernels do; PyTorch's bf16 matmul there is a slow path)."""
+        if canonical_dtype(kv_dtype) == "float32":
             return self.matmul_flops_fp32
         return max(self.matmul_flops_bf16, self.matmul_flops_fp32)
 

@@ -93,7 +93,8 @@ class ModelFacts:
     weight_bytes: int
     kv_bytes_per_token: int
     flops_per_token: Callable[[int], float]  # context length -> forward FLOPs of one token
-    dtype: str = "bf16"  # the model's ("fp32", "bf16", "fp16"): which matmul peak MFU divides by
+    # the model's (float32, bfloat16, float16): which matmul peak MFU divides by
+    dtype: str = "bfloat16"
 
 
 @dataclass
