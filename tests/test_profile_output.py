@@ -13,7 +13,8 @@ from test_profile_compare import BASE, _point, _write
 from llmctl.cli import main
 from llmctl.engine.config import EngineConfig
 from llmctl.models.config import ModelConfig
-from llmctl.profiling import compare, estimate as est
+from llmctl.profiling import compare
+from llmctl.profiling import estimate as est
 from llmctl.profiling.dtypes import canonical_dtype
 from llmctl.profiling.estimate_job import EstimateRequest, run_estimate
 from llmctl.profiling.sweep_job import SweepRequest, int_list, sweep_engine_config
@@ -47,7 +48,9 @@ def test_estimate_record_and_table_spell_dtypes_in_full(cfg, capsys):
     assert main(["profile", "--estimate", str(cfg), "--dtype", "bf16", "--report-json", "-"]) == 0
     captured = capsys.readouterr()
     record = json.loads(captured.out)  # only the JSON on stdout: no table
-    assert record["estimate"]["dtype"] == "bfloat16" and record["environment"]["dtype"] == "bfloat16"
+    assert (
+        record["estimate"]["dtype"] == "bfloat16" and record["environment"]["dtype"] == "bfloat16"
+    )
     assert record["estimate"]["kv_dtype"] == "bfloat16"
     assert main(["profile", "--estimate", str(cfg), "--dtype", "fp32"]) == 0
     table = capsys.readouterr().out

@@ -28,7 +28,9 @@ from llmctl.commands._output import (
 )
 from llmctl.errors import LlmctlError, UsageError
 
-HELP = """Profile a model: measured sweeps, estimates from config.json, and regression checks.
+# Long lines are joined here, not in the source: the help keeps the newlines it is given.
+HELP = (
+    """Profile a model: measured sweeps, estimates from config.json, and regression checks.
 
 \b
   llmctl profile MODEL [--batch-sizes 1,8,32] [--prompt-lens 128,512] ...
@@ -38,13 +40,18 @@ HELP = """Profile a model: measured sweeps, estimates from config.json, and regr
 
 \b
 Examples:
-  llmctl profile --batch-sizes 1,4 --prompt-lens 32 --gen-lens 16 --report-json run.json --csv run.csv
-  llmctl profile --estimate llmctl/data/demo-model/config.json --dtype int4 --seq-len 256 --batch 8 --memory 24GiB --bandwidth 1000
-  llmctl profile compare run.json run.json --threshold 10%
-
-MODEL is a local folder or hub id (default: the embedded demo model); --estimate also takes a
-config.json file. --report-json - writes the JSON record to standard output instead of the table.
-"""  # noqa: E501  (the examples are commands to copy whole)
+"""
+    # one example per line, as a user copies it
+    "  llmctl profile --batch-sizes 1,4 --prompt-lens 32 --gen-lens 16"
+    " --report-json run.json --csv run.csv\n"
+    "  llmctl profile --estimate llmctl/data/demo-model/config.json --dtype int4 --seq-len 256"
+    " --batch 8 --memory 24GiB --bandwidth 1000\n"
+    "  llmctl profile compare run.json run.json --threshold 10%\n"
+    "\n"
+    "MODEL is a local folder or hub id (default: the embedded demo model); --estimate also takes "
+    "a config.json file. --report-json - writes the JSON record to standard output instead of "
+    "the table.\n"
+)
 
 
 def register(app: typer.Typer) -> None:

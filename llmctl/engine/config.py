@@ -86,7 +86,8 @@ def format_bytes(n: float) -> str:
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
-    # Bytes for K and V of all layers; None: what max_num_seqs full-length sequences need, at most 2 GiB.
+    # Bytes for K and V of all layers; None: what max_num_seqs full-length sequences need, at most
+    # 2 GiB.
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decodes)

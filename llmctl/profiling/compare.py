@@ -1,9 +1,9 @@
 """Compare two sweep records (A = baseline, B = candidate) point by point, for CI regression checks.
 
-Owns: matching points by (batch size, prompt length, generation length), the B/A ratio of each metric's
-statistic (p50 by default), and the regression rule: B regresses when a lower-is-better metric
-(latency) rises by more than the threshold, B/A > 1 + t, or a higher-is-better metric (throughput)
-falls by more than the threshold, B/A < 1 - t.
+Owns: matching points by (batch size, prompt length, generation length), the B/A ratio of each
+metric's statistic (p50 by default), and the regression rule: B regresses when a lower-is-better
+metric (latency) rises by more than the threshold, B/A > 1 + t, or a higher-is-better metric
+(throughput) falls by more than the threshold, B/A < 1 - t.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def parse_threshold(text: str) -> float:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(%?)\s*", str(text))
     if not m:
         raise UsageError(
-            f"cannot read threshold {text!r}; use a percentage such as 5% (or a fraction such as 0.05)"
+            f"cannot read threshold {text!r}; use a percentage such as 5% (or a fraction such as "
+            "0.05)"
         )
     value = float(m.group(1)) / (100 if m.group(2) else 1)
     if not 0 <= value < 1:

@@ -1,20 +1,22 @@
 """Memory and speed estimates from a model's config.json alone (no weights): pure arithmetic.
 
 Owns: parameter and weight-byte counts per storage format (int4/int8 with their per-group scales and
-zero points), KV-cache bytes per token / sequence / batch, how many sequences fit in a memory budget,
-the bandwidth-bound decode ceiling and FLOPs per token (used for MFU), and finding a config.json from
-a folder, a file or a hub id.
+zero points), KV-cache bytes per token / sequence / batch, how many sequences fit in a memory
+budget, the bandwidth-bound decode ceiling and FLOPs per token (used for MFU), and finding a
+config.json from a folder, a file or a hub id.
 
 Conventions (stated in every estimate record):
 - Quantized formats (int8, int4) quantize the decoder's linear weights (q/k/v/o, gate/up/down) in
   groups of `group_size` input elements per output row (None: one group per output row). Each group
-  stores one 16-bit scale and one zero point packed at the weight's bit width (asymmetric, as AWQ and
-  GPTQ checkpoints do). Embeddings, lm_head, norms and biases stay 16-bit unless `quantize_embeddings`.
+  stores one 16-bit scale and one zero point packed at the weight's bit width (asymmetric, as AWQ
+  and GPTQ checkpoints do). Embeddings, lm_head, norms and biases stay 16-bit unless
+  `quantize_embeddings`.
 - KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per KV element.
-- A sequence's KV is rounded up to whole blocks of `block_size` tokens (the paged cache allocates blocks).
-- Decode ceiling: each decode step reads every weight once plus the KV of every sequence in the batch, so
-  steps/s <= bandwidth / (weight bytes + batch x context x KV bytes per token); each step yields one token
-  per sequence (per-sequence tokens/s = steps/s, aggregate = batch x steps/s).
+- A sequence's KV is rounded up to whole blocks of `block_size` tokens (the paged cache allocates
+  blocks).
+- Decode ceiling: each decode step reads every weight once plus the KV of every sequence in the
+  batch, so steps/s <= bandwidth / (weight bytes + batch x context x KV bytes per token); each step
+  yields one token per sequence (per-sequence tokens/s = steps/s, aggregate = batch x steps/s).
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ def weight_bytes(
     group_size: int | None = 128,
     quantize_embeddings: bool = False,
 ) -> WeightBytes:
-    """Bytes of all weights stored as `dtype` (see module docstring for what int formats include)."""
+    """Bytes of all weights stored as `dtype` (see module docstring for what int formats
+    include)."""
     dtype = normalize_dtype(dtype, WEIGHT_BITS, "weight dtype")
     if group_size is not None and group_size < 1:
         raise UsageError(f"--group-size must be a positive integer, got {group_size}")
@@ -225,17 +228,20 @@ def estimate(
 
 
 ESTIMATE_FORMULAS = {
-    "weights": "decoder linears at the weight dtype; int formats add one 16-bit scale and one zero point "
+    "weights": "decoder linears at the weight dtype; int formats add one 16-bit scale and one zero "
+    "point "
     "(packed at the weight bit width) per group of group_size inputs per output row; embeddings, "
     "lm_head, norms and biases 16-bit (float32 for float32)",
     "kv_bytes_per_token": "2 x num_layers x num_kv_heads x head_dim x bytes(kv_dtype)",
     "kv_bytes_per_sequence": "ceil(seq_len / block_size) x block_size x kv_bytes_per_token",
     "kv_bytes_batch": "batch x kv_bytes_per_sequence",
-    "max_sequences": "floor((memory_budget - weights.total) / kv_bytes_per_sequence); no allowance for activations",
+    "max_sequences": "floor((memory_budget - weights.total) / kv_bytes_per_sequence); no allowance "
+    "for activations",
     "decode_bytes_per_step": "weights.total + batch x seq_len x kv_bytes_per_token",
     "decode_tokens_per_s_per_sequence": "bandwidth / decode_bytes_per_step (an upper bound)",
     "decode_tokens_per_s_aggregate": "batch x decode_tokens_per_s_per_sequence",
-    "flops_per_token": "2 x (decoder linear + lm_head weights) + 4 x num_layers x seq_len x num_heads x head_dim",
+    "flops_per_token": "2 x (decoder linear + lm_head weights) + 4 x num_layers x seq_len x "
+    "num_heads x head_dim",
 }
 
 
@@ -291,7 +297,8 @@ def group_size_for(
 
 
 def find_config(target: str) -> tuple[ModelConfig, str]:
-    """Read a config from a folder (its config.json), a .json file, or a hub id (downloads only config.json).
+    """Read a config from a folder (its config.json), a .json file, or a hub id (downloads only
+    config.json).
 
     Returns (config, where it came from). Offline hub ids fail with one line.
     """
@@ -309,7 +316,8 @@ def find_config(target: str) -> tuple[ModelConfig, str]:
 
 
 def _hub_config(repo_id: str) -> str:
-    """Path of the hub repo's config.json: from the local hub cache, else downloaded when the hub answers."""
+    """Path of the hub repo's config.json: from the local hub cache, else downloaded when the hub
+    answers."""
     import logging
     import os
     import socket

@@ -1,9 +1,10 @@
-"""This machine's measured peaks (memory bandwidth, bf16 and float32 matmul FLOP/s), cached per machine.
+"""This machine's measured peaks (memory bandwidth, bf16 and float32 matmul FLOP/s), cached per
+machine.
 
 Owns: the measurements behind `profile --measure-machine` and the cache file
-`$XDG_CACHE_HOME/llmctl/machine.json` (default `~/.cache/llmctl/machine.json`), a JSON object keyed by
-`environment.machine_key(device)` so a cached value is only reused on the same CPU model and thread
-count, or the same GPU. Measured profiles divide by these peaks to report MBU and MFU.
+`$XDG_CACHE_HOME/llmctl/machine.json` (default `~/.cache/llmctl/machine.json`), a JSON object keyed
+by `environment.machine_key(device)` so a cached value is only reused on the same CPU model and
+thread count, or the same GPU. Measured profiles divide by these peaks to report MBU and MFU.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def _best_time(fn, device: str, repeats: int) -> float:
 
 
 def measure_bandwidth(device: str, nbytes: int, repeats: int = 5) -> dict[str, float]:
-    """Bytes/s of reading (`sum`) and copying (`copy_`, counted as read + write) a `nbytes` fp32 tensor."""
+    """Bytes/s of reading (`sum`) and copying (`copy_`, counted as read + write) a `nbytes` fp32
+    tensor."""
     import torch
 
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # pages touched up front
@@ -94,7 +96,8 @@ def measure_matmul(device: str, n: int, repeats: int = 3, dtype: str = "bfloat16
 def measure_machine(
     device: str, nbytes: int | None = None, matmul_n: int | None = None
 ) -> MachinePeaks:
-    """Measure now (about a second on CPU); sizes default to 256 MiB / n=1024 on CPU, 2 GiB / n=8192 on CUDA."""
+    """Measure now (about a second on CPU); sizes default to 256 MiB / n=1024 on CPU, 2 GiB /
+    n=8192 on CUDA."""
     cuda = device.startswith("cuda")
     nbytes = nbytes or (2 * 1024**3 if cuda else 256 * 1024**2)
     matmul_n = matmul_n or (8192 if cuda else 1024)

@@ -75,7 +75,8 @@ def _num(x: float | None) -> str:
 
 
 def compare_rows(result) -> list[tuple[str, ...]]:
-    """One row per compared metric of `result` (a `compare.Comparison`), in COMPARE_COLUMNS order."""
+    """One row per compared metric of `result` (a `compare.Comparison`), in COMPARE_COLUMNS
+    order."""
     rows = []
     for d in result.deltas:
         rows.append(
