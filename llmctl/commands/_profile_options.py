@@ -216,7 +216,7 @@ MeasureOpt = Annotated[
     _switch(
         "--measure-machine",
         COMMON,
-        "Measure this machine's memory bandwidth and bf16/float32 matmul peaks now and cache "
+        "Measure this machine's memory bandwidth and bfloat16/float32 matmul peaks now and cache "
         "them (for MBU/MFU).",
     ),
 ]

@@ -136,7 +136,7 @@ def _measure(device: str, quiet: bool, stderr: bool) -> None:
     from llmctl.profiling.machine import measure_machine, save_peaks
     from llmctl.profiling.tables import machine_rows
 
-    info(f"measuring memory bandwidth and bf16/float32 matmul peaks on {device} ...", quiet)
+    info(f"measuring memory bandwidth and bfloat16/float32 matmul peaks on {device} ...", quiet)
     peaks = measure_machine(device)
     path = save_peaks(peaks)
     title = f"Machine peaks ({peaks.key})"

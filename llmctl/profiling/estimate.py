@@ -228,15 +228,14 @@ def estimate(
 
 
 ESTIMATE_FORMULAS = {
-    "weights": "decoder linears at the weight dtype; int formats add one 16-bit scale and one zero "
-    "point "
-    "(packed at the weight bit width) per group of group_size inputs per output row; embeddings, "
-    "lm_head, norms and biases 16-bit (float32 for float32)",
+    "weights": "decoder linears at the weight dtype; int formats add one 16-bit scale and one "
+    "zero point (packed at the weight bit width) per group of group_size inputs per output row; "
+    "embeddings, lm_head, norms and biases 16-bit (float32 for float32)",
     "kv_bytes_per_token": "2 x num_layers x num_kv_heads x head_dim x bytes(kv_dtype)",
     "kv_bytes_per_sequence": "ceil(seq_len / block_size) x block_size x kv_bytes_per_token",
     "kv_bytes_batch": "batch x kv_bytes_per_sequence",
-    "max_sequences": "floor((memory_budget - weights.total) / kv_bytes_per_sequence); no allowance "
-    "for activations",
+    "max_sequences": "floor((memory_budget - weights.total) / kv_bytes_per_sequence); no "
+    "allowance for activations",
     "decode_bytes_per_step": "weights.total + batch x seq_len x kv_bytes_per_token",
     "decode_tokens_per_s_per_sequence": "bandwidth / decode_bytes_per_step (an upper bound)",
     "decode_tokens_per_s_aggregate": "batch x decode_tokens_per_s_per_sequence",

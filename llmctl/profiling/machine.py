@@ -1,4 +1,4 @@
-"""This machine's measured peaks (memory bandwidth, bf16 and float32 matmul FLOP/s), cached per
+"""This machine's measured peaks (memory bandwidth, bfloat16 and float32 matmul FLOP/s), cached per
 machine.
 
 Owns: the measurements behind `profile --measure-machine` and the cache file
@@ -72,7 +72,7 @@ def _best_time(fn, device: str, repeats: int) -> float:
 
 
 def measure_bandwidth(device: str, nbytes: int, repeats: int = 5) -> dict[str, float]:
-    """Bytes/s of reading (`sum`) and copying (`copy_`, counted as read + write) a `nbytes` fp32
+    """Bytes/s of reading (`sum`) and copying (`copy_`, counted as read + write) a `nbytes` float32
     tensor."""
     import torch
 

@@ -34,8 +34,7 @@ METRICS = LOWER_IS_BETTER + HIGHER_IS_BETTER
 
 FORMULAS = {
     "prompts": "batch_size requests of prompt_len uniformly random token ids (new ones every "
-    "repeat), "
-    "greedy, ignore_eos=True, max_tokens=gen_len, all added at once to the engine",
+    "repeat), greedy, ignore_eos=True, max_tokens=gen_len, all added at once to the engine",
     "ttft_s": "first_token_time - arrival_time, per request",
     "tpot_s": "(finish_time - first_token_time) / (output_tokens - 1), per request (end-to-end "
     "minus TTFT)",
@@ -46,25 +45,20 @@ FORMULAS = {
     "prefill_tokens_per_s": "batch_size x prompt_len / (latest first_token_time - earliest "
     "arrival_time), per repeat",
     "output_tokens_per_s": "batch_size x gen_len / wall_s, per repeat",
-    "wall_s": "time from adding the first request to the engine reporting the last finished, per "
-    "repeat",
+    "wall_s": "time from adding the first request to the engine reporting the last finished, "
+    "per repeat",
     "percentiles": "per-request metrics pool every request of every repeat; per-repeat metrics "
-    "pool the repeats; "
-    "linear interpolation between closest ranks (numpy's default)",
+    "pool the repeats; linear interpolation between closest ranks (numpy's default)",
     "peak_memory_bytes": "CUDA: torch.cuda.max_memory_allocated over the point's repeats; "
     "CPU: peak resident set size (VmHWM, reset per point when /proc/self/clear_refs allows)",
     "kv_blocks_used": "most KV-cache blocks in use during any engine step of the point (the "
-    "engine's peak counter, "
-    "reset per repeat)",
+    "engine's peak counter, reset per repeat)",
     "mbu": "(weight_bytes + batch_size x (prompt_len + gen_len / 2) x kv_bytes_per_token) / "
-    "tpot_s.p50 / "
-    "machine memory_bandwidth",
+    "tpot_s.p50 / machine memory_bandwidth",
     "mfu": "batch_size x (prompt_len x flops_per_token(prompt_len / 2) + gen_len x "
-    "flops_per_token(prompt_len + gen_len / 2)) "
-    "/ wall_s.p50 / machine compute_peak(dtype) (float32's matmul peak for float32 models, the "
-    "larger of bf16's "
-    "and float32's for 16-bit ones); flops_per_token(c) = 2 x matmul weights + 4 x layers x c x "
-    "q_size",
+    "flops_per_token(prompt_len + gen_len / 2)) / wall_s.p50 / machine compute_peak(dtype) "
+    "(float32's matmul peak for float32 models, the larger of bfloat16's and float32's for "
+    "16-bit ones); flops_per_token(c) = 2 x matmul weights + 4 x layers x c x q_size",
 }
 
 
