@@ -56,7 +56,7 @@ def write_json(record: dict[str, Any], path: Path) -> None:
 
 
 def load_record(path: Path) -> dict[str, Any]:
-    """A sweep JSON written by `profile --json`; one-line errors for anything else."""
+    """A sweep JSON written by `profile --report-json`; one-line errors for anything else."""
     try:
         record = json.loads(Path(path).read_text())
     except OSError as e:
