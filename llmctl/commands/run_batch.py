@@ -23,7 +23,7 @@ __all__ = ["RichUI", "register"]
 
 EPILOG = """\b
 Examples (in this order, from the project folder):
-  llmctl run-batch examples/prompts.jsonl
+  llmctl run-batch examples/prompts.jsonl --report-json s.json
   llmctl run-batch examples/prompts.jsonl -o out-short.jsonl --max-tokens 32
   head -2 examples/prompts.jsonl | llmctl run-batch - -q > out-head.jsonl
   llmctl run-batch examples/prompts.jsonl -o out.parquet --speculative ngram
