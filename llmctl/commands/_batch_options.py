@@ -16,7 +16,12 @@ import typer
 from llmctl.batch.options import BatchOptions, sampling_default
 from llmctl.commands._options import default_of, given
 from llmctl.commands._output import report_json_of
-from llmctl.engine.config import AUTO_SPEC_MAX_BATCH, EngineConfig, speculative_settings
+from llmctl.engine.config import (
+    AUTO_SPEC_MAX_BATCH,
+    EngineConfig,
+    parse_bytes,
+    speculative_settings,
+)
 
 
 def _opt(*names: str, help: str, **kw: Any) -> Any:
@@ -25,10 +30,13 @@ def _opt(*names: str, help: str, **kw: Any) -> Any:
 
 
 def _sampling(text: str, name: str) -> str:
-    return f"{text} (default: {sampling_default(name)})"
+    return f"{text} (default: {sampling_default(name)})."
 
 
-_ENGINE = EngineConfig
+def _engine(text: str, name: str) -> str:
+    return text + default_of(EngineConfig, name) + "."
+
+
 InputArg = Annotated[
     str,
     typer.Argument(
@@ -129,7 +137,7 @@ IgnoreEosOpt = Annotated[
 ]
 BlockSizeOpt = Annotated[
     Optional[int],
-    _opt("--block-size", help="Tokens per KV-cache block" + default_of(_ENGINE, "block_size")),
+    _opt("--block-size", help=_engine("Tokens per KV-cache block", "block_size")),
 ]
 KvMemoryOpt = Annotated[
     Optional[str],
@@ -150,14 +158,14 @@ BatchedTokensOpt = Annotated[
     Optional[int],
     _opt(
         "--max-num-batched-tokens",
-        help="Token budget per engine step" + default_of(_ENGINE, "max_num_batched_tokens"),
+        help=_engine("Token budget per engine step", "max_num_batched_tokens"),
     ),
 ]
 MaxSeqsOpt = Annotated[
     Optional[int],
     _opt(
         "--max-num-seqs",
-        help="Sequences decoded together at most" + default_of(_ENGINE, "max_num_seqs"),
+        help=_engine("Sequences decoded together at most", "max_num_seqs"),
     ),
 ]
 MaxModelLenOpt = Annotated[
@@ -190,7 +198,7 @@ SpecTokensOpt = Annotated[
     _opt(
         "--num-speculative-tokens",
         min=1,
-        help="Tokens proposed per step" + default_of(_ENGINE, "num_speculative_tokens"),
+        help=_engine("Tokens proposed per step", "num_speculative_tokens"),
     ),
 ]
 SpecBatchOpt = Annotated[
@@ -264,8 +272,6 @@ def batch_options(a: SimpleNamespace) -> BatchOptions:
 
 def _engine_fields(a: SimpleNamespace) -> dict[str, Any]:
     """The EngineConfig fields the user set (--kv-cache-memory auto is EngineConfig's None)."""
-    from llmctl.engine.config import parse_bytes
-
     kv = a.kv_cache_memory
     return given(
         block_size=a.block_size,

@@ -19,6 +19,7 @@ from llmctl.commands._options import (
     QuietOpt,
     ReportJsonOpt,
     default_of,
+    given,
 )
 from llmctl.commands._output import emit_json, info, json_to_stdout, print_table, report_json_of
 from llmctl.profiling.eval_job import EvalRequest
@@ -104,7 +105,6 @@ def register(app: typer.Typer) -> None:
         device: DeviceOpt = None,
         quiet: QuietOpt = False,
     ) -> None:
-        from llmctl.commands._options import given
         from llmctl.profiling.eval_job import eval_rows, run_eval
         from llmctl.runtime.loader import load_runtime
 

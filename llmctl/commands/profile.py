@@ -18,6 +18,7 @@ from typing import Any
 import typer
 
 from llmctl.commands import _profile_options as o
+from llmctl.commands._options import given
 from llmctl.commands._output import (
     emit_json,
     info,
@@ -153,7 +154,6 @@ def _default_peaks():
 
 
 def _estimate(target: str, a: SimpleNamespace) -> None:
-    from llmctl.commands._options import given
     from llmctl.profiling.estimate_job import EstimateRequest, estimate_rows, run_estimate
 
     fields = given(
@@ -173,7 +173,6 @@ def _estimate(target: str, a: SimpleNamespace) -> None:
 
 
 def _sweep_request(a: SimpleNamespace):
-    from llmctl.commands._options import given
     from llmctl.profiling.sweep_job import SweepRequest, int_list
 
     lists = {
