@@ -258,7 +258,7 @@ def test_run_batch_on_a_model_whose_template_builds_gigabytes(tmp_path):
                 "2",
                 "--device",
                 "cpu",
-                "--summary-json",
+                "--report-json",
                 str(summary),
                 "-q",
             ]

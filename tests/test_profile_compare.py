@@ -203,7 +203,7 @@ def test_measure_machine_cli_and_estimate_uses_cached_bandwidth(tmp_path, monkey
         )
     )
     out = tmp_path / "e.json"
-    assert main(["profile", "--estimate", str(cfg), "--json", str(out)]) == 0
+    assert main(["profile", "--estimate", str(cfg), "--report-json", str(out)]) == 0
     record = json.loads(out.read_text())
     assert (
         record["estimate"]["bandwidth"] == 5e10

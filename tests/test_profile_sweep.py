@@ -190,7 +190,7 @@ def sweep_files(tmp_path_factory):
         "float32",
         "--device",
         "cpu",
-        "--json",
+        "--report-json",
         str(files["json"]),
         "--csv",
         str(files["csv"]),

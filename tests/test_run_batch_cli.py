@@ -58,7 +58,7 @@ def test_simple_jsonl_end_to_end(tmp_path, engines, capsys):
             "-o",
             str(out),
             "--include-token-ids",
-            "--summary-json",
+            "--report-json",
             str(summary),
         ]
     )
@@ -261,7 +261,7 @@ def test_max_errors_exits_3_and_keeps_written_rows(tmp_path, engines, capsys):
                 "-q",
                 "--max-errors",
                 "2",
-                "--summary-json",
+                "--report-json",
                 str(summary),
             ]
         )

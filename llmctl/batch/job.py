@@ -327,7 +327,7 @@ class BatchJob:
                 f"stopped after {self.stats.errors} failed rows (--max-errors {limit}); "
                 f"{self.stats.rows} rows are written and kept"
             )
-            error.stats = self.stats  # for --summary-json
+            error.stats = self.stats  # for --report-json
             raise error
 
     # -- commits and progress -------------------------------------------------------------------
