@@ -69,7 +69,6 @@ def _opt(name: str, *decls: str, help: str, **kw):
     return option(*decls, help=help + default_of(QuantizeArgs, name) + ".", **kw)
 
 
-MethodFlag = Annotated[bool, typer.Option(show_default=False)]
 BitsOpt = Annotated[Optional[int], _opt("bits", "--bits", help="4 or 8")]
 GroupSizeOpt = Annotated[
     Optional[str],
