@@ -191,8 +191,10 @@ def run_oneshot(
     ppl = _perplexity(rt.model, heldout, steps[0].measures)
     mark = t0
     for i, step in enumerate(steps):
-        if i:
+        if i and out_dtype != torch.float32:  # in float32 rounding changes nothing
             _round_to(rt.model, out_dtype)
+            ppl = None
+        if i and (ppl is None or not step.measures):  # else the last step's "after" stands
             ppl = _perplexity(rt.model, heldout, step.measures)
         ctx = RunContext(
             prep.device,

@@ -4,7 +4,7 @@ Owns: the recipe's schema (pydantic models: unknown keys, wrong types and bad va
 with one line naming the field path, e.g. `recipe sparsify.pattern: ...`), `Recipe` /
 `load_recipe`, `merge_args` (recipe values as defaults, explicit command-line flags win) and
 `write_recipe` (a run's resolved settings in recipe form). Running one is
-llmctl.compress.recipe_run; the defaults are llmctl.compress.args'.
+llmctl.compress.recipe_run; the defaults live in llmctl.compress.args.
 
 Format (see recipes/sparse-2of4-gptq-w4.yaml):
     calibration: {calib: FILE, eval_data: FILE, num_samples: 128, seq_len: 512}   # shared
@@ -150,8 +150,11 @@ _WANT_TYPE = {  # what a value must be, by pydantic's error type
     "string_type": "a string",
     "list_type": "a list",
 }
-_SECTIONS = {"calibration": CalibrationSection, "sparsify": SparsifySection}
-_SECTIONS["quantize"] = QuantizeSection
+_SECTIONS = {
+    "calibration": CalibrationSection,
+    "sparsify": SparsifySection,
+    "quantize": QuantizeSection,
+}
 
 
 def _message(err: dict) -> str:
