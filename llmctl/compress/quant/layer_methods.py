@@ -3,7 +3,8 @@
 Owns: `LinearRecord` (what each quantized linear reports), `relative_output_error`, the per-linear
 GPTQ and RTN functions for `HessianMethod`, and `AwqMethod`, which searches and folds scales
 group by group on the full-precision layer and clips and quantizes all its linears at the end of
-the layer (as AutoAWQ does), so folding 1/s into v_proj or up_proj happens before they are quantized.
+the layer (as AutoAWQ does), so folding 1/s into v_proj or up_proj happens before they are
+quantized.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def gptq_method(
     spec: QuantSpec,
     *,
     act_order: bool = True,
-    percdamp: float = 0.01,
-    block_size: int = 128,
+    dampening: float = 0.01,
+    column_block: int = 128,
     preserve_zeros: bool = True,
 ) -> HessianMethod:
     """GPTQ per linear. RTN and AWQ map an exact zero to its zero point, so they keep zeros by
@@ -50,7 +51,13 @@ def gptq_method(
         # exact zeros stay exactly zero (sparse-then-quantize); a dense weight has next to none
         mask = (w == 0) if preserve_zeros and bool((w == 0).any()) else None
         r = quantize_gptq(
-            w, H, lspec, percdamp=percdamp, block_size=block_size, act_order=act_order, mask=mask
+            w,
+            H,
+            lspec,
+            dampening=dampening,
+            column_block=column_block,
+            act_order=act_order,
+            mask=mask,
         )
         _set_weight(linear, r.weight)
         return LinearRecord(name, tuple(w.shape), r, relative_output_error(w, r.weight, H))
@@ -59,7 +66,8 @@ def gptq_method(
 
 
 def rtn_method(spec: QuantSpec) -> HessianMethod:
-    """RTN needs no data; run through the driver only to report the same output error as the others."""
+    """RTN needs no data; run through the driver only to report the same output error as the
+    others."""
 
     def fn(name: str, linear: nn.Linear, H: torch.Tensor) -> LinearRecord:
         w = linear.weight.detach().float().cpu().clone()
@@ -71,7 +79,8 @@ def rtn_method(spec: QuantSpec) -> HessianMethod:
 
 
 class AwqMethod:
-    """LayerMethod for AWQ: per group, scale search and folding; at the layer's end, clip and quantize."""
+    """LayerMethod for AWQ: per group, scale search and folding; at the layer's end, clip and
+    quantize."""
 
     def __init__(
         self, spec: QuantSpec, *, n_grid: int = 20, max_tokens: int = 4096, clip: bool = True
@@ -160,7 +169,8 @@ class AwqMethod:
 
     @staticmethod
     def _can_fold(prev: nn.Module, linears: list[nn.Module]) -> bool:
-        """v_proj -> o_proj only when v's outputs map one to one onto o's inputs (no GQA sharing)."""
+        """v_proj -> o_proj only when v's outputs map one to one onto o's inputs (no GQA
+        sharing)."""
         if isinstance(prev, nn.Linear):
             return all(prev.out_features == lin.in_features for lin in linears)
         return True
