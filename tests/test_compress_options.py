@@ -224,7 +224,15 @@ def test_profile_estimate_resolves_auto_like_quantize(tmp_path):
     record = tmp_path / "e.json"
     assert (
         main(
-            ["profile", "--estimate", str(DEMO_MODEL_DIR), "--dtype", "int4", "--json", str(record)]
+            [
+                "profile",
+                "--estimate",
+                str(DEMO_MODEL_DIR),
+                "--dtype",
+                "int4",
+                "--report-json",
+                str(record),
+            ]
         )
         == 0
     )
