@@ -32,7 +32,7 @@ static inline void prefetch_row(const char *p, size_t row) {
  * Inlined with D a constant for the common head sizes, so the loops over D unroll into registers. */
 static inline __attribute__((always_inline)) void item(
     const float *q, const char *k, const char *v, const int64_t *table, int64_t len, float *out,
-    int G, const int D, int bs, float scale, float *s, const int bf16) {
+    int G, const int D, int bs, float scale, float *s, int64_t stride, const int bf16) {
     const size_t row = elem(bf16) * (size_t)D;
     for (int64_t start = 0; start < len; start += bs) {
         const int64_t n = len - start < bs ? len - start : bs;
@@ -48,12 +48,12 @@ static inline __attribute__((always_inline)) void item(
                     a0 += *(const v8f *)(qg + d) * load8(kr, d, bf16);
                     a1 += *(const v8f *)(qg + d + 8) * load8(kr, d + 8, bf16);
                 }
-                s[(int64_t)g * len + start + t] = hsum(a0 + a1) * scale;
+                s[(int64_t)g * stride + start + t] = hsum(a0 + a1) * scale;
             }
         }
     }
     for (int g = 0; g < G; ++g) {  /* softmax of row g in place; its entries are all finite */
-        float *sg = s + (int64_t)g * len, m = sg[0], sum = 0.f;
+        float *sg = s + (int64_t)g * stride, m = sg[0], sum = 0.f;
         for (int64_t t = 1; t < len; ++t) m = sg[t] > m ? sg[t] : m;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; ++t) {
@@ -65,7 +65,7 @@ static inline __attribute__((always_inline)) void item(
     }
     for (int g = 0; g < G; ++g) {
         float *og = out + (int64_t)g * D;
-        const float *pg = s + (int64_t)g * len;
+        const float *pg = s + (int64_t)g * stride;
         for (int c = 0; c < D; c += 64) {  /* 8 register accumulators per 64 columns */
             const int w = D - c < 64 ? D - c : 64;
             v8f acc[8] = {{0}};
@@ -91,10 +91,14 @@ static int run(
     int B, int H, int KVH, int D, int64_t slots, int max_blocks, int bs, float scale, int64_t max_len,
     int threads, const int bf16) {
     const int G = H / KVH;
+    /* Rows of the score buffer start 64-byte aligned, whatever max_len and the allocator give:
+     * the vectorised softmax sum then splits a row the same way in every call (batch-invariant
+     * mode relies on it; rows never share a vector). */
+    const int64_t stride = ((max_len > 0 ? max_len : 1) + 15) & ~(int64_t)15;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        float *s = (float *)malloc(sizeof(float) * (size_t)G * (size_t)(max_len > 0 ? max_len : 1));
+        float *s = (float *)aligned_alloc(64, sizeof(float) * (size_t)G * (size_t)stride);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < (int64_t)B * KVH; ++it) {
             if (s == NULL) {
@@ -108,12 +112,12 @@ static int run(
             /* Every specialisation is chosen here, inside the loop: GCC outlines the parallel region
              * before inlining, so a constant passed into run() would reach item() as a variable. */
             const int64_t *tb = tables + b * max_blocks;
-            if (bf16 && D == 64) item(q + r, k, v, tb, lens[b], out + r, G, 64, bs, scale, s, 1);
-            else if (bf16 && D == 128) item(q + r, k, v, tb, lens[b], out + r, G, 128, bs, scale, s, 1);
-            else if (bf16) item(q + r, k, v, tb, lens[b], out + r, G, D, bs, scale, s, 1);
-            else if (D == 64) item(q + r, k, v, tb, lens[b], out + r, G, 64, bs, scale, s, 0);
-            else if (D == 128) item(q + r, k, v, tb, lens[b], out + r, G, 128, bs, scale, s, 0);
-            else item(q + r, k, v, tb, lens[b], out + r, G, D, bs, scale, s, 0);
+            if (bf16 && D == 64) item(q + r, k, v, tb, lens[b], out + r, G, 64, bs, scale, s, stride, 1);
+            else if (bf16 && D == 128) item(q + r, k, v, tb, lens[b], out + r, G, 128, bs, scale, s, stride, 1);
+            else if (bf16) item(q + r, k, v, tb, lens[b], out + r, G, D, bs, scale, s, stride, 1);
+            else if (D == 64) item(q + r, k, v, tb, lens[b], out + r, G, 64, bs, scale, s, stride, 0);
+            else if (D == 128) item(q + r, k, v, tb, lens[b], out + r, G, 128, bs, scale, s, stride, 0);
+            else item(q + r, k, v, tb, lens[b], out + r, G, D, bs, scale, s, stride, 0);
         }
         free(s);
     }
