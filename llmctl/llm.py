@@ -1,5 +1,5 @@
 """The Python API: `LLM(model).generate(prompts, SamplingParams(...))`, the same engine as the
-CLI."""
+CLI. `LLM(model, batch_invariant=True)`: each output independent of its batch-mates (issue 20)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from llmctl.runtime.loader import load_runtime
 
 class LLM:
     """A loaded model with its engine. Engine keywords: see `EngineConfig` (block_size,
-    kv_cache_memory, ...)."""
+    kv_cache_memory, batch_invariant, ...)."""
 
     def __init__(
         self,

@@ -3,7 +3,10 @@
 Owns: the KV cache tensors (sized once from the memory budget) and the per-step input building:
 packed token ids [T], positions [T], slot mapping [T], decode block tables, prefill chunks, and
 the indices of the tokens whose logits are needed (the last token of each sequence that samples).
-Decode-only steps go through `cuda_graphs.DecodeGraphs` when enabled (CUDA).
+Decode-only steps go through `cuda_graphs.DecodeGraphs` when enabled (CUDA). With
+`EngineConfig.batch_invariant` every token is laid out as a decode (its own block table and
+context length, prefill chunks included) and the model takes its fixed-order paths, so a token's
+arithmetic does not depend on what else is in the step.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@
 
 static inline uint16_t act_to_bf16(float f) {  /* round to nearest even, as PyTorch's conversion */
     union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7fffffff) > 0x7f800000) return 0x7fc0;  /* NaN (a bit test: -ffast-math drops f != f) */
+    /* NaN: a bit test, since -ffast-math drops f != f */
+    if ((v.u & 0x7fffffff) > 0x7f800000) return 0x7fc0;
     return (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
 }
 

@@ -1,7 +1,9 @@
 """Our model code for the Llama family: llama, mistral, qwen2 (q/k/v bias) and qwen3 (q/k RMSNorm).
 
 Owns: the decoder modules and two forward paths over the same weights:
-- `forward(input_ids [T], positions [T], meta, kv_caches)`: the engine's packed, paged-KV path;
+- `forward(input_ids [T], positions [T], meta, kv_caches)`: the engine's packed, paged-KV path
+  (with `meta.batch_invariant`, every projection and the MLP through `project` and
+  kernels/invariant.py, whose rows do not depend on each other);
 - `forward_dense(input_ids [B, S])`: plain causal attention with no cache (calibration, eval).
 Parameter names equal Hugging Face's, so checkpoints load (and save) one to one.
 """
