@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmctl import LLM, SamplingParams
+from llmctl.engine.config import EngineConfig
+from llmctl.engine.model_runner import ModelRunner
+from llmctl.errors import UsageError
+from llmctl.kernels import cpu_native
 from tests.conftest import make_random_model
 
 MAX_NEW = 8
@@ -144,7 +148,6 @@ def _check(path, dtype: str, mix: dict, invariant: bool = True) -> list:
     max_examples=12,
     deadline=None,
     database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(mix=MIXES)
 def test_every_row_equals_the_row_run_alone(model_path, dtype, mix):
@@ -168,3 +171,41 @@ def test_the_default_engine_is_not_batch_invariant(model_path, dtype):
         for c in (False, True)
     ]
     assert any(_check(model_path, dtype, m, invariant=False) for m in mixes)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_without_the_c_kernels_rows_still_equal_the_row_run_alone(model_path, dtype, monkeypatch):
+    """No C compiler: linears, the MLP and attention take the one-row-per-call references."""
+    monkeypatch.setattr(cpu_native, "library", lambda: None)
+    _ALONE.clear()  # references computed with the C kernels do not apply here
+    try:
+        for mix in (
+            dict(
+                order=[3, 0, 5, 6],
+                budget=8,
+                block_size=4,
+                prefix_cache=True,
+                warm=True,
+                speculate=False,
+            ),
+            dict(
+                order=[7, 1, 4, 3],
+                budget=13,
+                block_size=1,
+                prefix_cache=False,
+                warm=False,
+                speculate=True,
+            ),
+        ):
+            assert _check(model_path, dtype, mix) == []
+    finally:
+        _ALONE.clear()
+
+
+def test_batch_invariant_is_refused_off_the_cpu(model_path):
+    """The Triton kernels are not made batch-invariant yet: a CUDA engine says so up front."""
+    from llmctl.models.config import ModelConfig
+
+    config = ModelConfig.from_file(model_path / "config.json")
+    with pytest.raises(UsageError, match="CPU only"):
+        ModelRunner(None, config, EngineConfig(batch_invariant=True), "cuda", torch.bfloat16)
