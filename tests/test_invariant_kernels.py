@@ -3,7 +3,10 @@ is bit-identical whatever rows share the call, and close to the PyTorch referenc
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -105,3 +108,37 @@ def test_attention_row_does_not_depend_on_its_batch(native, dtype, monkeypatch):
         width = max(-(-lens[i] // 4) for i in rows)  # a narrower padded table, a smaller max_len
         part = _attend(q[idx], kc, vc, tables[idx, :width], lt[idx], 4)
         assert torch.equal(part, full[idx]), rows
+
+
+TRITON_SCRIPT = """
+import torch
+from llmctl.kernels.triton_attention import decode_attention_triton
+
+torch.manual_seed(0)
+heads, kvh, d, bs, nb = 8, 2, 16, 4, 40
+kc, vc = torch.randn(kvh, nb * bs, d), torch.randn(kvh, nb * bs, d)
+lens = [37, 1, 16, 17, 64, 5]
+tables = torch.stack([torch.randperm(nb)[:16] for _ in lens])
+q = torch.randn(len(lens), heads, d)
+full = decode_attention_triton(q, kc, vc, tables, torch.tensor(lens), 0.25, bs)
+for rows in ([0], [3, 0], [4, 2, 0, 5], [1, 0]):
+    idx = torch.tensor(rows)
+    width = max(-(-lens[i] // bs) for i in rows)
+    part = decode_attention_triton(
+        q[idx], kc, vc, tables[idx, :width].contiguous(), torch.tensor(lens)[idx], 0.25, bs
+    )
+    assert torch.equal(part, full[idx]), rows
+print("OK")
+"""
+
+
+def test_triton_decode_row_does_not_depend_on_its_batch_in_interpreter():
+    """The Triton decode kernel reads each row's blocks in order in one program, so a row's
+    result depends on its own length and block size only (TRITON_INTERPRET=1, on the CPU; the
+    engine does not yet offer batch-invariant runs on CUDA)."""
+    pytest.importorskip("triton", reason="triton is a Linux x86_64 dependency of llmctl")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run(
+        [sys.executable, "-c", TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
