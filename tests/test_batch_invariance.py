@@ -218,3 +218,30 @@ def test_batch_invariant_is_refused_off_the_cpu(model_path):
     config = ModelConfig.from_file(model_path / "config.json")
     with pytest.raises(UsageError, match="CPU only"):
         ModelRunner(None, config, EngineConfig(batch_invariant=True), "cuda", torch.bfloat16)
+
+
+def _with_quantized_q_proj(llm: LLM) -> LLM:
+    """q_proj of every layer as a 4-bit QuantLinear, whose kernel choice depends on the row count
+    (the int4 kernel for few rows, dequantize + matmul for many)."""
+    from llmctl.models.qlinear import QuantLinear
+    from tests.test_quant_engine import _unpacked
+
+    for i, layer in enumerate(llm.runtime.model.layers):
+        q = QuantLinear.from_unpacked(_unpacked(64, 64, seed=i), llm.runtime.dtype)
+        layer.self_attn.q_proj = q
+    return llm
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quantized_layers_are_served_one_row_a_call(model_path, dtype):
+    rows, order = _rows(160), [3, 7, 0, 5, 1]
+    ref_tokens, ref_logits = {}, {}
+    for i in order:
+        llm = _with_quantized_q_proj(_llm(model_path, dtype, batch_invariant=True))
+        t, g = _generate(llm, rows, [i])
+        ref_tokens.update(t)
+        ref_logits.update(g)
+    llm = _llm(model_path, dtype, batch_invariant=True, max_num_batched_tokens=40)
+    tokens, logits = _generate(_with_quantized_q_proj(llm), rows, order)
+    assert tokens == ref_tokens
+    assert all(torch.equal(logits[k], ref_logits[k]) for k in set(logits) & set(ref_logits))
