@@ -1,5 +1,5 @@
-"""`llmctl eval` and llmctl.runtime.evaluate: which tokens are scored, exact values on toy models, and
-agreement with a direct transformers computation on tinyshakespeare-5m."""
+"""`llmctl eval` and llmctl.runtime.evaluate: which tokens are scored, exact values on toy models,
+and agreement with a direct transformers computation on tinyshakespeare-5m."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from llmctl.runtime.evaluate import perplexity, plan_windows
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """Multi-threaded CPU GEMMs crawl when the test machine's cores are oversubscribed; one thread is steady."""
+    """Multi-threaded CPU GEMMs crawl when the test machine's cores are oversubscribed; one thread
+    is steady."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -24,7 +25,8 @@ def one_thread():
 
 
 class TableModel(torch.nn.Module):
-    """Logits depend only on the previous token: row `logits[prev]` (fixed), so every quantity is computable by hand."""
+    """Logits depend only on the previous token: row `logits[prev]` (fixed), so every quantity is
+    computable by hand."""
 
     def __init__(self, table: torch.Tensor):
         super().__init__()
@@ -46,7 +48,7 @@ def test_windows_score_each_token_once(n, seq_len, stride):
         assert w.end - w.begin <= seq_len and w.begin < w.score_from
     if stride < seq_len:
         assert scored == list(range(1, n))
-    else:  # non-overlapping windows: each window's first token has no context and is skipped (as HF does)
+    else:  # non-overlapping windows: each window's first token has no context: skipped, as in HF
         assert set(range(1, n)) - set(scored) == {w.begin for w in windows[1:]}
 
 
@@ -95,8 +97,8 @@ def test_batched_windows_equal_one_at_a_time(monkeypatch):
 
 
 def _hf_strided_perplexity(hf_model, ids: torch.Tensor, seq_len: int, stride: int) -> float:
-    """Hugging Face's documented strided-perplexity loop, weighting each window's mean loss by the labels
-    it really scores (after transformers' internal shift)."""
+    """Hugging Face's documented strided-perplexity loop, weighting each window's mean loss by the
+    labels it really scores (after transformers' internal shift)."""
     n = ids.size(1)
     nll_sum, count, prev_end = 0.0, 0, 0
     for begin in range(0, n, stride):
@@ -137,8 +139,8 @@ def test_matches_transformers_on_tinyshakespeare(shakespeare_model):
 
 def test_cli_eval_text_and_jsonl(tmp_path, capsys, shakespeare_model):
     text = (
-        "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
-        * 3
+        "ROMEO:\nBut soft, what light through yonder window breaks?\n"
+        "It is the east, and Juliet is the sun.\n" * 3
     )
     plain = tmp_path / "d.txt"
     plain.write_text(text)
