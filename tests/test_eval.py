@@ -48,9 +48,7 @@ def test_windows_score_each_token_once(n, seq_len, stride):
         assert w.end - w.begin <= seq_len and w.begin < w.score_from
     if stride < seq_len:
         assert scored == list(range(1, n))
-    else:
-        # non-overlapping windows: each window's first token has no context and is skipped (as
-        # HF does)
+    else:  # non-overlapping windows: each window's first token has no context: skipped, as in HF
         assert set(range(1, n)) - set(scored) == {w.begin for w in windows[1:]}
 
 
@@ -141,8 +139,8 @@ def test_matches_transformers_on_tinyshakespeare(shakespeare_model):
 
 def test_cli_eval_text_and_jsonl(tmp_path, capsys, shakespeare_model):
     text = (
-        "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is "
-        "the sun.\n" * 3
+        "ROMEO:\nBut soft, what light through yonder window breaks?\n"
+        "It is the east, and Juliet is the sun.\n" * 3
     )
     plain = tmp_path / "d.txt"
     plain.write_text(text)

@@ -103,6 +103,9 @@ class EngineConfig:
     cuda_graphs: bool = (
         True  # on CUDA with Triton: decode-only steps replay captured graphs (cuda_graphs.py)
     )
+    # Every row's tokens independent of its batch-mates and of prompt chunking (issue 20): fixed
+    # reduction orders in the linear, attention and norm kernels (engine/model_runner.py).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
