@@ -15,8 +15,8 @@ import sys
 from llmctl.batch.journal import state_path
 from tests.test_run_batch_kill import ROOT, wait_for_commits
 
-# The child runs the real command on the embedded demo model. It commits every 8 rows and sets
-# the engine's batch_invariant field directly (the CLI flag is wired by commands/run_batch.py).
+# The child runs the real command (with --batch-invariant) on the embedded demo model; it only
+# makes it commit every 8 rows, so that the kill lands between commits.
 CHILD = """
 import sys
 import llmctl.batch.runner as runner
@@ -24,7 +24,6 @@ _run = runner.run_batch
 
 def run_batch(opts, *a, **k):
     opts.commit_rows = 8
-    opts.engine["batch_invariant"] = True
     return _run(opts, *a, **k)
 
 runner.run_batch = run_batch
@@ -32,6 +31,7 @@ from llmctl.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 ARGS = [
+    "--batch-invariant",
     "--dtype",
     "bfloat16",
     "--device",

@@ -40,6 +40,7 @@ def test_flags_given_reach_the_dataclasses(monkeypatch):
     argv = ["run-batch", "in.jsonl", "--max-tokens", "7", "--top-p", "0.5", "--stop", "x"]
     argv += ["--block-size", "32", "--kv-cache-memory", "1MiB", "--no-prefix-caching"]
     argv += ["--enforce-eager", "--speculative", "ngram", "--num-speculative-tokens", "2"]
+    argv += ["--batch-invariant"]
     assert main(argv) == 0
     opts = seen[0]
     assert opts.sampling == {"max_tokens": 7, "top_p": 0.5, "stop": ["x"]}
@@ -50,6 +51,7 @@ def test_flags_given_reach_the_dataclasses(monkeypatch):
         "cuda_graphs": False,
         "speculative": "ngram",
         "num_speculative_tokens": 2,
+        "batch_invariant": True,
     }
     assert EngineConfig(**opts.engine).max_num_seqs == EngineConfig().max_num_seqs
 
@@ -91,3 +93,14 @@ def test_old_and_new_spelling_together_are_refused(tmp_path, engines, capsys):
     argv = ["run-batch", str(inp), "--summary-json", "a.json", "--report-json", "b.json"]
     assert main(argv) == 2
     assert "pass only one" in capsys.readouterr().err
+
+
+def test_batch_invariant_is_part_of_what_a_resume_must_share():
+    from llmctl.batch.options import fingerprint
+
+    plain = BatchOptions(input="-")
+    invariant = BatchOptions(input="-", engine={"batch_invariant": True})
+    params = default_sampling(plain)
+    a, b = fingerprint(plain, "jsonl", params), fingerprint(invariant, "jsonl", params)
+    assert "batch_invariant" not in a  # states written before the switch existed still match
+    assert b["batch_invariant"] is True and a != b

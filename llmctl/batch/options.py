@@ -83,4 +83,6 @@ def fingerprint(opts: BatchOptions, source_format: str, defaults: SamplingParams
         "include_token_ids": opts.include_token_ids,
         "ordered": opts.ordered,
         **{f"sampling.{k}": v for k, v in sampling.items()},
+        # only when on, so that states written before the switch existed still resume
+        **({"batch_invariant": True} if opts.engine.get("batch_invariant") else {}),
     }

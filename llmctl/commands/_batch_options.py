@@ -218,6 +218,15 @@ EagerOpt = Annotated[
         "graphs.",
     ),
 ]
+BatchInvariantOpt = Annotated[
+    bool,
+    typer.Option(
+        "--batch-invariant",
+        help="CPU: every row's tokens bit-identical whatever shares its engine steps, however its "
+        "prompt is chunked or its prefix cached (a resumed or split job equals one run); slower, "
+        "see BENCHMARKS.md.",
+    ),
+]
 InFlightOpt = Annotated[
     Optional[int],
     _opt(
@@ -281,6 +290,7 @@ def _engine_fields(a: SimpleNamespace) -> dict[str, Any]:
         max_num_seqs=a.max_num_seqs,
         max_model_len=a.max_model_len,
         cuda_graphs=False if a.enforce_eager else None,
+        batch_invariant=a.batch_invariant or None,
         **speculative_settings(
             a.speculative or "off", a.draft, a.num_speculative_tokens, a.speculative_max_batch
         ),

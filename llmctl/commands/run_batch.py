@@ -111,6 +111,7 @@ def register(app: typer.Typer) -> None:
         num_speculative_tokens: o.SpecTokensOpt = None,
         speculative_max_batch: o.SpecBatchOpt = None,
         enforce_eager: o.EagerOpt = False,
+        batch_invariant: o.BatchInvariantOpt = False,
         max_in_flight: o.InFlightOpt = None,
     ) -> None:
         """Generate a completion for every row of INPUT and write one output row per input row."""
