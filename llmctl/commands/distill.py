@@ -1,16 +1,234 @@
-"""`llmctl distill`: not available yet (see the project's issue tracker)."""
+"""`llmctl distill`: knowledge distillation of a teacher model into a smaller student.
+
+The work is in llmctl.train (job.py); this file parses options, shows training progress (a Rich
+bar with loss, KL, tokens/s and ETA on a terminal, plain lines otherwise) and prints the report.
+"""
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Iterator, Optional
+
 import typer
 
-from llmctl.errors import NotImplementedYet
+from llmctl.commands._options import (
+    DeviceOpt,
+    DtypeOpt,
+    EvalDataOpt,
+    QuietOpt,
+    ReportJsonOpt,
+    default_of,
+    given,
+    path_str,
+)
+from llmctl.train.args import DistillArgs
+
+HELP = """Distill TEACHER into a smaller student trained to match its next-token distributions.
+
+\b
+Examples (on the embedded demo model; use your own model folder or hub id):
+  llmctl distill --teacher llmctl/data/demo-model -o demo-student \\
+      --student-layers 2 --data llmctl/compress/data/calib_default.txt \\
+      --steps 4 --batch-size 2 --seq-len 32
+  llmctl distill --teacher llmctl/data/demo-model -o demo-jsd \\
+      --student demo-student --data llmctl/compress/data/calib_default.txt \\
+      --loss jsd --beta 0.5 --steps 4 --batch-size 2 --seq-len 32 --eval-every 2
+  llmctl distill --teacher llmctl/data/demo-model -o demo-ce --student-layers 1 \\
+      --data llmctl/compress/data/calib_default.txt --alpha-ce 1 \\
+      --steps 2 --batch-size 2 --seq-len 32 --report-json demo-ce.json
+
+\b
+Student: --student-layers N copies N evenly spaced teacher layers (first and
+  last kept) with its embeddings, final norm and lm_head; --student S is an
+  existing model with the teacher's tokenizer; --student-config FILE a fresh
+  model of a config.json (random weights from --seed).
+--data / --eval-data: JSONL or Parquet rows with text, prompt + completion
+  (loss on the completion only) or messages (the chat template; loss on the
+  assistant tokens only), or plain text; packed into --seq-len sequences and
+  streamed. Without --eval-data, --eval-every holds out the last 10% of
+  --data's sequences.
+--loss: fkl, forward KL(teacher || student) on distributions softened by
+  --temperature, scaled by T^2; rkl, reverse KL; jsd, GKD's generalised
+  Jensen-Shannon divergence with --beta; tvd, total variation. Every loss is
+  mixed with cross-entropy: (1 - alpha_ce) * divergence + alpha_ce * CE.
+Training: AdamW, --warmup steps of linear warm-up then cosine decay to lr/10,
+  --grad-accum micro-batches per step, gradients clipped at norm 1.
+The output is an ordinary Hugging Face folder (config.json, model.safetensors,
+  the teacher's tokenizer, distill.yaml, distill_report.json) that run-batch,
+  eval and quantize load, and a --draft for its teacher in run-batch. It is
+  written in OUTPUT/.llmctl-work and moved into place at the end. Ctrl-C (or
+  --save-every) saves a checkpoint there; the same command with --resume
+  continues it exactly. Under torchrun every rank takes its share of each
+  batch and only rank 0 writes.
+"""
+
+D = DistillArgs
+
+
+def _opt(flag: str, text: str, field: str | None = None, **kw) -> typer.models.OptionInfo:
+    suffix = default_of(D, field) if field else ""
+    return typer.Option(flag, help=text + suffix, show_default=False, **kw)
 
 
 def register(app: typer.Typer) -> None:
-    @app.command(
-        "distill", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
+    @app.command("distill", help=HELP, no_args_is_help=True)
+    def distill(
+        teacher: Annotated[str, _opt("--teacher", "Teacher model folder or hub id.")],
+        output: Annotated[Path, typer.Option("--output", "-o", help="Output folder.")],
+        data: Annotated[Path, _opt("--data", "Training data: .jsonl, .parquet or text.")],
+        student: Annotated[Optional[str], _opt("--student", "Existing student model.")] = None,
+        student_layers: Annotated[
+            Optional[int], _opt("--student-layers", "Student of N teacher layers.")
+        ] = None,
+        student_config: Annotated[
+            Optional[Path], _opt("--student-config", "config.json of a fresh student.")
+        ] = None,
+        eval_data: EvalDataOpt = None,
+        steps: Annotated[Optional[int], _opt("--steps", "Optimizer steps.", "steps")] = None,
+        batch_size: Annotated[
+            Optional[int], _opt("--batch-size", "Sequences per micro-batch.", "batch_size")
+        ] = None,
+        grad_accum: Annotated[
+            Optional[int], _opt("--grad-accum", "Micro-batches per step.", "grad_accum")
+        ] = None,
+        seq_len: Annotated[
+            Optional[int], _opt("--seq-len", "Tokens per sequence.", "seq_len")
+        ] = None,
+        lr: Annotated[Optional[float], _opt("--lr", "Peak learning rate.", "lr")] = None,
+        warmup: Annotated[Optional[int], _opt("--warmup", "Warm-up steps.", "warmup")] = None,
+        loss: Annotated[Optional[str], _opt("--loss", "fkl, rkl, jsd or tvd.", "loss")] = None,
+        beta: Annotated[Optional[float], _opt("--beta", "jsd's mixture weight.", "beta")] = None,
+        temperature: Annotated[
+            Optional[float], _opt("--temperature", "Softening temperature.", "temperature")
+        ] = None,
+        alpha_ce: Annotated[
+            Optional[float], _opt("--alpha-ce", "Weight of cross-entropy (0 to 1).", "alpha_ce")
+        ] = None,
+        eval_every: Annotated[
+            Optional[int],
+            _opt("--eval-every", "Evaluate every N steps (0: at the end).", "eval_every"),
+        ] = None,
+        save_every: Annotated[
+            Optional[int],
+            _opt("--save-every", "Checkpoint every N steps (0: on Ctrl-C).", "save_every"),
+        ] = None,
+        resume: Annotated[
+            bool, typer.Option("--resume", help="Continue the checkpoint in -o.")
+        ] = False,
+        seed: Annotated[Optional[int], _opt("--seed", "Seed of a fresh student.", "seed")] = None,
+        device: DeviceOpt = None,
+        dtype: DtypeOpt = None,
+        report_json: ReportJsonOpt = None,
+        quiet: QuietOpt = False,
+    ) -> None:
+        from llmctl.commands._output import emit_json
+        from llmctl.compress.output_dir import check_output_file
+
+        options = given(
+            student=student, student_layers=student_layers,
+            student_config=path_str(student_config), eval_data=path_str(eval_data),
+            steps=steps, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len, lr=lr,
+            warmup=warmup, loss=loss, beta=beta, temperature=temperature, alpha_ce=alpha_ce,
+            eval_every=eval_every, save_every=save_every, seed=seed, device=device, dtype=dtype,
+            report_json=path_str(report_json),
+        )  # fmt: skip
+        args = DistillArgs(
+            teacher=teacher, output=str(output), data=str(data), resume=resume, **options
+        ).resolve()
+        if report_json is not None and str(report_json) != "-":
+            check_output_file(report_json, "--report-json", inputs=(data,))
+        report = _run(args, quiet)
+        emit_json(report_json, report)
+        if not quiet and str(report_json) != "-":
+            _print_report(report)
+
+
+def _run(args: DistillArgs, quiet: bool) -> dict:
+    from llmctl.train.job import run_distill
+
+    with train_progress(quiet) as (progress, warn):
+        return run_distill(args, progress=progress, warn=warn)
+
+
+def _metrics_text(m: dict) -> str:
+    div = "-" if m.get("divergence") is None else f"{m['divergence']:.4f}"
+    text = f"loss {m['loss']:.4f}  kl {div}  {m['tokens_per_s']:,.0f} tok/s"
+    if m.get("eval"):
+        text += f"  held-out ppl {m['eval']['perplexity']:.3f}"
+    return text
+
+
+@contextmanager
+def train_progress(quiet: bool) -> Iterator[tuple]:
+    """(progress(step, steps, metrics), warn) for the training run: a Rich bar on a terminal,
+    a plain line about every 10% of the steps (and at each evaluation) otherwise."""
+    from llmctl.commands._output import stage_progress
+
+    with stage_progress(quiet) as (stage, warn):
+        if stage is None:
+            yield None, warn
+            return
+        if not sys.stderr.isatty():
+
+            def plain(step: int, steps: int, m: dict) -> None:
+                if step == steps or step % max(1, steps // 10) == 0 or m.get("eval"):
+                    print(f"step {step}/{steps}: {_metrics_text(m)}", file=sys.stderr, flush=True)
+
+            yield plain, warn
+            return
+        yield _rich_progress(), warn
+
+
+def _rich_progress():
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
     )
-    def distill(ctx: typer.Context) -> None:
-        """Not available yet in this release."""
-        raise NotImplementedYet("'llmctl distill' is not implemented yet in this release")
+
+    bar = Progress(
+        TextColumn("distill"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        TextColumn("{task.fields[metrics]}"), console=Console(stderr=True), transient=True,
+    )  # fmt: skip
+    task: list[int] = []
+
+    def update(step: int, steps: int, m: dict) -> None:
+        if not task:
+            bar.start()
+            task.append(bar.add_task("distill", total=steps, completed=step - 1, metrics=""))
+        bar.update(task[0], completed=step, metrics=_metrics_text(m))
+        if step == steps:
+            bar.stop()
+
+    return update
+
+
+def _print_report(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"llmctl distill: {r['output']}", show_header=False)
+    s = r["student"]
+    table.add_row(
+        "student", f"{s['num_layers']} layers, {s['parameters']:,} parameters ({s['from']})"
+    )
+    table.add_row(
+        "training", f"{r['steps']} steps, {r['target_tokens']:,} target tokens, {r['loss']}"
+    )
+    table.add_row("final loss", f"{r['final_loss']:.4f}")
+    if r.get("tokens_per_s"):
+        table.add_row("throughput", f"{r['tokens_per_s']:,.0f} tokens/s")
+    e = r.get("final_eval")
+    if e:
+        table.add_row(
+            "held-out",
+            f"perplexity {e['perplexity']:.3f} (teacher {e['teacher_perplexity']:.3f}), "
+            f"KL(teacher || student) {e['kl_teacher_student']:.4f}",
+        )
+    table.add_row("wall time", f"{r['wall_time_s']:.1f} s")
+    Console().print(table)
