@@ -140,12 +140,14 @@ def register(app: typer.Typer) -> None:
         if report_json is not None and str(report_json) != "-":
             check_output_file(report_json, "--report-json", inputs=(data,))
         report = _run(args, quiet)
+        if report is None:  # another rank of a torchrun job: rank 0 reports
+            return
         emit_json(report_json, report)
         if not quiet and str(report_json) != "-":
             _print_report(report)
 
 
-def _run(args: DistillArgs, quiet: bool) -> dict:
+def _run(args: DistillArgs, quiet: bool) -> dict | None:
     from llmctl.train.job import run_distill
 
     with train_progress(quiet) as (progress, warn):

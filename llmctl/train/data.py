@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -192,8 +192,16 @@ class SequenceStream:
     """Sequences [0, limit) of `path` (None: all) repeated epoch after epoch, from index `start`.
     `position` is the global index of the next sequence (epoch * limit + index in the epoch)."""
 
-    def __init__(self, path: Path, tokenize: Tokenize, seq_len: int, limit: int | None = None):
+    def __init__(
+        self,
+        path: Path,
+        tokenize: Tokenize,
+        seq_len: int,
+        limit: int | None = None,
+        on_wrap: Callable[[int], None] | None = None,
+    ):
         self.path, self.tokenize, self.seq_len, self.limit = path, tokenize, seq_len, limit
+        self.on_wrap = on_wrap  # called with the sequences per epoch when the data first repeats
         self.position = 0
         self._it: Iterator[Sequence] | None = None
         self._in_epoch = 0
@@ -215,6 +223,8 @@ class SequenceStream:
                 return seq
             if self._in_epoch == 0:
                 break
+            if self.on_wrap is not None and self.position == self._in_epoch:
+                self.on_wrap(self._in_epoch)
             self._it = None  # the epoch ended: start the file again
         raise UsageError(f"--data {self.path} gives no sequence of --seq-len {self.seq_len} tokens")
 

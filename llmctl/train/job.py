@@ -153,6 +153,15 @@ def _data(args: DistillArgs, tokenize: Tokenize) -> tuple[int | None, torch.Tens
     return first, tail_tokens(data, tokenize, args.seq_len, first, EVAL_MAX_TOKENS)
 
 
+def _wrap_note(args: DistillArgs, warn: Callable[[str], None] | None):
+    if warn is None:
+        return None
+    return lambda n: warn(
+        f"--data gives {n} sequences of {args.seq_len} tokens; the run goes on from its start "
+        "(more data, or fewer --steps, avoid repeating it)"
+    )
+
+
 def _autocast(device: str, teacher) -> Any:
     dtype = next(teacher.parameters()).dtype
     return dtype if device.startswith("cuda") and dtype in (torch.bfloat16, torch.float16) else None
@@ -160,8 +169,9 @@ def _autocast(device: str, teacher) -> Any:
 
 def run_distill(
     args: DistillArgs, progress: Progress | None = None, warn: Callable[[str], None] | None = None
-) -> dict:
-    """The whole run; returns the report (also written into the output folder)."""
+) -> dict | None:
+    """The whole run; returns the report (also written into the output folder) on rank 0, None
+    on the other ranks of a torchrun job."""
     from llmctl.runtime.resolve import resolve_device
     from llmctl.runtime.tokenizer import read_generation_eos
 
@@ -174,7 +184,9 @@ def run_distill(
         eos = read_generation_eos(s.teacher_path, s.teacher.config)
         tokenize = Tokenize(s.tokenizer, eos[0] if eos else s.tokenizer.eos_token_id)
         limit, heldout = _data(args, tokenize)
-        stream = SequenceStream(Path(args.data), tokenize, args.seq_len, limit)
+        stream = SequenceStream(
+            Path(args.data), tokenize, args.seq_len, limit, _wrap_note(args, warn)
+        )
         trainer = Trainer(
             args, s.student, s.teacher, stream, world, device,
             s.out.work / "checkpoint", heldout, _autocast(device, s.teacher),
@@ -185,12 +197,12 @@ def run_distill(
                 args.fingerprint(),
             )  # fmt: skip
             stream.skip(trainer.state.sequences)
-        final = _train(trainer, args, progress)
+        final = _train(trainer, args, progress if world.is_main else None)
         report = _report(args, s, trainer, final, time.perf_counter() - t0)
         if world.is_main:
             write_student(s.out, s.teacher_path, s.student, s.student_raw, args, report)
         world.barrier()
-        return report
+        return report if world.is_main else None
     finally:
         close_world(world)
 
