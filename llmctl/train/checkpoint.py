@@ -76,7 +76,7 @@ def save_checkpoint(
     doc = {
         "fingerprint": fingerprint,
         "train": state.__dict__,
-        "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
+        "scheduler": scheduler.state_dict(),  # LambdaLR keeps lr_lambdas None for a function
         "param_groups": groups,
     }
     (tmp / STATE_FILE).write_text(json.dumps(doc, indent=1) + "\n")
