@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
+from dataclasses import fields
 from pathlib import Path
 from typing import Annotated, Iterator, Optional
 
@@ -67,84 +68,92 @@ The output is an ordinary Hugging Face folder (config.json, model.safetensors,
 D = DistillArgs
 
 
-def _opt(flag: str, text: str, field: str | None = None, **kw) -> typer.models.OptionInfo:
+def _o(kind, flag: str, text: str, field: str | None = None):
+    """An Annotated option of type `kind` defaulting to None (DistillArgs owns the default)."""
     suffix = default_of(D, field) if field else ""
-    return typer.Option(flag, help=text + suffix, show_default=False, **kw)
+    return Annotated[Optional[kind], typer.Option(flag, help=text + suffix, show_default=False)]
+
+
+TeacherOpt = Annotated[str, typer.Option("--teacher", help="Teacher model folder or hub id.")]
+OutputOpt = Annotated[Path, typer.Option("--output", "-o", help="Output folder.")]
+DataOpt = Annotated[Path, typer.Option("--data", help="Training data: .jsonl, .parquet or text.")]
+StudentOpt = _o(str, "--student", "Existing student model (the teacher's tokenizer).")
+LayersOpt = _o(int, "--student-layers", "Student of N evenly spaced teacher layers.")
+ConfigOpt = _o(Path, "--student-config", "config.json of a fresh student.")
+StepsOpt = _o(int, "--steps", "Optimizer steps.", "steps")
+BatchOpt = _o(int, "--batch-size", "Sequences per micro-batch (per rank).", "batch_size")
+AccumOpt = _o(int, "--grad-accum", "Micro-batches per step.", "grad_accum")
+SeqLenOpt = _o(int, "--seq-len", "Tokens per sequence.", "seq_len")
+LrOpt = _o(float, "--lr", "Peak learning rate.", "lr")
+WarmupOpt = _o(int, "--warmup", "Warm-up steps.", "warmup")
+LossOpt = _o(str, "--loss", "fkl, rkl, jsd or tvd.", "loss")
+BetaOpt = _o(float, "--beta", "jsd's mixture weight of the teacher.", "beta")
+TempOpt = _o(float, "--temperature", "Softening temperature.", "temperature")
+AlphaOpt = _o(float, "--alpha-ce", "Weight of cross-entropy (0 to 1).", "alpha_ce")
+EvalEveryOpt = _o(int, "--eval-every", "Evaluate every N steps (0: at the end).", "eval_every")
+SaveEveryOpt = _o(int, "--save-every", "Checkpoint every N steps (0: on Ctrl-C).", "save_every")
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue the checkpoint in -o.")]
+SeedOpt = _o(int, "--seed", "Seed of a fresh student.", "seed")
 
 
 def register(app: typer.Typer) -> None:
     @app.command("distill", help=HELP, no_args_is_help=True)
     def distill(
-        teacher: Annotated[str, _opt("--teacher", "Teacher model folder or hub id.")],
-        output: Annotated[Path, typer.Option("--output", "-o", help="Output folder.")],
-        data: Annotated[Path, _opt("--data", "Training data: .jsonl, .parquet or text.")],
-        student: Annotated[Optional[str], _opt("--student", "Existing student model.")] = None,
-        student_layers: Annotated[
-            Optional[int], _opt("--student-layers", "Student of N teacher layers.")
-        ] = None,
-        student_config: Annotated[
-            Optional[Path], _opt("--student-config", "config.json of a fresh student.")
-        ] = None,
+        teacher: TeacherOpt,
+        output: OutputOpt,
+        data: DataOpt,
+        student: StudentOpt = None,
+        student_layers: LayersOpt = None,
+        student_config: ConfigOpt = None,
         eval_data: EvalDataOpt = None,
-        steps: Annotated[Optional[int], _opt("--steps", "Optimizer steps.", "steps")] = None,
-        batch_size: Annotated[
-            Optional[int], _opt("--batch-size", "Sequences per micro-batch.", "batch_size")
-        ] = None,
-        grad_accum: Annotated[
-            Optional[int], _opt("--grad-accum", "Micro-batches per step.", "grad_accum")
-        ] = None,
-        seq_len: Annotated[
-            Optional[int], _opt("--seq-len", "Tokens per sequence.", "seq_len")
-        ] = None,
-        lr: Annotated[Optional[float], _opt("--lr", "Peak learning rate.", "lr")] = None,
-        warmup: Annotated[Optional[int], _opt("--warmup", "Warm-up steps.", "warmup")] = None,
-        loss: Annotated[Optional[str], _opt("--loss", "fkl, rkl, jsd or tvd.", "loss")] = None,
-        beta: Annotated[Optional[float], _opt("--beta", "jsd's mixture weight.", "beta")] = None,
-        temperature: Annotated[
-            Optional[float], _opt("--temperature", "Softening temperature.", "temperature")
-        ] = None,
-        alpha_ce: Annotated[
-            Optional[float], _opt("--alpha-ce", "Weight of cross-entropy (0 to 1).", "alpha_ce")
-        ] = None,
-        eval_every: Annotated[
-            Optional[int],
-            _opt("--eval-every", "Evaluate every N steps (0: at the end).", "eval_every"),
-        ] = None,
-        save_every: Annotated[
-            Optional[int],
-            _opt("--save-every", "Checkpoint every N steps (0: on Ctrl-C).", "save_every"),
-        ] = None,
-        resume: Annotated[
-            bool, typer.Option("--resume", help="Continue the checkpoint in -o.")
-        ] = False,
-        seed: Annotated[Optional[int], _opt("--seed", "Seed of a fresh student.", "seed")] = None,
+        steps: StepsOpt = None,
+        batch_size: BatchOpt = None,
+        grad_accum: AccumOpt = None,
+        seq_len: SeqLenOpt = None,
+        lr: LrOpt = None,
+        warmup: WarmupOpt = None,
+        loss: LossOpt = None,
+        beta: BetaOpt = None,
+        temperature: TempOpt = None,
+        alpha_ce: AlphaOpt = None,
+        eval_every: EvalEveryOpt = None,
+        save_every: SaveEveryOpt = None,
+        resume: ResumeOpt = False,
+        seed: SeedOpt = None,
         device: DeviceOpt = None,
         dtype: DtypeOpt = None,
         report_json: ReportJsonOpt = None,
         quiet: QuietOpt = False,
     ) -> None:
-        from llmctl.commands._output import emit_json
-        from llmctl.compress.output_dir import check_output_file
-
+        values = dict(locals())
+        paths = ("student_config", "eval_data", "report_json")
         options = given(
-            student=student, student_layers=student_layers,
-            student_config=path_str(student_config), eval_data=path_str(eval_data),
-            steps=steps, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len, lr=lr,
-            warmup=warmup, loss=loss, beta=beta, temperature=temperature, alpha_ce=alpha_ce,
-            eval_every=eval_every, save_every=save_every, seed=seed, device=device, dtype=dtype,
-            report_json=path_str(report_json),
-        )  # fmt: skip
+            **{k: path_str(v) if k in paths else v for k, v in values.items() if k in TUNED}
+        )
         args = DistillArgs(
             teacher=teacher, output=str(output), data=str(data), resume=resume, **options
         ).resolve()
-        if report_json is not None and str(report_json) != "-":
-            check_output_file(report_json, "--report-json", inputs=(data,))
-        report = _run(args, quiet)
-        if report is None:  # another rank of a torchrun job: rank 0 reports
-            return
-        emit_json(report_json, report)
-        if not quiet and str(report_json) != "-":
-            _print_report(report)
+        _main(args, report_json, quiet)
+
+
+# the DistillArgs fields an option may set (teacher, output, data and resume are always given)
+TUNED = tuple(
+    f.name for f in fields(DistillArgs) if f.name not in ("teacher", "output", "data", "resume")
+)
+
+
+def _main(args: DistillArgs, report_json: Optional[Path], quiet: bool) -> None:
+    from llmctl.commands._output import emit_json
+    from llmctl.compress.output_dir import check_output_file
+
+    if report_json is not None and str(report_json) != "-":
+        check_output_file(report_json, "--report-json", inputs=(Path(args.data),))
+    report = _run(args, quiet)
+    if report is None:  # another rank of a torchrun job: rank 0 reports
+        return
+    emit_json(report_json, report)
+    if not quiet and str(report_json) != "-":
+        _print_report(report)
 
 
 def _run(args: DistillArgs, quiet: bool) -> dict | None:
