@@ -49,10 +49,11 @@ def distill(out: Path, train: Path, held: Path, args, *extra: str) -> dict:
     t0 = time.perf_counter()
     assert main(argv) == 0, argv
     r = json.loads(report.read_text())
+    e = r["final_eval"]
     print(
-        f"  {out.name}: held-out ppl {r['final_eval']['perplexity']:.3f} (teacher "
-        f"{r['final_eval']['teacher_perplexity']:.3f}), KL {r['final_eval']['kl_teacher_student']:.4f}"
-        f", {r['tokens_per_s']:.0f} tok/s, {time.perf_counter() - t0:.0f} s",
+        f"  {out.name}: held-out ppl {e['perplexity']:.3f} (teacher "
+        f"{e['teacher_perplexity']:.3f}), KL {e['kl_teacher_student']:.4f}, "
+        f"{r['tokens_per_s']:.0f} tok/s, {time.perf_counter() - t0:.0f} s",
         flush=True,
     )
     return {
@@ -66,7 +67,8 @@ def distill(out: Path, train: Path, held: Path, args, *extra: str) -> dict:
 
 
 def speculative(students: dict[str, Path], args) -> dict:
-    """Single-request decode with each student as draft and with n-gram lookup, vs no speculation."""
+    """Single-request decode with each student as draft, and with n-gram lookup, against no
+    speculation."""
     spec_args = argparse.Namespace(target=str(TARGET), dtype="float32", batch_sizes=[1])
     rt_engines = {name: Engines(spec_args, path) for name, path in students.items()}
     first = next(iter(rt_engines.values()))
@@ -82,7 +84,8 @@ def speculative(students: dict[str, Path], args) -> dict:
         rows[name] = res
         print(
             f"  {name:>12}: acceptance {res['acceptance_rate'] or 0:.3f}, decode "
-            f"{res['decode_tok_s']:.1f} tok/s ({res['speedup']:.2f}x of {base['decode_tok_s']:.1f})",
+            f"{res['decode_tok_s']:.1f} tok/s "
+            f"({res['speedup']:.2f}x of {base['decode_tok_s']:.1f})",
             flush=True,
         )
     return rows
@@ -117,15 +120,14 @@ def run() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-distill-") as tmp:
         folder = Path(tmp)
         train, held = split_text(folder)
-        print(f"distill: {args.steps} steps x {args.batch_size} x {args.seq_len} tokens", flush=True)
+        print(f"distill: {args.steps} steps x {args.batch_size} x {args.seq_len}", flush=True)
         runs = {
             "distilled": distill(folder / "distilled", train, held, args, *args.extra.split()),
             "ce_only": distill(folder / "ce_only", train, held, args, "--alpha-ce", "1"),
         }
         teacher_ppl = runs["distilled"]["final_eval"]["teacher_perplexity"]
-        better = (
-            runs["distilled"]["final_eval"]["perplexity"] < runs["ce_only"]["final_eval"]["perplexity"]
-        )
+        ppl = {k: r["final_eval"]["perplexity"] for k, r in runs.items()}
+        better = ppl["distilled"] < ppl["ce_only"]
         print(f"  distilled below CE-only: {better}", flush=True)
         spec = None
         if not args.skip_spec:

@@ -153,3 +153,17 @@ def test_help_examples_run_on_the_demo_model(tmp_path, monkeypatch, capsys):
         assert main(argv) == 0, argv
     assert json.loads((tmp_path / "demo-ce.json").read_text())["steps"] == 2
     capsys.readouterr()
+
+
+def test_student_as_draft_keeps_greedy_outputs(student, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"prompt": p, "max_tokens": 12, "temperature": 0} for p in ("The", "And so", "I")]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["run-batch", str(prompts), "--model", str(DEMO_MODEL_DIR), "--dtype", "float32", "-q"]
+    assert main(base + ["-o", str(tmp_path / "plain.jsonl")]) == 0
+    spec = ["--draft", str(student), "--speculative", "draft", "-o", str(tmp_path / "d.jsonl")]
+    assert main(base + spec) == 0
+    plain = [json.loads(x)["text"] for x in (tmp_path / "plain.jsonl").read_text().splitlines()]
+    draft = [json.loads(x)["text"] for x in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert draft == plain and all(plain)
+    capsys.readouterr()
