@@ -167,3 +167,27 @@ def test_student_as_draft_keeps_greedy_outputs(student, tmp_path, capsys):
     draft = [json.loads(x)["text"] for x in (tmp_path / "d.jsonl").read_text().splitlines()]
     assert draft == plain and all(plain)
     capsys.readouterr()
+
+
+def test_readme_examples_run(tmp_path, monkeypatch, capsys):
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## distill") :]
+    block = section[section.index("```bash") + len("```bash") :]
+    lines = block[: block.index("```")].replace("\\\n", " ").strip().splitlines()
+    assert len(lines) == 2
+    (tmp_path / "llmctl").symlink_to(ROOT / "llmctl")
+    (tmp_path / "examples").mkdir()
+    shutil.copy(ROOT / "examples" / "prompts.jsonl", tmp_path / "examples" / "prompts.jsonl")
+    monkeypatch.chdir(tmp_path)
+    for line in lines:
+        words = shlex.split(line)
+        assert words[0] == "llmctl" and main(words[1:] + ["-q"]) == 0, line
+    assert (tmp_path / "out.jsonl").stat().st_size > 0
+    capsys.readouterr()
+
+
+def test_plain_progress_lines_when_stderr_is_not_a_terminal(tmp_path, capsys):
+    assert distill(tmp_path / "out", "--student-layers", "1", *TINY[:-1]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[0] for line in err] == ["step 1/2", "step 2/2"]
+    assert "loss " in err[-1] and "tok/s" in err[-1]

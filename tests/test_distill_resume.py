@@ -65,3 +65,17 @@ def test_save_every_writes_checkpoints_and_a_rerun_needs_resume(tmp_path):
         run_distill(args(tmp_path / "out"))
     with pytest.raises(UsageError, match="other training options"):
         run_distill(args(tmp_path / "out", lr=0.01, resume=True))
+
+
+def test_a_real_sigint_finishes_the_step_saves_and_stops(tmp_path):
+    import signal
+
+    def progress(done: int, total: int, metrics: dict) -> None:
+        if done == 2:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C: the handler only sets a flag
+
+    with pytest.raises(TrainingInterrupted, match="after step 2 of"):
+        run_distill(args(tmp_path / "out"), progress=progress)
+    state = json.loads((tmp_path / "out/.llmctl-work/checkpoint/state.json").read_text())
+    assert state["train"]["step"] == 2 and state["train"]["sequences"] == 2 * 2 * 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
