@@ -115,7 +115,10 @@ def load_checkpoint(folder: Path, student, optimizer, scheduler, fingerprint: st
         )
     device = next(student.parameters()).device
     weights = load_file(str(folder / "student.safetensors"), device=str(device))
-    student.load_state_dict(weights, strict=False)
+    result = student.load_state_dict(weights, strict=False)  # tied weights are stored once
+    tied = {"lm_head.weight"} if student.config.tie_word_embeddings else set()
+    if result.unexpected_keys or set(result.missing_keys) - tied:
+        raise UsageError(f"the checkpoint in {folder} does not fit this student; remove it")
     tensors = load_file(str(folder / "optimizer.safetensors"))  # load_state_dict moves them
     state: dict[int, dict[str, Any]] = {}
     for name, value in tensors.items():

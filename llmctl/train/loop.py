@@ -76,7 +76,7 @@ class Trainer:
         a = self.args
         self.module = self.world.wrap(DenseLM(self.student), self.device)
         self.optimizer = torch.optim.AdamW(
-            self.student.parameters(), lr=a.lr, weight_decay=a.weight_decay, foreach=False
+            self.student.parameters(), lr=a.lr, weight_decay=a.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, schedule(a.warmup, a.steps, a.min_lr_ratio)
@@ -186,17 +186,15 @@ class Trainer:
                 metrics["tokens_per_s"] = (
                     (self.state.step - first) * tokens_per_step / (time.perf_counter() - t0)
                 )
-                if (
-                    a.eval_every
-                    and self.state.step % a.eval_every == 0
-                    and self.state.step < a.steps
-                ):
-                    metrics["eval"] = self.evaluate()
+                shown = dict(metrics)  # what progress sees: the step's metrics and any eval
+                if a.eval_every and self.state.step % a.eval_every == 0:
+                    if self.state.step < a.steps:  # the last step has the final evaluation
+                        shown["eval"] = self.evaluate()
                 if a.save_every and self.state.step % a.save_every == 0:
                     self.save()
                 try:
                     if progress is not None:
-                        progress(self.state.step, a.steps, metrics)
+                        progress(self.state.step, a.steps, shown)
                 except KeyboardInterrupt:
                     self.stop = True
                 if self._stop_now():
