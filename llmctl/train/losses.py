@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-LOSSES = ("fkl", "rkl", "jsd", "tvd")
+from llmctl.train.args import LOSSES  # noqa: F401 (the names, where the CLI reads them)
 
 
 def _log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
