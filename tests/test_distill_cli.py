@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,13 @@ def test_bad_options_are_one_line_errors_before_training(extra, words, tmp_path,
     assert distill(out, *extra, "-q") == 2
     assert words in error_line(capsys)
     assert not (out / "model.safetensors").exists()
+
+
+def test_an_earlier_output_is_not_replaced(student, capsys):
+    before = (student / "model.safetensors").read_bytes()
+    assert distill(student, "--student-layers", "2", *TINY) == 2
+    assert "is not empty; choose another -o" in error_line(capsys)
+    assert (student / "model.safetensors").read_bytes() == before
 
 
 def test_empty_or_short_data_and_output_over_the_teacher(tmp_path, capsys):
@@ -191,3 +199,21 @@ def test_plain_progress_lines_when_stderr_is_not_a_terminal(tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     assert [line.split(":")[0] for line in err] == ["step 1/2", "step 2/2"]
     assert "loss " in err[-1] and "tok/s" in err[-1]
+
+
+def test_rich_bar_on_a_terminal(monkeypatch):
+    import io
+
+    from llmctl.commands.distill import train_progress
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr("sys.stderr", Tty())
+    m = {"loss": 1.5, "divergence": 0.25, "tokens_per_s": 1000.0, "eval": None}
+    with train_progress(False) as (progress, warn):
+        for step in (1, 2):
+            progress(step, 2, m)
+        warn("a warning")
+    assert "a warning" in sys.stderr.getvalue()

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from llmctl.compress.output_dir import OutputFolder, check_input_file
+from llmctl.compress.output_dir import WORK_DIR, OutputFolder, check_input_file
 from llmctl.errors import LlmctlError, UsageError
 from llmctl.train import student as students
 from llmctl.train.args import DistillArgs
@@ -67,6 +67,9 @@ def _check_files(args: DistillArgs) -> None:
 def _plan_output(args: DistillArgs, teacher_path: Path) -> OutputFolder:
     from llmctl.runtime.resolve import resolve_model_path
 
+    final = OutputFolder.at(args.output).final
+    if final.is_dir() and any(e.name != WORK_DIR for e in final.iterdir()):
+        raise UsageError(f"output folder {args.output} is not empty; choose another -o")
     out = OutputFolder.plan(args.output, overwrite=False)
     out.check_source(teacher_path)
     if args.student is not None:
