@@ -55,7 +55,9 @@ Student: --student-layers N copies N evenly spaced teacher layers (first and
   Jensen-Shannon divergence with --beta; tvd, total variation. Every loss is
   mixed with cross-entropy: (1 - alpha_ce) * divergence + alpha_ce * CE.
 Training: AdamW, --warmup steps of linear warm-up then cosine decay to lr/10,
-  --grad-accum micro-batches per step, gradients clipped at norm 1.
+  --grad-accum micro-batches per step, gradients clipped at norm 1. --dtype is
+  the teacher's; the student trains and is saved in float32 (with bf16 or fp16
+  autocast on CUDA when the teacher runs in that dtype).
 The output is an ordinary Hugging Face folder (config.json, model.safetensors,
   the teacher's tokenizer, distill.yaml, distill_report.json) that run-batch,
   eval and quantize load, and a --draft for its teacher in run-batch. It is
