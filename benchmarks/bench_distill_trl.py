@@ -125,6 +125,7 @@ def run() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--chars", type=int, help="characters per TRL example (default 2.4 x seq-len)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--trl-first", action="store_true", help="run TRL before llmctl")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -133,10 +134,14 @@ def run() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-distill-trl-") as tmp:
         folder = Path(tmp)
         (folder / "train.txt").write_text(train_text)
-        ours = run_llmctl(args, folder / "train.txt", folder / "llmctl")
-        print(f"  llmctl distill: {ours['tokens_per_s']:.0f} tokens/s", flush=True)
-        trl = run_trl(args, train_text, folder / "trl")
-        print(f"  TRL GKDTrainer: {trl['tokens_per_s']:.0f} tokens/s", flush=True)
+        order = ("trl", "llmctl") if args.trl_first else ("llmctl", "trl")
+        for name in order:  # the host's load drifts: --trl-first runs them the other way round
+            if name == "llmctl":
+                ours = run_llmctl(args, folder / "train.txt", folder / "llmctl")
+                print(f"  llmctl distill: {ours['tokens_per_s']:.0f} tokens/s", flush=True)
+            else:
+                trl = run_trl(args, train_text, folder / "trl")
+                print(f"  TRL GKDTrainer: {trl['tokens_per_s']:.0f} tokens/s", flush=True)
     doc = {
         "benchmark": "bench_distill_trl",
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
