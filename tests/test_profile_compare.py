@@ -1,4 +1,5 @@
-"""`profile compare` (regression exit codes for CI), `--measure-machine` and its cache, `profile --help`."""
+"""`profile compare` (regression exit codes for CI), `--measure-machine` and its cache, `profile
+--help`."""
 
 from __future__ import annotations
 

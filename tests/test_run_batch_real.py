@@ -1,4 +1,5 @@
-"""`llmctl run-batch` end to end on the real engine and the embedded demo model (float32, greedy, CPU)."""
+"""`llmctl run-batch` end to end on the real engine and the embedded demo model (float32, greedy,
+CPU)."""
 
 from __future__ import annotations
 
