@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from llmctl.cli import main
-from llmctl.compress.output_dir import OutputFolder, check_disjoint, writing
 from llmctl.errors import LlmctlError, UsageError
+from llmctl.runtime.output_dir import OutputFolder, check_disjoint, writing
 from tests.conftest import make_random_model
 
 
@@ -213,7 +213,7 @@ def test_commit_moves_config_last(tmp_path):
         order.append(os.path.basename(b))
         real(a, b)
 
-    import llmctl.compress.output_dir as od
+    import llmctl.runtime.output_dir as od
 
     od.os.replace = spy
     try:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmctl.compress.driver import SUBLAYER_GROUPS, calibrate_layers, make_ignore
+from llmctl.compress.driver import calibrate_layers, make_ignore
 from llmctl.compress.quant.layer_methods import AwqMethod, gptq_method, rtn_method
 from llmctl.compress.records import LinearRecord
 from llmctl.models.config import ModelConfig
+from llmctl.models.layout import SUBLAYER_GROUPS
 from llmctl.models.llama import LlamaForCausalLM
 from llmctl.runtime.formats.spec import QuantSpec
 

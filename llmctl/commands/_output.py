@@ -145,7 +145,7 @@ def emit_json(path: str | Path | None, doc: dict, flag: str = "--report-json") -
         sys.stdout.write(text)
         sys.stdout.flush()
         return
-    from llmctl.compress.output_dir import writing
+    from llmctl.runtime.output_dir import writing
 
     with writing(f"{flag} {path}"):
         Path(path).write_text(text)

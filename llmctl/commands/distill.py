@@ -146,7 +146,7 @@ TUNED = tuple(
 
 def _main(args: DistillArgs, report_json: Optional[Path], quiet: bool) -> None:
     from llmctl.commands._output import emit_json
-    from llmctl.compress.output_dir import check_output_file
+    from llmctl.runtime.output_dir import check_output_file
 
     if report_json is not None and str(report_json) != "-":
         check_output_file(report_json, "--report-json", inputs=(Path(args.data),))

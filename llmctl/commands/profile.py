@@ -118,7 +118,7 @@ def _profile(a: SimpleNamespace) -> None:
 def _check_outputs(a: SimpleNamespace) -> None:
     """--report-json/--csv/--plot are written after the run: check them before it (parents are
     created); --markdown and --report-json - would both write stdout."""
-    from llmctl.compress.output_dir import check_output_file
+    from llmctl.runtime.output_dir import check_output_file
 
     if a.markdown and json_to_stdout(a.report_json):
         raise UsageError("--markdown and --report-json - both write standard output; pick one")
@@ -191,11 +191,11 @@ def _sweep_request(a: SimpleNamespace):
 
 
 def _sweep(target: str | None, a: SimpleNamespace) -> None:
-    from llmctl.compress.output_dir import writing
     from llmctl.profiling import report
     from llmctl.profiling.sweep_job import profile_sweep
     from llmctl.profiling.tables import SWEEP_COLUMNS, sweep_rows, sweep_title
     from llmctl.runtime.loader import load_runtime
+    from llmctl.runtime.output_dir import writing
 
     def progress(i: int, n: int, point: Any) -> None:
         if point is not None:

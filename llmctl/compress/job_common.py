@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
-from llmctl.compress.driver import decoder_linears, make_ignore, unmatched_patterns
-from llmctl.compress.output_dir import OutputFolder, check_input_file, check_output_file
+from llmctl.compress.driver import make_ignore, unmatched_patterns
 from llmctl.errors import UsageError
+from llmctl.models.layout import decoder_linears
+from llmctl.runtime.output_dir import OutputFolder, check_input_file, check_output_file
 
 STDOUT = "-"  # --report-json - : the report goes to standard output
 

@@ -34,7 +34,7 @@ from llmctl.compress.job_common import (
     prepare,
     settle,
 )
-from llmctl.compress.output_dir import writing
+from llmctl.runtime.output_dir import writing
 
 Finish = Callable[[Path], None]  # called with the finished result folder before it moves into place
 WriteHook = Callable[[Path, "Oneshot"], None]  # a Finish that also gets the run

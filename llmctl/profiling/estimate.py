@@ -49,8 +49,8 @@ def normalize_dtype(name: str, table: dict[str, Any], what: str) -> str:
 
 def linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:
     """(out_features, in_features) of the 7 linear layers of one decoder layer (q, k, v, o, gate,
-    up, down), as llmctl.compress.driver.decoder_linears names them."""
-    from llmctl.compress.driver import LINEAR_NAMES, decoder_linears
+    up, down), as llmctl.models.layout.decoder_linears names them."""
+    from llmctl.models.layout import LINEAR_NAMES, decoder_linears
 
     return [(o, i) for _, o, i in decoder_linears(config)[: len(LINEAR_NAMES)]]
 
@@ -286,7 +286,7 @@ def group_size_for(
     """(group size or None for per channel, note) for this config's quantized matrices, by the
     rule `llmctl quantize` applies: a size it refuses is refused here too, and auto resolves the
     same way."""
-    from llmctl.compress.driver import decoder_linears
+    from llmctl.models.layout import decoder_linears
     from llmctl.runtime.formats.spec import resolve_group_size
 
     widths = [(name, k) for name, _, k in decoder_linears(config)]

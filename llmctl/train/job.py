@@ -3,7 +3,7 @@
 Owns: `run_distill` and `TrainingInterrupted`. Every check that can fail runs before the first
 step (options, files, the output folder, the tokenizers, layers, the context length, the data);
 the finished student is written into OUT/.llmctl-work/result and moved into place at the end
-(compress/output_dir.py), and checkpoints live in OUT/.llmctl-work/checkpoint until then. Under
+(runtime/output_dir.py), and checkpoints live in OUT/.llmctl-work/checkpoint until then. Under
 torchrun every rank runs this; only rank 0 writes.
 """
 
@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-from llmctl.compress.output_dir import WORK_DIR, OutputFolder, check_input_file
 from llmctl.errors import LlmctlError, UsageError
+from llmctl.runtime.output_dir import WORK_DIR, OutputFolder, check_input_file
 from llmctl.train import student as students
 from llmctl.train.args import DistillArgs
 from llmctl.train.checkpoint import has_checkpoint, load_checkpoint

@@ -165,7 +165,7 @@ class Trainer:
         return doc
 
     def save(self) -> None:
-        from llmctl.compress.output_dir import writing
+        from llmctl.runtime.output_dir import writing
 
         if self.world.is_main:
             with writing(f"the checkpoint {self.checkpoint_dir}"):

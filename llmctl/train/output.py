@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from llmctl.compress.output_dir import OutputFolder, copy_side_files, output_config, writing
+from llmctl.runtime.output_dir import OutputFolder, copy_side_files, output_config, writing
 from llmctl.train.args import DistillArgs
 
 RECIPE = "distill.yaml"

@@ -15,9 +15,9 @@ import torch
 
 from llmctl.compress.args import QuantizeArgs
 from llmctl.compress.driver import DriverResult, calibrate_layers, make_ignore
-from llmctl.compress.output_dir import copy_side_files, output_config
 from llmctl.errors import UsageError
 from llmctl.runtime.formats.spec import QuantSpec, resolve_group_size
+from llmctl.runtime.output_dir import copy_side_files, output_config
 
 
 def check_layers(args: QuantizeArgs, linears: list[tuple[str, int, int]]) -> str | None:

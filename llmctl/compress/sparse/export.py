@@ -2,7 +2,7 @@
 
 Owns: `save_dense_model` (safetensors shards with HF parameter names, config.json with a
 `sparsity_config` entry and without `auto_map`, tokenizer and generation files copied from the
-source folder; the shared rules are in llmctl.compress.output_dir) and `sparsity_config`, the
+source folder; the shared rules are in llmctl.runtime.output_dir) and `sparsity_config`, the
 metadata dict. transformers ignores the extra config key and loads the
 folder as a plain model; llmctl and other tools can read it to know the pattern.
 """
@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from llmctl.compress.output_dir import copy_side_files, output_config
 from llmctl.compress.sparse.masks import SparsityPattern
 from llmctl.runtime import tensors as tensor_io
+from llmctl.runtime.output_dir import copy_side_files, output_config
 
 SHARD_BYTES = 4 * 1024**3  # split weights into files of at most ~4 GiB, as HF does
 _STORED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

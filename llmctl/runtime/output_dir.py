@@ -1,6 +1,7 @@
-"""Output folders of quantize and sparsify: the safety rules, the work folder and the final move.
+"""Output folders of quantize, sparsify and distill: the safety rules, the work folder and the final
+move.
 
-Owns, for both jobs (written once):
+Owns, for every job that writes a model folder (written once):
 - `check_disjoint`: an output may not be the source model folder, lie inside it or contain it.
   Folders are compared by (st_dev, st_ino) of the folder and of every ancestor, so a symlink or a
   bind mount naming the source by another path is caught too.
