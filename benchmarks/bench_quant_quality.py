@@ -32,12 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHARED, environment  # noqa: E402
 
 TEXT = SHARED / "data" / "tinyshakespeare.txt"
-DEFAULT_MODELS = [SHARED / "models" / "tinyshakespeare-5m", Path("/tmp/llmctl-bench/ts-llama-4l192")]
+DEFAULT_MODELS = [
+    SHARED / "models" / "tinyshakespeare-5m",
+    Path("/tmp/llmctl-bench/ts-llama-4l256"),
+]
 DEFAULT_CONFIGS = ["rtn", "gptq", "awq"]
 
 
 def parse_config(text: str) -> tuple[str, dict]:
-    """"gptq:act_order=0,mse=1" -> ("gptq", {"act_order": False, "mse": True}); numbers stay
+    """Parse "gptq:act_order=0,mse=1" -> ("gptq", {"act_order": False, "mse": True}); numbers stay
     numbers."""
     method, _, rest = text.partition(":")
     kw: dict = {}
@@ -122,13 +125,27 @@ def bench_model(model_dir: Path, args) -> dict:
                 method, kw = parse_config(cfg)
                 ppl, dt = run_one(rt, calib, held, make_method(method, kw, bits, group), 256)
                 loss = math.log(ppl) - math.log(fp)
-                rows.append(dict(bits=bits, group=g, config=cfg, ppl=ppl, dppl=ppl - fp,
-                                 dnll=loss, seconds=round(dt, 2)))
-                print(f"{bits}b g{g} {cfg:40s} ppl {ppl:8.3f}  +{ppl - fp:.3f}  ({dt:.1f}s)",
-                      flush=True)
+                rows.append(
+                    dict(
+                        bits=bits,
+                        group=g,
+                        config=cfg,
+                        ppl=ppl,
+                        dppl=ppl - fp,
+                        dnll=loss,
+                        seconds=round(dt, 2),
+                    )
+                )
+                print(
+                    f"{bits}b g{g} {cfg:40s} ppl {ppl:8.3f}  +{ppl - fp:.3f}  ({dt:.1f}s)",
+                    flush=True,
+                )
     for r in rows:  # ratio of each loss (perplexity over fp32) to the plain-RTN run's
-        base = [x for x in rows if (x["bits"], x["group"]) == (r["bits"], r["group"])
-                and x["config"] == args.baseline]
+        base = [
+            x
+            for x in rows
+            if (x["bits"], x["group"]) == (r["bits"], r["group"]) and x["config"] == args.baseline
+        ]
         r["ratio_to_rtn"] = r["dppl"] / base[0]["dppl"] if base and base[0]["dppl"] > 0 else None
     return {"model": str(model_dir), "fp32_ppl": fp, "heldout_tokens": held.numel(), "rows": rows}
 
@@ -136,13 +153,17 @@ def bench_model(model_dir: Path, args) -> dict:
 def markdown(results: list[dict]) -> str:
     lines = []
     for res in results:
-        lines += [f"\n{Path(res['model']).name}: fp32 perplexity {res['fp32_ppl']:.3f}\n",
-                  "| bits | group | method | ppl | loss over fp32 | ratio to RTN |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            f"\n{Path(res['model']).name}: fp32 perplexity {res['fp32_ppl']:.3f}\n",
+            "| bits | group | method | ppl | loss over fp32 | ratio to RTN |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
         for r in res["rows"]:
             ratio = "" if r["ratio_to_rtn"] is None else f"{r['ratio_to_rtn']:.2f}x"
-            lines.append(f"| {r['bits']} | {r['group']} | {r['config']} | {r['ppl']:.3f} "
-                         f"| +{r['dppl']:.3f} | {ratio} |")
+            lines.append(
+                f"| {r['bits']} | {r['group']} | {r['config']} | {r['ppl']:.3f} "
+                f"| +{r['dppl']:.3f} | {ratio} |"
+            )
     return "\n".join(lines)
 
 
@@ -163,8 +184,12 @@ def main() -> None:
     table = markdown(results)
     print(table)
     if args.json:
-        out = {"environment": environment(), "args": {k: str(v) for k, v in vars(args).items()},
-               "results": results, "markdown": table}
+        out = {
+            "environment": environment(),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "results": results,
+            "markdown": table,
+        }
         args.json.write_text(json.dumps(out, indent=1) + "\n")
 
 

@@ -39,6 +39,8 @@ def gptq_method(
     percdamp: float = 0.01,
     block_size: int = 128,
     preserve_zeros: bool = True,
+    mse: bool = False,
+    refit_groups: bool = False,
 ) -> HessianMethod:
     """GPTQ per linear. RTN and AWQ map an exact zero to its zero point, so they keep zeros by
     construction; GPTQ's error feedback would refill them, hence the mask of exact zeros."""
@@ -50,7 +52,15 @@ def gptq_method(
         # exact zeros stay exactly zero (sparse-then-quantize); a dense weight has next to none
         mask = (w == 0) if preserve_zeros and bool((w == 0).any()) else None
         r = quantize_gptq(
-            w, H, lspec, percdamp=percdamp, block_size=block_size, act_order=act_order, mask=mask
+            w,
+            H,
+            lspec,
+            percdamp=percdamp,
+            block_size=block_size,
+            act_order=act_order,
+            mask=mask,
+            mse=mse,
+            refit_groups=refit_groups,
         )
         _set_weight(linear, r.weight)
         return LinearRecord(name, tuple(w.shape), r, relative_output_error(w, r.weight, H))
@@ -58,12 +68,12 @@ def gptq_method(
     return HessianMethod(fn)
 
 
-def rtn_method(spec: QuantSpec) -> HessianMethod:
+def rtn_method(spec: QuantSpec, *, mse: bool = False) -> HessianMethod:
     """RTN needs no data; run through the driver only to report the same output error as the others."""
 
     def fn(name: str, linear: nn.Linear, H: torch.Tensor) -> LinearRecord:
         w = linear.weight.detach().float().cpu().clone()
-        r = quantize_rtn(w, spec.for_width(name, w.shape[1]))
+        r = quantize_rtn(w, spec.for_width(name, w.shape[1]), mse=mse)
         _set_weight(linear, r.weight)
         return LinearRecord(name, tuple(w.shape), r, relative_output_error(w, r.weight, H.cpu()))
 
