@@ -46,7 +46,7 @@ def parse_config(text: str) -> tuple[str, dict]:
     kw: dict = {}
     for item in filter(None, rest.split(",")):
         k, _, v = item.partition("=")
-        kw[k] = bool(int(v)) if v in ("0", "1") else float(v)
+        kw[k] = bool(int(v)) if v in ("0", "1") else (float(v) if "." in v else int(v))
     return method, kw
 
 
@@ -62,7 +62,8 @@ def make_method(method: str, kw: dict, bits: int, group: int | None):
 
 
 def data(model_dir: Path, num_samples: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(calibration ids [num_samples, seq_len], held-out ids [n]) as `llmctl quantize` draws them."""
+    """(calibration ids [num_samples, seq_len], held-out ids [n]) as `llmctl quantize` draws
+    them."""
     from llmctl.compress.calib_data import load_calibration
     from llmctl.models.config import ModelConfig
     from llmctl.runtime.tokenizer import load_tokenizer, read_generation_eos
@@ -88,18 +89,24 @@ def data(model_dir: Path, num_samples: int, seq_len: int) -> tuple[torch.Tensor,
     return cs.input_ids, torch.tensor(held)
 
 
-def run_one(rt, calib, held, method, seq_len: int) -> tuple[float, float]:
-    """(held-out perplexity, seconds of calibration + quantization) of one configuration."""
+def run_one(rt, calib, held, method, seq_len: int) -> tuple[float, float, float, float]:
+    """(held-out perplexity, seconds of calibration + quantization, mean relative output error of
+    the linears on their calibration inputs, fraction of codes at 0 or 2^bits - 1) of one
+    configuration."""
     from llmctl.compress.driver import calibrate_layers
     from llmctl.runtime.evaluate import perplexity
 
     model = copy.deepcopy(rt.model)
     t0 = time.perf_counter()
-    calibrate_layers(model, calib, method, device="cpu")
+    records = calibrate_layers(model, calib, method, device="cpu").records
     dt = time.perf_counter() - t0
+    err = sum(r.error for r in records.values()) / max(1, len(records))
+    codes = [r.result.codes for r in records.values()]
+    maxq = next(iter(records.values())).result.spec.maxq
+    edge = sum(int(((c == 0) | (c == maxq)).sum()) for c in codes) / sum(c.numel() for c in codes)
     ppl = perplexity(model, held, seq_len).perplexity
     del model
-    return ppl, dt
+    return ppl, dt, err, edge
 
 
 def bench_model(model_dir: Path, args) -> dict:
@@ -123,7 +130,9 @@ def bench_model(model_dir: Path, args) -> dict:
                 continue
             for cfg in args.configs:
                 method, kw = parse_config(cfg)
-                ppl, dt = run_one(rt, calib, held, make_method(method, kw, bits, group), 256)
+                ppl, dt, err, edge = run_one(
+                    rt, calib, held, make_method(method, kw, bits, group), 256
+                )
                 loss = math.log(ppl) - math.log(fp)
                 rows.append(
                     dict(
@@ -134,10 +143,13 @@ def bench_model(model_dir: Path, args) -> dict:
                         dppl=ppl - fp,
                         dnll=loss,
                         seconds=round(dt, 2),
+                        calib_rel_err=err,
+                        codes_at_edge=edge,
                     )
                 )
                 print(
-                    f"{bits}b g{g} {cfg:40s} ppl {ppl:8.3f}  +{ppl - fp:.3f}  ({dt:.1f}s)",
+                    f"{bits}b g{g} {cfg:36s} ppl {ppl:8.3f} {ppl - fp:+.3f} "
+                    f"calib err {err:.5f} edge {edge:.4f} ({dt:.0f}s)",
                     flush=True,
                 )
     for r in rows:  # ratio of each loss (perplexity over fp32) to the plain-RTN run's
@@ -162,7 +174,7 @@ def markdown(results: list[dict]) -> str:
             ratio = "" if r["ratio_to_rtn"] is None else f"{r['ratio_to_rtn']:.2f}x"
             lines.append(
                 f"| {r['bits']} | {r['group']} | {r['config']} | {r['ppl']:.3f} "
-                f"| +{r['dppl']:.3f} | {ratio} |"
+                f"| {r['dppl']:+.3f} | {ratio} |"
             )
     return "\n".join(lines)
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from llmctl.compress.hessian import HessianAccumulator
+from llmctl.compress.quant.awq import quantize_awq, search_scales
 from llmctl.compress.quant.gptq import quantize_gptq
 from llmctl.compress.quant.observer import _error, minmax_params, mse_params
 from llmctl.compress.quant.rtn import quantize_rtn
@@ -110,3 +111,17 @@ def test_gptq_without_act_order_ignores_refit_and_mask_still_exact_zero():
     w2 = w.masked_fill(mask, 0.0)
     r = quantize_gptq(w2, H, spec, act_order=True, refit_groups=True, mse=True, mask=mask)
     assert (r.weight[mask] == 0).all()
+
+
+def test_awq_paper_scales_follow_activations_only_and_mse_reaches_rtn():
+    w, x = _layer()
+    spec = QuantSpec(4, 32, False, torch.float32)
+    found = search_scales(x, [w], spec, n_grid=10, duo=False)
+    assert found.loss <= found.loss_unscaled
+    if found.alpha > 0:  # s = mean|x|^alpha, centred: a constant multiple of it
+        ratio = found.scales / x.abs().mean(dim=0).pow(found.alpha)
+        assert torch.allclose(ratio, ratio[0].expand_as(ratio), rtol=1e-4)
+    plain = quantize_awq(w, x, spec, clip=False, mse=True)
+    assert torch.equal(plain.weight, quantize_rtn(w, spec, mse=True).weight)
+    clipped = quantize_awq(w, x, spec, mse=True)
+    assert _out_err(x, w, clipped.weight) <= _out_err(x, w, plain.weight) * 1.05
