@@ -10,11 +10,16 @@ sequences of 256 tokens from the first 90% of the characters (the sequences `llm
 `llmctl eval --seq-len 256` scores it (windows of 256, stride 128).
 
 A configuration is METHOD[:key=value,...]; keys are the keyword arguments of gptq_method,
-rtn_method or AwqMethod (e.g. gptq:act_order=0, rtn:mse=0, awq:symmetric=1) plus `sym` (0/1,
-the spec's symmetry; default: the method's, as QuantizeArgs.resolve picks it).
+rtn_method or AwqMethod (e.g. gptq:act_order=1, rtn:mse=0, awq:duo=1) plus `sym` (0/1,
+the spec's symmetry; default: the method's, as QuantizeArgs.resolve picks it). Losses are
+perplexity over fp32; ratios are to the RTN runs of the same bits and group: plain min/max RTN
+(`rtn:mse=0`, the issue's baseline) and RTN's default (MSE ranges). Also reported per run: the
+mean relative output error of the linears on their calibration inputs, and the fraction of codes
+at either end of the range.
 
+    python benchmarks/train_fixture.py   # the second model, /tmp/llmctl-bench/ts-llama-4l256
     python benchmarks/bench_quant_quality.py --json benchmarks/results/quant_quality.json
-    python benchmarks/bench_quant_quality.py --bits 4 --groups 64 --configs rtn gptq:act_order=0
+    python benchmarks/bench_quant_quality.py --bits 4 --groups 64 --configs rtn gptq:act_order=1
 """
 
 from __future__ import annotations
@@ -36,7 +41,12 @@ DEFAULT_MODELS = [
     SHARED / "models" / "tinyshakespeare-5m",
     Path("/tmp/llmctl-bench/ts-llama-4l256"),
 ]
-DEFAULT_CONFIGS = ["rtn", "gptq", "awq"]
+DEFAULT_CONFIGS = ["rtn:mse=0", "rtn", "gptq", "awq"]
+COMMANDS = [  # how benchmarks/results/quant_quality.json was made
+    "python benchmarks/train_fixture.py",
+    "python benchmarks/bench_quant_quality.py --models MODEL --json m.json  (per model)",
+    "python benchmarks/bench_quant_quality.py --merge m1.json m2.json --json OUT",
+]
 
 
 def parse_config(text: str) -> tuple[str, dict]:
@@ -152,29 +162,42 @@ def bench_model(model_dir: Path, args) -> dict:
                     f"calib err {err:.5f} edge {edge:.4f} ({dt:.0f}s)",
                     flush=True,
                 )
-    for r in rows:  # ratio of each loss (perplexity over fp32) to the plain-RTN run's
-        base = [
-            x
-            for x in rows
-            if (x["bits"], x["group"]) == (r["bits"], r["group"]) and x["config"] == args.baseline
-        ]
-        r["ratio_to_rtn"] = r["dppl"] / base[0]["dppl"] if base and base[0]["dppl"] > 0 else None
     return {"model": str(model_dir), "fp32_ppl": fp, "heldout_tokens": held.numel(), "rows": rows}
 
 
-def markdown(results: list[dict]) -> str:
+def add_ratios(rows: list[dict], baselines: list[str]) -> None:
+    """r["ratio_to"][b]: each loss (perplexity over fp32) over baseline b's at the same bits and
+    group; None where b did not run or lost nothing (a ratio to <= 0 means nothing)."""
+    for r in rows:
+        r.pop("ratio_to_rtn", None)  # the single ratio older runs wrote
+        r["ratio_to"] = {}
+        for b in baselines:
+            base = [
+                x["dppl"]
+                for x in rows
+                if (x["bits"], x["group"], x["config"]) == (r["bits"], r["group"], b)
+            ]
+            ok = base and base[0] > 0
+            r["ratio_to"][b] = r["dppl"] / base[0] if ok else None
+
+
+def markdown(results: list[dict], baselines: list[str]) -> str:
     lines = []
     for res in results:
+        add_ratios(res["rows"], baselines)
         lines += [
             f"\n{Path(res['model']).name}: fp32 perplexity {res['fp32_ppl']:.3f}\n",
-            "| bits | group | method | ppl | loss over fp32 | ratio to RTN |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| bits | group | method | ppl | loss over fp32 | "
+            + " | ".join(f"ratio to {b}" for b in baselines)
+            + " |",
+            "| --- " * (5 + len(baselines)) + "|",
         ]
         for r in res["rows"]:
-            ratio = "" if r["ratio_to_rtn"] is None else f"{r['ratio_to_rtn']:.2f}x"
+            ratios = [r["ratio_to"][b] for b in baselines]
+            cells = " | ".join("" if x is None else f"{x:.2f}x" for x in ratios)
             lines.append(
                 f"| {r['bits']} | {r['group']} | {r['config']} | {r['ppl']:.3f} "
-                f"| {r['dppl']:+.3f} | {ratio} |"
+                f"| {r['dppl']:+.3f} | {cells} |"
             )
     return "\n".join(lines)
 
@@ -185,20 +208,27 @@ def main() -> None:
     p.add_argument("--bits", nargs="+", type=int, default=[4, 8])
     p.add_argument("--groups", nargs="+", default=["32", "64", "128", "channel"])
     p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
-    p.add_argument("--baseline", default="rtn", help="the configuration ratios are taken to")
+    p.add_argument(
+        "--baselines", nargs="+", default=["rtn:mse=0", "rtn"], help="configurations ratios are to"
+    )
+    p.add_argument("--merge", nargs="+", type=Path, help="combine these --json files instead")
     p.add_argument("--num-samples", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    results = [bench_model(m, args) for m in args.models if (m / "config.json").exists()]
-    table = markdown(results)
+    if args.merge:
+        results = [r for f in args.merge for r in json.loads(f.read_text())["results"]]
+    else:
+        results = [bench_model(m, args) for m in args.models if (m / "config.json").exists()]
+    table = markdown(results, args.baselines)
     print(table)
     if args.json:
         out = {
             "environment": environment(),
             "args": {k: str(v) for k, v in vars(args).items()},
+            "commands": COMMANDS,
             "results": results,
             "markdown": table,
         }
