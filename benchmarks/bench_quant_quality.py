@@ -218,8 +218,12 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    if args.merge:
-        results = [r for f in args.merge for r in json.loads(f.read_text())["results"]]
+    if args.merge:  # one entry per model: runs of one model from several files are joined
+        merged: dict[str, dict] = {}
+        for f in args.merge:
+            for res in json.loads(f.read_text())["results"]:
+                merged.setdefault(res["model"], {**res, "rows": []})["rows"] += res["rows"]
+        results = list(merged.values())
     else:
         results = [bench_model(m, args) for m in args.models if (m / "config.json").exists()]
     table = markdown(results, args.baselines)

@@ -45,13 +45,15 @@ def search_scales(
     block: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
     duo: bool = True,
 ) -> ScaleSearch:
-    """Best per-input-channel scale for linears sharing the input x [tokens, in]; weights: [out_i, in].
+    """Best per-input-channel scale for linears sharing the input x [tokens, in]; weights:
+    [out_i, in].
 
-    Grid point k = 0 is the unscaled baseline (s = 1, reported as alpha 0); k >= 1 tries alpha = k / n_grid
-    with s = mean|x|^alpha / mean|w|^(1 - alpha) per input channel (AutoAWQ's "duo" scaling), normalised
-    around 1. The loss is the mean squared error of `block(effective weights)` against
-    `block(weights)`, where the effective weight of each linear is Q(W s) / s; without `block`, the
-    linears' own outputs on x. duo False: the paper's s = mean|x|^alpha alone.
+    Grid point k = 0 is the unscaled baseline (s = 1, reported as alpha 0); k >= 1 tries
+    alpha = k / n_grid with s = mean|x|^alpha / mean|w|^(1 - alpha) per input channel (AutoAWQ's
+    "duo" scaling), normalised around 1. The loss is the mean squared error of
+    `block(effective weights)` against `block(weights)`, where the effective weight of each
+    linear is Q(W s) / s; without `block`, the linears' own outputs on x. duo False: the paper's
+    s = mean|x|^alpha alone (AwqMethod's default).
     """
     x = _sample_tokens(x.float(), max_tokens)
     x_mean = x.abs().mean(dim=0).clamp(min=1e-8)  # [in]
@@ -97,7 +99,8 @@ def search_clip(
     max_shrink: float = 0.5,
     max_tokens: int = 512,
 ) -> torch.Tensor:
-    """Per (output row, group) clipping ratio in [1 - max_shrink, 1]: returns ratios [out, groups]."""
+    """Per (output row, group) clipping ratio in [1 - max_shrink, 1]: returns ratios
+    [out, groups]."""
     out_f, in_f = w.shape
     gs = spec.group_size
     G = in_f // gs

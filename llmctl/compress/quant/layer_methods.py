@@ -3,7 +3,8 @@
 Owns: `LinearRecord` (what each quantized linear reports), `relative_output_error`, the per-linear
 GPTQ and RTN functions for `HessianMethod`, and `AwqMethod`, which searches and folds scales
 group by group on the full-precision layer and clips and quantizes all its linears at the end of
-the layer (as AutoAWQ does), so folding 1/s into v_proj or up_proj happens before they are quantized.
+the layer (as AutoAWQ does), so folding 1/s into v_proj or up_proj happens before they are
+quantized.
 """
 
 from __future__ import annotations
@@ -187,7 +188,8 @@ class AwqMethod:
 
     @staticmethod
     def _can_fold(prev: nn.Module, linears: list[nn.Module]) -> bool:
-        """v_proj -> o_proj only when v's outputs map one to one onto o's inputs (no GQA sharing)."""
+        """v_proj -> o_proj only when v's outputs map one to one onto o's inputs (no GQA
+        sharing)."""
         if isinstance(prev, nn.Linear):
             return all(prev.out_features == lin.in_features for lin in linears)
         return True

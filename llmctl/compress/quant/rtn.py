@@ -25,7 +25,8 @@ def group_params(
 def quantize_with(
     w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: QuantSpec
 ) -> torch.Tensor:
-    """Integer codes [rows, cols] of `w` for per-row `scale`/`zero` [rows] (or broadcastable [rows, cols])."""
+    """Integer codes [rows, cols] of `w` for per-row `scale`/`zero` [rows] (or broadcastable
+    [rows, cols])."""
     if scale.dim() == 1:
         scale, zero = scale[:, None], zero[:, None]
     return torch.clamp(torch.round(w.float() / scale) + zero, 0, spec.maxq).to(torch.int32)
