@@ -233,6 +233,7 @@ def main() -> None:
             "environment": environment(),
             "args": {k: str(v) for k, v in vars(args).items()},
             "commands": COMMANDS,
+            "merged_runs": [json.loads(f.read_text())["args"] for f in args.merge or []],
             "results": results,
             "markdown": table,
         }
