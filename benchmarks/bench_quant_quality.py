@@ -42,6 +42,7 @@ DEFAULT_MODELS = [
     Path("/tmp/llmctl-bench/ts-llama-4l256"),
 ]
 DEFAULT_CONFIGS = ["rtn:mse=0", "rtn", "gptq", "awq"]
+NOISE_PPL = 0.05  # perplexity: 8-bit runs land within 0.005 of fp32, i.e. noise
 COMMANDS = [  # how benchmarks/results/quant_quality.json was made
     "python benchmarks/train_fixture.py",
     "python benchmarks/bench_quant_quality.py --models MODEL --json m.json  (per model)",
@@ -167,7 +168,8 @@ def bench_model(model_dir: Path, args) -> dict:
 
 def add_ratios(rows: list[dict], baselines: list[str]) -> None:
     """r["ratio_to"][b]: each loss (perplexity over fp32) over baseline b's at the same bits and
-    group; None where b did not run or lost nothing (a ratio to <= 0 means nothing)."""
+    group; None where b did not run or lost less than NOISE_PPL (a ratio to noise means
+    nothing)."""
     for r in rows:
         r.pop("ratio_to_rtn", None)  # the single ratio older runs wrote
         r["ratio_to"] = {}
@@ -177,7 +179,7 @@ def add_ratios(rows: list[dict], baselines: list[str]) -> None:
                 for x in rows
                 if (x["bits"], x["group"], x["config"]) == (r["bits"], r["group"], b)
             ]
-            ok = base and base[0] > 0
+            ok = base and base[0] > NOISE_PPL
             r["ratio_to"][b] = r["dppl"] / base[0] if ok else None
 
 
