@@ -95,7 +95,7 @@ def run_llmctl_cli(folder: Path, prompts, outs, dtype: str, threads: int) -> dic
                 "--max-num-seqs",
                 "256",
                 "-q",
-                "--summary-json",
+                "--report-json",
                 str(summary),
             ],
             env=env,

@@ -260,10 +260,10 @@ for name in ("gptq", "awq", "2of4"):
     print(f"{name}: perplexity {r.get('perplexity_before')} -> {r.get('perplexity_after')}")
 EOF
     for m in gptq awq 2of4; do
-        "${cli[@]}" run-batch examples/prompts.jsonl -m "$w/$m" -o "$r/$m-out.jsonl" --max-tokens 16 --device "$DEVICE" --overwrite --quiet --summary-json "$r/$m-summary.json"
+        "${cli[@]}" run-batch examples/prompts.jsonl -m "$w/$m" -o "$r/$m-out.jsonl" --max-tokens 16 --device "$DEVICE" --overwrite --quiet --report-json "$r/$m-summary.json"
         echo "run-batch $m: $(head -c 200 "$r/$m-out.jsonl" | head -1)"
     done
-    "${cli[@]}" eval "$w/gptq" --data "$calib" --seq-len 128 --reference "$demo" --device "$DEVICE" --json --quiet
+    "${cli[@]}" eval "$w/gptq" --data "$calib" --seq-len 128 --reference "$demo" --device "$DEVICE" --report-json - --quiet
     set +e
 }
 

@@ -37,7 +37,8 @@ def _root(
         False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
     ),
 ) -> None:
-    """llmctl: quantize, sparsify, distill, batch-serve, profile and evaluate Llama-family models."""
+    """llmctl: quantize, sparsify, distill, batch-serve, profile and evaluate Llama-family
+    models."""
 
 
 for module in (quantize, sparsify, distill, run_batch, profile, eval_cmd):

@@ -1,4 +1,5 @@
-"""The Python API: `LLM(model).generate(prompts, SamplingParams(...))`, the same engine as the CLI."""
+"""The Python API: `LLM(model).generate(prompts, SamplingParams(...))`, the same engine as the
+CLI. `LLM(model, batch_invariant=True)`: each output independent of its batch-mates (issue 20)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from llmctl.runtime.loader import load_runtime
 
 
 class LLM:
-    """A loaded model with its engine. Engine keywords: see `EngineConfig` (block_size, kv_cache_memory, ...)."""
+    """A loaded model with its engine. Engine keywords: see `EngineConfig` (block_size,
+    kv_cache_memory, batch_invariant, ...)."""
 
     def __init__(
         self,
@@ -28,7 +30,8 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         on_finish: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
-        """Text prompts or token-id lists in; outputs in input order. Bad prompts raise RequestError."""
+        """Text prompts or token-id lists in; outputs in input order. Bad prompts raise
+        RequestError."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = params or SamplingParams()

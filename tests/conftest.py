@@ -35,7 +35,8 @@ def stories_model() -> Path:
 
 
 def make_random_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
-    """Save a tiny randomly initialised HF model of `arch` (llama, mistral, qwen2, qwen3) to `folder`."""
+    """Save a tiny randomly initialised HF model of `arch` (llama, mistral, qwen2, qwen3) to
+    `folder`."""
     import torch
     import transformers
 

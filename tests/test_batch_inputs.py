@@ -1,4 +1,5 @@
-"""run-batch input readers: simple JSONL, OpenAI batch JSONL, Parquet, stdin; every kind of bad row."""
+"""run-batch input readers: simple JSONL, OpenAI batch JSONL, Parquet, stdin; every kind of bad
+row."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ def _source(data: bytes, fmt: str = "jsonl", seekable: bool = True, **kw) -> Jso
 def test_simple_jsonl_rows_ids_and_overrides():
     data = b"".join(
         [
-            b'{"prompt": "ROMEO:", "max_tokens": 5, "temperature": 0.5, "stop": ["\\n"], "seed": 3, "extra": 1}\n',
+            b'{"prompt": "ROMEO:", "max_tokens": 5, "temperature": 0.5, "stop": ["\\n"], '
+            b'"seed": 3, "extra": 1}\n',
             b"\n",  # blank: skipped, keeps its line number
-            b'{"id": "q7", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}\n',
+            b'{"id": "q7", "messages": '
+            b'[{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}\n',
             b'{"id": 42, "prompt_token_ids": [1, 2, 3]}',  # no final newline
         ]
     )

@@ -1,4 +1,5 @@
-"""The run-batch driver loop on a fake engine: ordering, bad rows, --max-errors, resume, memory bounds."""
+"""The run-batch driver loop on a fake engine: ordering, bad rows, --max-errors, resume, memory
+bounds."""
 
 from __future__ import annotations
 
@@ -417,7 +418,8 @@ def test_interrupt_in_the_middle_of_a_row_keeps_the_last_consistent_commit(order
 
 
 def test_traced_memory_does_not_grow_with_the_input():
-    """Python-heap peak for a 20,000-row job stays that of a 2,000-row job (a leak per row would show)."""
+    """Python-heap peak for a 20,000-row job stays that of a 2,000-row job (a leak per row would
+    show)."""
     import tracemalloc
 
     peaks = []

@@ -1,4 +1,5 @@
-"""run-batch totals: log-histogram percentiles, state round trip, the state file and output shapes."""
+"""run-batch totals: log-histogram percentiles, state round trip, the state file and output
+shapes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Block manager in plain Python: exact block ids, reference counts, prefix hits and LRU eviction."""
+"""Block manager in plain Python: exact block ids, reference counts, prefix hits and LRU
+eviction."""
 
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.params import SamplingParams

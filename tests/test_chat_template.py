@@ -117,7 +117,9 @@ def _fake_clock(step: float = 0.01):
 
 
 HOSTILE = {  # template -> what must stop it
-    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}": "longer than",
+    (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    ): "longer than",
     "{% macro f(n) %}{% for i in range(100000) %}{{ f(n) if n else '' }}{% endfor %}{% endmacro %}"
     "{{ f(0) }}{% for i in range(100000) %}{{ f(0) }}{% endfor %}": "longer than",
     "{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}": "output passed",
@@ -147,7 +149,10 @@ HOSTILE = {  # template -> what must stop it
     "{{ ('<>' * 500000) | striptags }}": "steps",
     "{% set l = [['x' * 1000] * 1000] * 1000 %}{{ l | tojson }}": "would build",
     "{{ range(100000) | map('replace', '', 'x' * 100000) | join }}": "in all",
-    "{% set s = 'x'.center(1000000) %}{% for i in range(100000) %}{% set t = s ~ '' %}{% endfor %}": "in all",
+    (
+        "{% set s = 'x'.center(1000000) %}"
+        "{% for i in range(100000) %}{% set t = s ~ '' %}{% endfor %}"
+    ): "in all",
 }
 
 
@@ -258,7 +263,7 @@ def test_run_batch_on_a_model_whose_template_builds_gigabytes(tmp_path):
                 "2",
                 "--device",
                 "cpu",
-                "--summary-json",
+                "--report-json",
                 str(summary),
                 "-q",
             ]

@@ -16,12 +16,6 @@ def test_exit_codes_pass_through(capsys):
     assert main(["_exit7"]) == 7
 
 
-def test_unlanded_command_is_one_line_exit_2(capsys):
-    assert main(["distill", "x"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "not implemented" in err[0]
-
-
 def test_missing_model_folder_is_one_line(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')

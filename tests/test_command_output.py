@@ -71,3 +71,48 @@ def test_sparsify_progress_is_plain_lines_and_quiet_is_quiet(tmp_path, capsys):
         == 0
     )
     assert not re.search(r": \d+/\d+$", capsys.readouterr().err, re.M)
+
+
+def test_report_json_of_maps_an_old_spelling_with_one_warning(capsys):
+    import pytest
+
+    from llmctl.commands._output import json_to_stdout, report_json_of
+    from llmctl.errors import UsageError
+
+    assert report_json_of(None, None, "--json", "--report-json") is None
+    assert report_json_of("r.json", None, "--json", "--report-json") == "r.json"
+    assert capsys.readouterr().err == ""
+    assert report_json_of(None, "old.json", "--json", "--report-json") == "old.json"
+    assert capsys.readouterr().err.strip() == (
+        "llmctl: warning: --json is deprecated; use --report-json"
+    )
+    with pytest.raises(UsageError, match="pass only one"):
+        report_json_of("a.json", "b.json", "--json", "--report-json")
+    assert json_to_stdout("-") and not json_to_stdout("a.json") and not json_to_stdout(None)
+
+
+def test_emit_json_writes_stdout_for_dash_and_a_file_otherwise(tmp_path, capsys):
+    import json
+
+    from llmctl.commands._output import emit_json
+
+    emit_json("-", {"a": 1})
+    assert json.loads(capsys.readouterr().out) == {"a": 1}
+    emit_json(tmp_path / "r.json", {"b": 2})
+    emit_json(None, {"c": 3})
+    assert json.loads((tmp_path / "r.json").read_text()) == {"b": 2}
+    assert capsys.readouterr().out == ""
+
+
+def test_tables_go_to_stderr_when_stdout_carries_json(capsys):
+    from llmctl.commands._output import info, print_table
+
+    print_table("T", [("k", "v")], stderr=True)
+    info("quiet line", quiet=True)
+    info("progress line")
+    captured = capsys.readouterr()
+    assert captured.out == "" and "k" in captured.err and "progress line" in captured.err
+    assert "quiet line" not in captured.err
+    print_table("Cols", [("1", "x")], ("n", "name"), left=("name",))
+    out = capsys.readouterr().out
+    assert "Cols" in out and "name" in out and "x" in out

@@ -93,12 +93,13 @@ def test_quantize_refuses_bad_options_before_loading(
 @pytest.mark.parametrize(
     "argv,needle",
     [
-        (["--block-size", "0"], "--block-size must be a positive number"),
+        (["--column-block", "0"], "--column-block must be a positive number"),
+        (["--block-size", "0"], "--column-block must be a positive number"),  # the old name
         (["--pattern", "2:3"], "--pattern 2:3 is not allowed: N:M needs 0 < N < M and M a power"),
         (["--pattern", "4:256"], "--pattern 4:256 is not allowed"),
         (
-            ["--pattern", "2:4", "--block-size", "2"],
-            "--block-size 2 must be a multiple of the pattern's group width 4",
+            ["--pattern", "2:4", "--column-block", "2"],
+            "--column-block 2 must be a multiple of the pattern's group width 4",
         ),
         (["--num-samples", "0"], "--num-samples must be at least 1"),
         (["--report-json", "no/such/dir/r.json"], "folder no/such/dir does not exist"),
@@ -139,11 +140,11 @@ def test_sparsify_refuses_bad_options_before_loading(
             "{method: gptq, group_size: 64}",
             "96 input features are not a multiple of --group-size 64",
         ),
-        ("{method: gptq, bits: 3}", "--bits must be 4 or 8"),
+        ("{method: gptq, bits: 3}", "recipe quantize.bits: must be 4 or 8, got 3"),
         ("{method: gptq, format: awq, bits: 8}", "--format awq stores 4-bit weights only"),
         ("{method: obs}", "unknown method"),
-        ("{method: gptq, ignore: lm_head}", "`quantize.ignore` must be a list of strings"),
-        ("{method: gptq, act_order: 1}", "`quantize.act_order` must be bool"),
+        ("{method: gptq, ignore: lm_head}", "recipe quantize.ignore: must be a list of strings"),
+        ("{method: gptq, act_order: 1}", "recipe quantize.act_order: must be true or false"),
     ],
 )
 def test_a_recipe_with_a_bad_later_stage_is_refused_before_pruning(
@@ -178,12 +179,15 @@ def test_a_recipe_with_a_bad_later_stage_is_refused_before_pruning(
 
 
 def test_recipe_value_types_are_checked(tmp_path):
-    from llmctl.compress.sparse.recipe import load_recipe
+    from llmctl.compress.recipe import load_recipe
 
     for text, needle in (
-        ("calibration: {num_samples: '8'}\nsparsify: {}", "`calibration.num_samples` must be int"),
-        ("sparsify: {block_size: true}", "`sparsify.block_size` must be int"),
-        ("sparsify: {sparsity: yes}", "`sparsify.sparsity` must be float or int"),
+        (
+            "calibration: {num_samples: '8'}\nsparsify: {}",
+            "recipe calibration.num_samples: must be an integer",
+        ),
+        ("sparsify: {block_size: true}", "recipe sparsify.block_size: must be an integer"),
+        ("sparsify: {sparsity: yes}", "recipe sparsify.sparsity: must be a number"),
     ):
         (tmp_path / "r.yaml").write_text(text)
         with pytest.raises(UsageError, match=re.escape(needle)):
@@ -220,7 +224,15 @@ def test_profile_estimate_resolves_auto_like_quantize(tmp_path):
     record = tmp_path / "e.json"
     assert (
         main(
-            ["profile", "--estimate", str(DEMO_MODEL_DIR), "--dtype", "int4", "--json", str(record)]
+            [
+                "profile",
+                "--estimate",
+                str(DEMO_MODEL_DIR),
+                "--dtype",
+                "int4",
+                "--report-json",
+                str(record),
+            ]
         )
         == 0
     )

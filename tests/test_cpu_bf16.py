@@ -1,4 +1,5 @@
-"""bf16 linears through float32 slabs (kernels/cpu_bf16.py) against float32 math, and when they run."""
+"""bf16 linears through float32 slabs (kernels/cpu_bf16.py) against float32 math, and when they
+run."""
 
 from __future__ import annotations
 

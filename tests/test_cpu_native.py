@@ -1,4 +1,5 @@
-"""The native CPU kernels (paged decode attention, linear) against their plain-PyTorch references."""
+"""The native CPU kernels (paged decode attention, linear) against their plain-PyTorch
+references."""
 
 from __future__ import annotations
 

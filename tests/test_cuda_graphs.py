@@ -33,7 +33,8 @@ def llama(tmp_path_factory):
 
 
 def _generate(path, device, dtype, static: str, prompts, params, **kw):
-    """static: "off" (per-step tensors), "eager" (static buffers, no graph), "graph" (CUDA graphs)."""
+    """static: "off" (per-step tensors), "eager" (static buffers, no graph), "graph" (CUDA
+    graphs)."""
     llm = LLM(
         str(path), dtype=dtype, device=device, kv_cache_memory=8 * 1024**2, cuda_graphs=False, **kw
     )

@@ -83,7 +83,8 @@ def test_shakespeare_text_prompts_match_transformers(shakespeare_model):
     texts = [
         "ROMEO:",
         "First Citizen:\nBefore we proceed any further, hear me speak.",
-        "KING RICHARD III:\nNow is the winter of our discontent\nMade glorious summer by this sun of York;",
+        "KING RICHARD III:\nNow is the winter of our discontent\n"
+        "Made glorious summer by this sun of York;",
     ]
     prompts = [llm.runtime.encode(t) for t in texts]
     outs = llm.generate(texts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))

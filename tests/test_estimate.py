@@ -156,7 +156,7 @@ def test_cli_estimate_prints_and_writes_json(tmp_path, capsys):
             "1MiB",
             "--bandwidth",
             "100",
-            "--json",
+            "--report-json",
             str(out),
         ]
     )

@@ -1,5 +1,5 @@
-"""`llmctl eval` and llmctl.runtime.evaluate: which tokens are scored, exact values on toy models, and
-agreement with a direct transformers computation on tinyshakespeare-5m."""
+"""`llmctl eval` and llmctl.runtime.evaluate: which tokens are scored, exact values on toy models,
+and agreement with a direct transformers computation on tinyshakespeare-5m."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from llmctl.runtime.evaluate import perplexity, plan_windows
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """Multi-threaded CPU GEMMs crawl when the test machine's cores are oversubscribed; one thread is steady."""
+    """Multi-threaded CPU GEMMs crawl when the test machine's cores are oversubscribed; one thread
+    is steady."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -24,7 +25,8 @@ def one_thread():
 
 
 class TableModel(torch.nn.Module):
-    """Logits depend only on the previous token: row `logits[prev]` (fixed), so every quantity is computable by hand."""
+    """Logits depend only on the previous token: row `logits[prev]` (fixed), so every quantity is
+    computable by hand."""
 
     def __init__(self, table: torch.Tensor):
         super().__init__()
@@ -46,7 +48,7 @@ def test_windows_score_each_token_once(n, seq_len, stride):
         assert w.end - w.begin <= seq_len and w.begin < w.score_from
     if stride < seq_len:
         assert scored == list(range(1, n))
-    else:  # non-overlapping windows: each window's first token has no context and is skipped (as HF does)
+    else:  # non-overlapping windows: each window's first token has no context: skipped, as in HF
         assert set(range(1, n)) - set(scored) == {w.begin for w in windows[1:]}
 
 
@@ -95,8 +97,8 @@ def test_batched_windows_equal_one_at_a_time(monkeypatch):
 
 
 def _hf_strided_perplexity(hf_model, ids: torch.Tensor, seq_len: int, stride: int) -> float:
-    """Hugging Face's documented strided-perplexity loop, weighting each window's mean loss by the labels
-    it really scores (after transformers' internal shift)."""
+    """Hugging Face's documented strided-perplexity loop, weighting each window's mean loss by the
+    labels it really scores (after transformers' internal shift)."""
     n = ids.size(1)
     nll_sum, count, prev_end = 0.0, 0, 0
     for begin in range(0, n, stride):
@@ -137,8 +139,8 @@ def test_matches_transformers_on_tinyshakespeare(shakespeare_model):
 
 def test_cli_eval_text_and_jsonl(tmp_path, capsys, shakespeare_model):
     text = (
-        "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
-        * 3
+        "ROMEO:\nBut soft, what light through yonder window breaks?\n"
+        "It is the east, and Juliet is the sun.\n" * 3
     )
     plain = tmp_path / "d.txt"
     plain.write_text(text)
@@ -152,7 +154,8 @@ def test_cli_eval_text_and_jsonl(tmp_path, capsys, shakespeare_model):
         "16",
         "--dtype",
         "float32",
-        "--json",
+        "--report-json",
+        "-",
         "-q",
     ]
     assert main(["eval", *args, "--data", str(plain), "--reference", str(shakespeare_model)]) == 0
@@ -183,3 +186,19 @@ def test_cli_eval_errors(tmp_path, capsys):
     assert main(["eval", "--data", str(small), "--seq-len", "100000"]) == 2
     assert "exceeds the model's context" in capsys.readouterr().err
     assert main(["eval", "--data", str(small), "--seq-len", "16", "--stride", "32"]) == 2
+
+
+def test_cli_eval_old_json_switch_still_prints_json(tmp_path, capsys):
+    small = tmp_path / "s.txt"
+    small.write_text("hello there, friends of Rome. " * 8)
+    argv = ["eval", "--data", str(small), "--seq-len", "16", "--max-tokens", "24", "-q"]
+    assert main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "--json is deprecated; use --report-json -" in captured.err
+    assert json.loads(captured.out)["schema"] == "llmctl.eval"  # only the JSON on stdout
+    assert main(argv) == 0
+    assert "perplexity" in capsys.readouterr().out  # the table without JSON
+    out = tmp_path / "e.json"
+    assert main([*argv, "--report-json", str(out)]) == 0
+    assert "perplexity" in capsys.readouterr().out and json.loads(out.read_text())["result"]
+    assert main([*argv, "--json", "--report-json", str(out)]) == 2

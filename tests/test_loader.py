@@ -99,7 +99,8 @@ def test_weights_are_owned_aligned_copies_not_views_of_the_file(tmp_path):
     folder = make_random_model(tmp_path, "llama", seed=2)
     model, _ = load_model(folder, dtype="float32")
     params = list(model.parameters())
-    # safetensors data sits at the file's (8-byte) alignment; our own allocations are 64-byte aligned
+    # safetensors data sits at the file's (8-byte) alignment; our own allocations are 64-byte
+    # aligned
     assert all(p.data_ptr() % 64 == 0 for p in params)
     file_bytes = (folder / "model.safetensors").read_bytes()
     before = params[0].detach().clone()

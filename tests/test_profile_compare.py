@@ -1,4 +1,5 @@
-"""`profile compare` (regression exit codes for CI), `--measure-machine` and its cache, `profile --help`."""
+"""`profile compare` (regression exit codes for CI), `--measure-machine` and its cache, `profile
+--help`."""
 
 from __future__ import annotations
 
@@ -203,7 +204,7 @@ def test_measure_machine_cli_and_estimate_uses_cached_bandwidth(tmp_path, monkey
         )
     )
     out = tmp_path / "e.json"
-    assert main(["profile", "--estimate", str(cfg), "--json", str(out)]) == 0
+    assert main(["profile", "--estimate", str(cfg), "--report-json", str(out)]) == 0
     record = json.loads(out.read_text())
     assert (
         record["estimate"]["bandwidth"] == 5e10

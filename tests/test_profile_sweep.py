@@ -26,8 +26,8 @@ class FakeBlockManager:
 
 
 class FakeEngine:
-    """Prefills every waiting request in one step of `prefill_s`, then decodes one token per request per
-    step of `decode_s`, on a virtual clock (so the expected metrics are exact)."""
+    """Prefills every waiting request in one step of `prefill_s`, then decodes one token per request
+    per step of `decode_s`, on a virtual clock (so the expected metrics are exact)."""
 
     def __init__(self, prefill_s=0.5, decode_s=0.01):
         self.prefill_s, self.decode_s = prefill_s, decode_s
@@ -156,7 +156,8 @@ def test_formulas_name_every_metric():
 
 @pytest.fixture()
 def one_thread():
-    """Multi-threaded CPU GEMMs crawl when the test machine's cores are oversubscribed; one thread is steady."""
+    """Multi-threaded CPU GEMMs crawl when the test machine's cores are oversubscribed; one thread
+    is steady."""
     import torch
 
     before = torch.get_num_threads()
@@ -167,7 +168,8 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def sweep_files(tmp_path_factory):
-    """A real sweep on tinyshakespeare-5m (the embedded demo copy of it when ../shared is absent)."""
+    """A real sweep on tinyshakespeare-5m (the embedded demo copy of it when ../shared is
+    absent)."""
     from tests.conftest import SHARED
 
     model = SHARED / "models" / "tinyshakespeare-5m"
@@ -190,7 +192,7 @@ def sweep_files(tmp_path_factory):
         "float32",
         "--device",
         "cpu",
-        "--json",
+        "--report-json",
         str(files["json"]),
         "--csv",
         str(files["csv"]),

@@ -179,8 +179,9 @@ def test_transformers_loads_our_compressed_tensors_output_with_matching_logits(t
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "ct"
-    # symmetric: transformers cannot load asymmetric pack-quantized files with this compressed-tensors
-    # (its meta-device path expects an unpacked zero point; vllm-project/llm-compressor#1618)
+    # symmetric: transformers cannot load asymmetric pack-quantized files with this
+    # compressed-tensors (its meta-device path expects an unpacked zero point;
+    # vllm-project/llm-compressor#1618)
     rc, _ = _quantize(tiny_dir, out, "--gptq", "--symmetric")
     assert rc == 0
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
@@ -246,7 +247,8 @@ def test_calibration_readers_and_default(tmp_path):
 
 
 def test_built_in_calibration_warning_only_where_data_is_calibrated_on(tmp_path):
-    """Without --calib the built-in text is used; RTN reads only weights, so only GPTQ gets the warning."""
+    """Without --calib the built-in text is used; RTN reads only weights, so only GPTQ gets the
+    warning."""
     from llmctl.compress.calib_data import DEFAULT_WARNING
     from llmctl.runtime.resolve import resolve_model_path
 

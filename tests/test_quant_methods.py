@@ -93,7 +93,7 @@ def test_gptq_beats_rtn_on_output_error(act_order):
     w, x = _layer()
     H = 2 * x.t() @ x / x.shape[0]
     spec = QuantSpec(4, 16, symmetric=False)
-    r = quantize_gptq(w, H, spec, act_order=act_order, block_size=32)
+    r = quantize_gptq(w, H, spec, act_order=act_order, column_block=32)
     rtn = quantize_rtn(w, spec)
     assert _out_err(x, w, r.weight) < 0.8 * _out_err(x, w, rtn.weight)
     assert torch.equal(r.weight, dequantize(r.codes, r.scales, r.zeros, r.group_index()))

@@ -93,8 +93,8 @@ def test_gptq_refit_reads_pending_updates_of_later_blocks():
     w, x = _layer(out_f=8)
     H = _hessian(x)
     spec = QuantSpec(4, 32, False, torch.float32)
-    small = quantize_gptq(w, H, spec, act_order=True, refit_groups=True, block_size=8)
-    whole = quantize_gptq(w, H, spec, act_order=True, refit_groups=True, block_size=128)
+    small = quantize_gptq(w, H, spec, act_order=True, refit_groups=True, column_block=8)
+    whole = quantize_gptq(w, H, spec, act_order=True, refit_groups=True, column_block=128)
     assert torch.allclose(small.scales, whole.scales, rtol=1e-4, atol=1e-6)
     assert (small.codes == whole.codes).float().mean() > 0.99
 

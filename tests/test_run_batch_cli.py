@@ -1,4 +1,5 @@
-"""`llmctl run-batch` through `llmctl.cli.main`, serving a fake engine: formats, resume rules, exit codes."""
+"""`llmctl run-batch` through `llmctl.cli.main`, serving a fake engine: formats, resume rules, exit
+codes."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def test_simple_jsonl_end_to_end(tmp_path, engines, capsys):
             "-o",
             str(out),
             "--include-token-ids",
-            "--summary-json",
+            "--report-json",
             str(summary),
         ]
     )
@@ -261,7 +262,7 @@ def test_max_errors_exits_3_and_keeps_written_rows(tmp_path, engines, capsys):
                 "-q",
                 "--max-errors",
                 "2",
-                "--summary-json",
+                "--report-json",
                 str(summary),
             ]
         )
@@ -415,9 +416,11 @@ def test_odd_json_values_become_error_rows_or_round_trip(tmp_path, engines):
         tmp_path / "in.jsonl",
         [],
         raw_lines=[
-            b'{"id": "a\\ud800", "prompt": "x", "max_tokens": 1}',  # lone surrogate in an id: echoed back as an escape
+            # lone surrogate in an id: echoed back as an escape
+            b'{"id": "a\\ud800", "prompt": "x", "max_tokens": 1}',
             b'{"prompt": "x", "temperature": NaN}',
-            b'{"prompt": "\\udc80"}',  # not text: a clear invalid_text, not the tokenizer's TypeError
+            # not text: a clear invalid_text, not the tokenizer's TypeError
+            b'{"prompt": "\\udc80"}',
             b'{"prompt": "x", "max_tokens": 1.5}',
             b'{"prompt": "x", "stop": [1]}',
         ],

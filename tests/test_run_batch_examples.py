@@ -81,6 +81,7 @@ def test_help_and_readme_examples_run_in_order_on_a_fresh_checkout(tmp_path, cap
         rows = [json.loads(line) for line in out.read_bytes().splitlines()]
         assert len(rows) == n_prompts and all(r["error"] is None for r in rows)
     assert len((tmp_path / "out-head.jsonl").read_bytes().splitlines()) == 2
+    assert json.loads((tmp_path / "s.json").read_text())["rows"] == n_prompts  # --report-json
 
     import pyarrow.parquet as pq
 

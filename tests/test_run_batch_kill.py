@@ -1,4 +1,5 @@
-"""run-batch in a child process on a slow fake engine: kill -9, SIGINT, SIGTERM, then resume; stdin to stdout."""
+"""run-batch in a child process on a slow fake engine: kill -9, SIGINT, SIGTERM, then resume; stdin
+to stdout."""
 
 from __future__ import annotations
 

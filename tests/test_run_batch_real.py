@@ -1,4 +1,5 @@
-"""`llmctl run-batch` end to end on the real engine and the embedded demo model (float32, greedy, CPU)."""
+"""`llmctl run-batch` end to end on the real engine and the embedded demo model (float32, greedy,
+CPU)."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def test_demo_model_rows_match_the_engine_and_bad_rows_are_reported(tmp_path, re
                 "-o",
                 str(out),
                 "--include-token-ids",
-                "--summary-json",
+                "--report-json",
                 str(summary),
                 *ENGINE_ARGS,
             ]
@@ -194,7 +195,7 @@ def test_speculative_run_batch_gives_the_plain_greedy_rows_and_reports_acceptanc
     summary = tmp_path / "s.json"
     assert main(["run-batch", str(inp), "-o", str(plain), *args]) == 0
     assert (
-        main(["run-batch", str(inp), "-o", str(fast), "--summary-json", str(summary), *args, *spec])
+        main(["run-batch", str(inp), "-o", str(fast), "--report-json", str(summary), *args, *spec])
         == 0
     )
     assert read_jsonl(fast) == read_jsonl(plain)

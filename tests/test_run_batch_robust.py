@@ -15,7 +15,7 @@ import pytest
 from test_run_batch_cli import InterruptAt, engines, prompts, read_jsonl, write_jsonl  # noqa: F401
 
 import llmctl.commands.run_batch as rb
-from llmctl.batch import outputs, runner
+from llmctl.batch import driver, outputs, runner
 from llmctl.batch.fake import FakeEngine, FakeRuntime
 from llmctl.batch.journal import journal_path, state_path
 from llmctl.cli import main
@@ -265,10 +265,10 @@ def counting_loads(monkeypatch):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--summary-json", "{tmp}/nowhere/s.json"], "does not exist"),
-        (["--summary-json", "{tmp}"], "is a folder"),
-        (["--summary-json", "{tmp}/in.jsonl"], "it is the input file"),
-        (["--summary-json", "{tmp}/out.jsonl.llmctl-state.json"], "one of the job's own files"),
+        (["--report-json", "{tmp}/nowhere/s.json"], "does not exist"),
+        (["--report-json", "{tmp}"], "is a folder"),
+        (["--report-json", "{tmp}/in.jsonl"], "it is the input file"),
+        (["--report-json", "{tmp}/out.jsonl.llmctl-state.json"], "one of the job's own files"),
         (["-o", "/dev/null"], "not a regular file"),
         (["-o", "{tmp}"], "is a folder"),
         (["-o", "{tmp}/nowhere/o.jsonl"], "does not exist"),
@@ -349,13 +349,13 @@ def test_a_summary_that_cannot_be_written_at_the_end_is_one_line(tmp_path, monke
                 "-o",
                 str(tmp_path / "o.jsonl"),
                 "-q",
-                "--summary-json",
+                "--report-json",
                 str(folder / "s.json"),
             ]
         )
         == 1
     )
-    assert "cannot write --summary-json" in one_line_error(capsys)
+    assert "cannot write --report-json" in one_line_error(capsys)
     assert len(read_jsonl(tmp_path / "o.jsonl")) == 3  # the rows are kept
 
 
@@ -435,7 +435,7 @@ def test_without_o_the_output_is_written_beside_the_input_and_named(tmp_path, en
 
     inp = write_jsonl(tmp_path / "prompts.jsonl", prompts(4))
     summary = tmp_path / "s.json"
-    assert main(["run-batch", str(inp), "--summary-json", str(summary)]) == 0
+    assert main(["run-batch", str(inp), "--report-json", str(summary)]) == 0
     out = tmp_path / "prompts.out.jsonl"
     assert len(read_jsonl(out)) == 4 and state_path(out).exists()
     assert str(out) in capsys.readouterr().err
@@ -534,7 +534,7 @@ def test_ctrl_c_while_converting_to_parquet_finishes_on_rerun(
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runner, "journal_to_parquet", interrupted)
+    monkeypatch.setattr(driver, "journal_to_parquet", interrupted)
     assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 130
     assert "while finishing" in one_line_error(capsys) and journal_path(out).exists()
     monkeypatch.undo()

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from llmctl.cli import main
+from llmctl.compress.recipe import load_recipe, merge_args
 from llmctl.compress.sparse.job import SparsifyArgs, run_sparsify
-from llmctl.compress.sparse.recipe import load_recipe, merge_args
 from llmctl.errors import UsageError
 from llmctl.runtime.semi_structured import satisfies_nm
 from tests.conftest import REPO, make_random_model
@@ -218,7 +218,8 @@ def test_recipe_values_and_flag_overrides(tmp_path):
 
 
 def test_recipe_sparsify_then_gptq_keeps_every_zero(tiny, tmp_path):
-    """2:4 SparseGPT then 4-bit GPTQ in one run; the packed output dequantizes to exact 2:4 zeros."""
+    """2:4 SparseGPT then 4-bit GPTQ in one run; the packed output dequantizes to exact 2:4
+    zeros."""
     from llmctl.runtime.formats import read_quantized
 
     model, calib = tiny

@@ -96,7 +96,8 @@ def test_semi_structured_path_stays_dense_on_cpu(tmp_path):
 
 
 def test_semi_structured_decisions_follow_the_timer(tmp_path, monkeypatch):
-    """The CUDA path's choice logic, with the device check, conversion and timing faked on the CPU."""
+    """The CUDA path's choice logic, with the device check, conversion and timing faked on the
+    CPU."""
     import llmctl.runtime.semi_structured as ss
 
     src = make_random_model(tmp_path / "src", "llama", hidden_size=64, intermediate_size=128)
@@ -129,7 +130,8 @@ def test_semi_structured_decisions_follow_the_timer(tmp_path, monkeypatch):
 
 
 def test_loader_sends_2of4_checkpoints_through_the_semi_structured_path(tmp_path, monkeypatch):
-    """load_model (so LLM and run-batch) tries the sparse path on a saved 2:4 checkpoint; dense ones skip it."""
+    """load_model (so LLM and run-batch) tries the sparse path on a saved 2:4 checkpoint; dense ones
+    skip it."""
     import llmctl.runtime.semi_structured as ss
 
     src = make_random_model(tmp_path / "src", "llama", hidden_size=64, intermediate_size=128)
@@ -175,7 +177,8 @@ def test_gpu_benchmark_entry_point_skips_without_cuda(capsys):
 
 
 def test_wanda_norm_method_matches_hessian_diagonal(tmp_path):
-    """The driver's O(in) Wanda statistics give the same masks as sqrt(diag H) from the GPTQ Hessian."""
+    """The driver's O(in) Wanda statistics give the same masks as sqrt(diag H) from the GPTQ
+    Hessian."""
     from llmctl.compress.driver import HessianMethod, calibrate_layers
     from llmctl.compress.sparse.prune import prune_linear
 

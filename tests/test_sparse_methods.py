@@ -1,4 +1,5 @@
-"""Pure pruning functions on tiny layers: masks, magnitude, Wanda and SparseGPT (no model needed)."""
+"""Pure pruning functions on tiny layers: masks, magnitude, Wanda and SparseGPT (no model
+needed)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,15 @@ from llmctl.errors import UsageError
 from llmctl.runtime.semi_structured import satisfies_nm
 
 
-def _hinv_chol(h: torch.Tensor, percdamp: float = 0.01) -> torch.Tensor:
+def _hinv_chol(h: torch.Tensor, dampening: float = 0.01) -> torch.Tensor:
     """Upper Cholesky factor of (H + damp I)^-1, via the shared helper when it exists."""
     try:
         from llmctl.compress.hessian import damped_cholesky_inverse
     except ImportError:
-        damp = percdamp * torch.diagonal(h).mean()
+        damp = dampening * torch.diagonal(h).mean()
         hd = h + damp * torch.eye(h.shape[0], dtype=h.dtype)
         return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hd)), upper=True)
-    return damped_cholesky_inverse(h.clone(), percdamp)
+    return damped_cholesky_inverse(h.clone(), dampening)
 
 
 def _layer(rows: int = 16, cols: int = 64, tokens: int = 512, seed: int = 0):
@@ -157,7 +158,7 @@ def test_wanda_reconstructs_better_than_magnitude():
 def test_sparsegpt_pattern_and_exact_zeros(spec):
     w, x = _layer(rows=12, cols=96)
     pattern = parse_pattern(spec, None) if isinstance(spec, str) else parse_pattern(None, spec)
-    res = sparsegpt_prune(w, _hinv_chol(_hessian(x)), pattern, blocksize=32)
+    res = sparsegpt_prune(w, _hinv_chol(_hessian(x)), pattern, column_block=32)
     assert torch.equal(
         res.mask, res.weight == 0
     )  # pruned exactly zero, kept ones (random floats) not
@@ -174,7 +175,7 @@ def test_sparsegpt_beats_magnitude_and_wanda_on_reconstruction():
     w, x = _layer(rows=32, cols=128, tokens=1024)
     pattern = parse_pattern("2:4", None)
     h = _hessian(x)
-    res = sparsegpt_prune(w, _hinv_chol(h), pattern, blocksize=64)
+    res = sparsegpt_prune(w, _hinv_chol(h), pattern, column_block=64)
     err_sgpt = _recon_error(x, w, res.weight)
     err_wanda = _recon_error(
         x, w, apply_mask(w, wanda_mask(w, input_norms_from_hessian(h), pattern))
@@ -188,7 +189,7 @@ def test_sparsegpt_beats_magnitude_and_wanda_on_reconstruction():
 def test_sparsegpt_with_isotropic_hessian_is_magnitude():
     """H = c I: no cross-column correlation, so no update and saliency ordering = |w|."""
     w, _ = _layer(rows=8, cols=64)
-    u = _hinv_chol(3.0 * torch.eye(64, dtype=torch.float64), percdamp=0.0)
+    u = _hinv_chol(3.0 * torch.eye(64, dtype=torch.float64), dampening=0.0)
     pattern = parse_pattern("2:4", None)
     res = sparsegpt_prune(w, u, pattern)
     assert torch.equal(res.mask, magnitude_mask(w, pattern))
@@ -200,8 +201,8 @@ def test_sparsegpt_block_size_independent_for_nm():
     w, x = _layer(rows=8, cols=64)
     u = _hinv_chol(_hessian(x))
     pattern = parse_pattern("2:4", None)
-    a = sparsegpt_prune(w, u, pattern, blocksize=8)
-    b = sparsegpt_prune(w, u, pattern, blocksize=64)
+    a = sparsegpt_prune(w, u, pattern, column_block=8)
+    b = sparsegpt_prune(w, u, pattern, column_block=64)
     assert torch.equal(a.mask, b.mask)
     torch.testing.assert_close(a.weight, b.weight, rtol=1e-4, atol=1e-4)
 

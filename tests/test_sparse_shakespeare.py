@@ -69,7 +69,8 @@ def test_wanda_and_sparsegpt_beat_magnitude_at_2of4(setup):
 
 
 def test_2of4_then_gptq_4bit_keeps_zeros(setup):
-    """SparseGPT 2:4, then GPTQ 4-bit (group 64, act-order) calibrated on the sparse model's inputs."""
+    """SparseGPT 2:4, then GPTQ 4-bit (group 64, act-order) calibrated on the sparse model's
+    inputs."""
     model, state, calib, held = setup
     result = _prune(model, state, "sparsegpt", calib)
     sparse_ppl = _ppl(model, held)

@@ -65,7 +65,8 @@ def test_speculation_stops_at_large_batch(shakespeare_model):
 
 
 def test_verify_preserves_the_target_distribution():
-    """Point-mass drafts through the accept/reject rule: emitted tokens follow the target exactly."""
+    """Point-mass drafts through the accept/reject rule: emitted tokens follow the target
+    exactly."""
     target = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]])
     logits = target.log()
     params = SamplingParams(temperature=1.0)

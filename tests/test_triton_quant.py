@@ -2,7 +2,8 @@
 on the CPU through TRITON_INTERPRET=1 (and on CUDA when there is one), and QuantLinear's routing.
 
 The kernel runs in a subprocess: the interpreter flag must be set before triton is first imported.
-bfloat16 is checked on CUDA only: triton 3.9's interpreter multiplies bf16's uint16 storage in tl.dot.
+bfloat16 is checked on CUDA only: triton 3.9's interpreter multiplies bf16's uint16 storage in
+tl.dot.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ SCRIPT = textwrap.dedent(
     for bits, gs, m, n, k in [(4, 32, 1, 40, 64), (4, 16, 5, 72, 64), (4, 128, 33, 24, 256),
                               (8, 64, 33, 100, 128), (8, 32, 5, 20, 64)]:
         for dt in dtypes:
-            q = torch.randint(0, 256 if bits == 4 else 2**bits, (n, k // 2 if bits == 4 else k), generator=g,
+            shape = (n, k // 2 if bits == 4 else k)
+            q = torch.randint(0, 256 if bits == 4 else 2**bits, shape, generator=g,
                               dtype=torch.uint8)
             s = (torch.rand(n, k // gs, generator=g) * 0.01 + 0.001).to(dt)
             z = torch.randint(0, 2**bits, (n, k // gs), generator=g, dtype=torch.uint8)
@@ -46,8 +48,9 @@ SCRIPT = textwrap.dedent(
             err = (out.float() - ref).abs().max().item()
             assert err <= tol * ref.abs().max().item(), (bits, gs, m, n, k, dt, err)
 
-    # QuantLinear's packed buffers go straight into the kernel: forward through it (routing forced on
-    # so the CPU interpreter runs it too) matches the dequantized matmul, bias and act-order included.
+    # QuantLinear's packed buffers go straight into the kernel: forward through it (routing forced
+    # on so the CPU interpreter runs it too) matches the dequantized matmul, bias and act-order
+    # included.
     ql._use_triton = lambda *a: True
     for bits in (4, 8):
         codes = torch.randint(0, 2**bits, (48, 64), generator=g, dtype=torch.int32)

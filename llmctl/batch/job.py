@@ -157,7 +157,8 @@ class BatchJob:
         except AbortedError:
             raise  # committed by _check_errors before raising
         except BaseException:
-            # Ctrl-C can land anywhere; commit only when the bookkeeping is not half-updated (otherwise
+            # Ctrl-C can land anywhere; commit only when the bookkeeping is not half-updated
+            # (otherwise
             # the previous commit stays the resume point and the rows after it are served again).
             if not self._busy:
                 self._safe_commit()
@@ -327,7 +328,7 @@ class BatchJob:
                 f"stopped after {self.stats.errors} failed rows (--max-errors {limit}); "
                 f"{self.stats.rows} rows are written and kept"
             )
-            error.stats = self.stats  # for --summary-json
+            error.stats = self.stats  # for --report-json
             raise error
 
     # -- commits and progress -------------------------------------------------------------------

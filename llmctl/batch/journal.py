@@ -166,7 +166,8 @@ def _opt_str(v: object) -> str | None:
 
 
 def fingerprint_mismatch(saved: dict, current: dict) -> str | None:
-    """A one-line description of the first setting that differs, or None when a rerun may continue."""
+    """A one-line description of the first setting that differs, or None when a rerun may
+    continue."""
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key), current.get(key)
         if a != b:

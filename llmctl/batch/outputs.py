@@ -133,8 +133,8 @@ def openai_record(
 
 
 def encode_record(rec: dict) -> bytes:
-    """One JSONL line. A lone surrogate (from a "\\ud800" escape in the input) is written back as the same
-    JSON escape, so the line stays valid UTF-8 and valid JSON."""
+    """One JSONL line. A lone surrogate (from a "\\ud800" escape in the input) is written back as
+    the same JSON escape, so the line stays valid UTF-8 and valid JSON."""
     return (json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n").encode(
         "utf-8", "backslashreplace"
     )

@@ -121,7 +121,7 @@ class BatchStats:
         return BatchStats.from_state(self.to_state())
 
     def summary(self) -> dict:
-        """The end-of-job report (also written by --summary-json). Times in seconds."""
+        """The end-of-job report (also written by --report-json). Times in seconds."""
         t = self.elapsed_s
 
         def pct(h: LogHistogram) -> dict[str, float | None]:

@@ -29,7 +29,8 @@ def default_of(cls: type, name: str) -> str:
     """' (default: X)' for dataclass `cls`'s field `name`, for help text."""
     for f in fields(cls):
         if f.name == name:
-            value = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+            factory = f.default_factory
+            value = f.default if f.default is not MISSING else factory()  # type: ignore[misc]
             if isinstance(value, bool):
                 return ""  # a --x/--no-x switch shows its default itself
             return f" (default: {value})"

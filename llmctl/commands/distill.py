@@ -1,16 +1,247 @@
-"""`llmctl distill`: not available yet (see the project's issue tracker)."""
+"""`llmctl distill`: knowledge distillation of a teacher model into a smaller student.
+
+The work is in llmctl.train (job.py); this file parses options, shows training progress (a Rich
+bar with loss, KL, tokens/s and ETA on a terminal, plain lines otherwise) and prints the report.
+"""
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
+from dataclasses import fields
+from pathlib import Path
+from typing import Annotated, Iterator, Optional
+
 import typer
 
-from llmctl.errors import NotImplementedYet
+from llmctl.commands._options import (
+    DeviceOpt,
+    DtypeOpt,
+    EvalDataOpt,
+    QuietOpt,
+    ReportJsonOpt,
+    default_of,
+    given,
+    path_str,
+)
+from llmctl.train.args import DistillArgs
+
+HELP = """Distill TEACHER into a smaller student trained to match its next-token distributions.
+
+\b
+Examples (on the embedded demo model; use your own model folder or hub id):
+  llmctl distill --teacher llmctl/data/demo-model -o demo-student \\
+      --student-layers 2 --data llmctl/compress/data/calib_default.txt \\
+      --steps 4 --batch-size 2 --seq-len 32
+  llmctl distill --teacher llmctl/data/demo-model -o demo-jsd \\
+      --student demo-student --data llmctl/compress/data/calib_default.txt \\
+      --loss jsd --beta 0.5 --steps 4 --batch-size 2 --seq-len 32 --eval-every 2
+  llmctl distill --teacher llmctl/data/demo-model -o demo-ce --student-layers 1 \\
+      --data llmctl/compress/data/calib_default.txt --alpha-ce 1 \\
+      --steps 2 --batch-size 2 --seq-len 32 --report-json demo-ce.json
+
+\b
+Student: --student-layers N copies N evenly spaced teacher layers (first and
+  last kept) with its embeddings, final norm and lm_head; --student S is an
+  existing model with the teacher's tokenizer; --student-config FILE a fresh
+  model of a config.json (random weights from --seed).
+--data / --eval-data: JSONL or Parquet rows with text, prompt + completion
+  (loss on the completion only) or messages (the chat template; loss on the
+  assistant tokens only), or plain text; packed into --seq-len sequences and
+  streamed. Without --eval-data, --eval-every holds out the last 10% of
+  --data's sequences.
+--loss: fkl, forward KL(teacher || student) on distributions softened by
+  --temperature, scaled by T^2; rkl, reverse KL; jsd, GKD's generalised
+  Jensen-Shannon divergence with --beta; tvd, total variation. Every loss is
+  mixed with cross-entropy: (1 - alpha_ce) * divergence + alpha_ce * CE.
+Training: AdamW, --warmup steps of linear warm-up then cosine decay to lr/10,
+  --grad-accum micro-batches per step, gradients clipped at norm 1. --dtype is
+  the teacher's; the student trains and is saved in float32 (with bf16 or fp16
+  autocast on CUDA when the teacher runs in that dtype).
+The output is an ordinary Hugging Face folder (config.json, model.safetensors,
+  the teacher's tokenizer, distill.yaml, distill_report.json) that run-batch,
+  eval and quantize load, and a --draft for its teacher in run-batch. It is
+  written in OUTPUT/.llmctl-work and moved into place at the end. Ctrl-C (or
+  --save-every) saves a checkpoint there; the same command with --resume
+  continues it exactly. Under torchrun every rank takes its share of each
+  batch and only rank 0 writes.
+"""
+
+D = DistillArgs
+
+
+def _o(kind, flag: str, text: str, field: str | None = None):
+    """An Annotated option of type `kind` defaulting to None (DistillArgs owns the default)."""
+    suffix = default_of(D, field) if field else ""
+    return Annotated[Optional[kind], typer.Option(flag, help=text + suffix, show_default=False)]
+
+
+TeacherOpt = Annotated[str, typer.Option("--teacher", help="Teacher model folder or hub id.")]
+OutputOpt = Annotated[Path, typer.Option("--output", "-o", help="Output folder.")]
+DataOpt = Annotated[Path, typer.Option("--data", help="Training data: .jsonl, .parquet or text.")]
+StudentOpt = _o(str, "--student", "Existing student model (the teacher's tokenizer).")
+LayersOpt = _o(int, "--student-layers", "Student of N evenly spaced teacher layers.")
+ConfigOpt = _o(Path, "--student-config", "config.json of a fresh student.")
+StepsOpt = _o(int, "--steps", "Optimizer steps.", "steps")
+BatchOpt = _o(int, "--batch-size", "Sequences per micro-batch (per rank).", "batch_size")
+AccumOpt = _o(int, "--grad-accum", "Micro-batches per step.", "grad_accum")
+SeqLenOpt = _o(int, "--seq-len", "Tokens per sequence.", "seq_len")
+LrOpt = _o(float, "--lr", "Peak learning rate.", "lr")
+WarmupOpt = _o(int, "--warmup", "Warm-up steps.", "warmup")
+LossOpt = _o(str, "--loss", "fkl, rkl, jsd or tvd.", "loss")
+BetaOpt = _o(float, "--beta", "jsd's mixture weight of the teacher.", "beta")
+TempOpt = _o(float, "--temperature", "Softening temperature.", "temperature")
+AlphaOpt = _o(float, "--alpha-ce", "Weight of cross-entropy (0 to 1).", "alpha_ce")
+EvalEveryOpt = _o(int, "--eval-every", "Evaluate every N steps (0: at the end).", "eval_every")
+SaveEveryOpt = _o(int, "--save-every", "Checkpoint every N steps (0: on Ctrl-C).", "save_every")
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue the checkpoint in -o.")]
+SeedOpt = _o(int, "--seed", "Seed of a fresh student.", "seed")
 
 
 def register(app: typer.Typer) -> None:
-    @app.command(
-        "distill", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
+    @app.command("distill", help=HELP, no_args_is_help=True)
+    def distill(
+        teacher: TeacherOpt,
+        output: OutputOpt,
+        data: DataOpt,
+        student: StudentOpt = None,
+        student_layers: LayersOpt = None,
+        student_config: ConfigOpt = None,
+        eval_data: EvalDataOpt = None,
+        steps: StepsOpt = None,
+        batch_size: BatchOpt = None,
+        grad_accum: AccumOpt = None,
+        seq_len: SeqLenOpt = None,
+        lr: LrOpt = None,
+        warmup: WarmupOpt = None,
+        loss: LossOpt = None,
+        beta: BetaOpt = None,
+        temperature: TempOpt = None,
+        alpha_ce: AlphaOpt = None,
+        eval_every: EvalEveryOpt = None,
+        save_every: SaveEveryOpt = None,
+        resume: ResumeOpt = False,
+        seed: SeedOpt = None,
+        device: DeviceOpt = None,
+        dtype: DtypeOpt = None,
+        report_json: ReportJsonOpt = None,
+        quiet: QuietOpt = False,
+    ) -> None:
+        values = dict(locals())
+        paths = ("student_config", "eval_data", "report_json")
+        options = given(
+            **{k: path_str(v) if k in paths else v for k, v in values.items() if k in TUNED}
+        )
+        args = DistillArgs(
+            teacher=teacher, output=str(output), data=str(data), resume=resume, **options
+        ).resolve()
+        _main(args, report_json, quiet)
+
+
+# the DistillArgs fields an option may set (teacher, output, data and resume are always given)
+TUNED = tuple(
+    f.name for f in fields(DistillArgs) if f.name not in ("teacher", "output", "data", "resume")
+)
+
+
+def _main(args: DistillArgs, report_json: Optional[Path], quiet: bool) -> None:
+    from llmctl.commands._output import emit_json
+    from llmctl.compress.output_dir import check_output_file
+
+    if report_json is not None and str(report_json) != "-":
+        check_output_file(report_json, "--report-json", inputs=(Path(args.data),))
+    report = _run(args, quiet)
+    if report is None:  # another rank of a torchrun job: rank 0 reports
+        return
+    emit_json(report_json, report)
+    if not quiet and str(report_json) != "-":
+        _print_report(report)
+
+
+def _run(args: DistillArgs, quiet: bool) -> dict | None:
+    from llmctl.train.job import run_distill
+
+    with train_progress(quiet) as (progress, warn):
+        return run_distill(args, progress=progress, warn=warn)
+
+
+def _metrics_text(m: dict) -> str:
+    div = "-" if m.get("divergence") is None else f"{m['divergence']:.4f}"
+    text = f"loss {m['loss']:.4f}  kl {div}  {m['tokens_per_s']:,.0f} tok/s"
+    if m.get("eval"):
+        text += f"  held-out ppl {m['eval']['perplexity']:.3f}"
+    return text
+
+
+@contextmanager
+def train_progress(quiet: bool) -> Iterator[tuple]:
+    """(progress(step, steps, metrics), warn) for the training run: a Rich bar on a terminal,
+    a plain line about every 10% of the steps (and at each evaluation) otherwise."""
+    from llmctl.commands._output import stage_progress
+
+    with stage_progress(quiet) as (stage, warn):
+        if stage is None:
+            yield None, warn
+            return
+        if not sys.stderr.isatty():
+
+            def plain(step: int, steps: int, m: dict) -> None:
+                if step == steps or step % max(1, steps // 10) == 0 or m.get("eval"):
+                    print(f"step {step}/{steps}: {_metrics_text(m)}", file=sys.stderr, flush=True)
+
+            yield plain, warn
+            return
+        yield _rich_progress(), warn
+
+
+def _rich_progress():
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
     )
-    def distill(ctx: typer.Context) -> None:
-        """Not available yet in this release."""
-        raise NotImplementedYet("'llmctl distill' is not implemented yet in this release")
+
+    bar = Progress(
+        TextColumn("distill"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        TextColumn("{task.fields[metrics]}"), console=Console(stderr=True), transient=True,
+    )  # fmt: skip
+    task: list[int] = []
+
+    def update(step: int, steps: int, m: dict) -> None:
+        if not task:
+            bar.start()
+            task.append(bar.add_task("distill", total=steps, completed=step - 1, metrics=""))
+        bar.update(task[0], completed=step, metrics=_metrics_text(m))
+        if step == steps:
+            bar.stop()
+
+    return update
+
+
+def _print_report(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"llmctl distill: {r['output']}", show_header=False)
+    s = r["student"]
+    table.add_row(
+        "student", f"{s['num_layers']} layers, {s['parameters']:,} parameters ({s['from']})"
+    )
+    table.add_row(
+        "training", f"{r['steps']} steps, {r['target_tokens']:,} target tokens, {r['loss']}"
+    )
+    table.add_row("final loss", f"{r['final_loss']:.4f}")
+    if r.get("tokens_per_s"):
+        table.add_row("throughput", f"{r['tokens_per_s']:,.0f} tokens/s")
+    e = r.get("final_eval")
+    if e:
+        table.add_row(
+            "held-out",
+            f"perplexity {e['perplexity']:.3f} (teacher {e['teacher_perplexity']:.3f}), "
+            f"KL(teacher || student) {e['kl_teacher_student']:.4f}",
+        )
+    table.add_row("wall time", f"{r['wall_time_s']:.1f} s")
+    Console().print(table)

@@ -1,17 +1,37 @@
-"""`llmctl quantize`: weight-only AWQ, GPTQ or RTN quantization into compressed-tensors, AWQ or GPTQ folders.
+"""`llmctl quantize`: weight-only AWQ, GPTQ or RTN quantization into compressed-tensors, AWQ or
+GPTQ folders.
 
-The work is in llmctl.compress.quantize_job; this file parses options, shows progress and prints
-the report (a table, and JSON with --report-json).
+The work is in llmctl.compress.quantize_job; this file parses options (defaults: QuantizeArgs),
+shows progress and prints the report (a table, or JSON with --report-json; `-` for stdout).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Annotated, Optional
 
 import typer
 
-from llmctl.commands._options import Device, Quiet
+from llmctl.commands._compress_options import (
+    ColumnBlockOpt,
+    DampeningOpt,
+    IgnoreOpt,
+    NumSamplesOpt,
+    SeqLenOpt,
+    option,
+)
+from llmctl.commands._options import (
+    CalibOpt,
+    DeviceOpt,
+    EvalDataOpt,
+    OverwriteOpt,
+    QuietOpt,
+    ReportJsonOpt,
+    default_of,
+    given,
+    path_str,
+)
+from llmctl.compress.args import QuantizeArgs
 
 HELP = """Quantize MODEL's linear layers to 4 or 8 bits (weights only) with AWQ, GPTQ or RTN.
 
@@ -44,95 +64,120 @@ The output is written in OUTPUT/.llmctl-work and moved into place at the end;
 """
 
 
+def _opt(name: str, *decls: str, help: str, **kw):
+    """An option whose help quotes QuantizeArgs' default for `name`."""
+    return option(*decls, help=help + default_of(QuantizeArgs, name) + ".", **kw)
+
+
+BitsOpt = Annotated[Optional[int], _opt("bits", "--bits", help="4 or 8")]
+GroupSizeOpt = Annotated[
+    Optional[str],
+    _opt(
+        "group_size",
+        "--group-size",
+        help="Input columns per scale/zero group: auto, channel, or a power of two >= 16",
+    ),
+]
+SymmetricOpt = Annotated[
+    Optional[bool],
+    option(
+        "--symmetric/--asymmetric",
+        help="Zero point fixed at the middle (default for GPTQ/RTN) or fitted (AWQ).",
+    ),
+]
+FormatOpt = Annotated[
+    Optional[str], _opt("format", "--format", help="compressed-tensors, awq or gptq")
+]
+ActOrderOpt = Annotated[
+    Optional[bool],
+    option(
+        "--act-order/--no-act-order",
+        help="GPTQ: columns by decreasing Hessian diagonal (default: --act-order).",
+    ),
+]
+
+
 def register(app: typer.Typer) -> None:
     @app.command("quantize", help=HELP, no_args_is_help=True)
     def quantize(
-        model: str = typer.Argument(..., help="Model folder (or hub id) to quantize."),
-        output: Path = typer.Option(
-            ..., "--output", "-o", help="Output folder for the quantized model."
-        ),
-        awq: bool = typer.Option(False, "--awq", help="Activation-aware weight quantization."),
-        gptq: bool = typer.Option(
-            False, "--gptq", help="GPTQ (second-order error feedback, act-order)."
-        ),
-        rtn: bool = typer.Option(False, "--rtn", help="Round to nearest (no calibration needed)."),
-        bits: int = typer.Option(4, "--bits", help="4 or 8."),
-        group_size: str = typer.Option(
-            "auto",
-            "--group-size",
-            help="Input columns per scale/zero group: auto, channel, or a power of two >= 16.",
-        ),
-        symmetric: Optional[bool] = typer.Option(
-            None,
-            "--symmetric/--asymmetric",
-            help="Zero point fixed at the middle (default for GPTQ/RTN) or fitted (AWQ).",
-            show_default=False,
-        ),
-        calib: Optional[Path] = typer.Option(
-            None, "--calib", help="Calibration data: .jsonl, .parquet or text."
-        ),
-        eval_data: Optional[Path] = typer.Option(
-            None, "--eval-data", help="Held-out data for perplexity (same formats)."
-        ),
-        num_samples: int = typer.Option(128, "--num-samples", help="Calibration sequences."),
-        seq_len: int = typer.Option(512, "--seq-len", help="Tokens per calibration sequence."),
-        fmt: str = typer.Option(
-            "compressed-tensors", "--format", help="compressed-tensors, awq or gptq."
-        ),
-        ignore: List[str] = typer.Option(
-            [], "--ignore", help="Linear layers to keep unquantized (repeatable)."
-        ),
-        act_order: bool = typer.Option(
-            True, "--act-order/--no-act-order", help="GPTQ: columns by decreasing Hessian diagonal."
-        ),
-        dampening: float = typer.Option(
-            0.01, "--dampening", help="GPTQ: fraction of the mean Hessian diagonal added."
-        ),
-        device: str = Device,
-        report_json: Optional[Path] = typer.Option(
-            None, "--report-json", help="Also write the report as JSON here."
-        ),
-        overwrite: bool = typer.Option(
-            False, "--overwrite", help="Replace an earlier llmctl output in -o."
-        ),
-        quiet: bool = Quiet,
+        model: Annotated[str, typer.Argument(help="Model folder (or hub id) to quantize.")],
+        output: Annotated[
+            Path, typer.Option("--output", "-o", help="Output folder for the quantized model.")
+        ],
+        awq: Annotated[
+            bool, typer.Option("--awq", help="Activation-aware weight quantization.")
+        ] = False,
+        gptq: Annotated[
+            bool, typer.Option("--gptq", help="GPTQ (second-order error feedback, act-order).")
+        ] = False,
+        rtn: Annotated[
+            bool, typer.Option("--rtn", help="Round to nearest (no calibration needed).")
+        ] = False,
+        bits: BitsOpt = None,
+        group_size: GroupSizeOpt = None,
+        symmetric: SymmetricOpt = None,
+        calib: CalibOpt = None,
+        eval_data: EvalDataOpt = None,
+        num_samples: NumSamplesOpt = None,
+        seq_len: SeqLenOpt = None,
+        fmt: FormatOpt = None,
+        ignore: IgnoreOpt = None,
+        act_order: ActOrderOpt = None,
+        dampening: DampeningOpt = None,
+        column_block: ColumnBlockOpt = None,
+        device: DeviceOpt = None,
+        report_json: ReportJsonOpt = None,
+        overwrite: OverwriteOpt = False,
+        quiet: QuietOpt = False,
     ) -> None:
-        from llmctl.compress.quantize_job import QuantizeArgs, run_quantize
-        from llmctl.errors import UsageError
-
-        chosen = [m for m, on in (("awq", awq), ("gptq", gptq), ("rtn", rtn)) if on]
-        if len(chosen) != 1:
-            raise UsageError("choose exactly one method: --awq, --gptq or --rtn")
         args = QuantizeArgs(
             model=model,
             output=str(output),
-            method=chosen[0],
-            bits=bits,
-            group_size=group_size,
-            symmetric=symmetric,
-            calib=str(calib) if calib else None,
-            eval_data=str(eval_data) if eval_data else None,
-            num_samples=num_samples,
-            seq_len=seq_len,
-            format=fmt,
-            ignore=list(ignore),
-            device=device,
-            act_order=act_order,
-            dampening=dampening,
+            method=_one_method(awq=awq, gptq=gptq, rtn=rtn),
             overwrite=overwrite,
-            report_json=str(report_json) if report_json else None,
+            **given(
+                bits=bits,
+                group_size=group_size,
+                symmetric=symmetric,
+                calib=path_str(calib),
+                eval_data=path_str(eval_data),
+                num_samples=num_samples,
+                seq_len=seq_len,
+                format=fmt,
+                ignore=list(ignore or []),
+                device=device,
+                act_order=act_order,
+                dampening=dampening,
+                column_block=column_block,
+                report_json=path_str(report_json),
+            ),
         )
-        report = _run_with_progress(args, run_quantize, quiet)
-        if report_json:
-            from llmctl.compress.output_dir import write_report
-
-            write_report(report_json, report.to_dict())
-        if not quiet:
-            _print_report(report)
+        _run(args, quiet)
 
 
-def _run_with_progress(args, run_quantize, quiet: bool):
+def _one_method(**flags: bool) -> str:
+    from llmctl.errors import UsageError
+
+    chosen = [method for method, on in flags.items() if on]
+    if len(chosen) != 1:
+        raise UsageError("choose exactly one method: --awq, --gptq or --rtn")
+    return chosen[0]
+
+
+def _run(args: QuantizeArgs, quiet: bool) -> None:
+    """Run the job with progress on stderr; the report as JSON (--report-json) and a table."""
+    from llmctl.commands._output import emit_json
+    from llmctl.compress.job_common import STDOUT
+
+    report = _run_with_progress(args, quiet)
+    emit_json(args.report_json, report.to_dict())
+    if not quiet and args.report_json != STDOUT:
+        _print_report(report)
+
+
+def _run_with_progress(args: QuantizeArgs, quiet: bool):
     from llmctl.commands._output import stage_progress
+    from llmctl.compress.quantize_job import run_quantize
 
     with stage_progress(quiet) as (progress, warn):
         if progress is None:
@@ -149,30 +194,37 @@ def _fmt_size(n: int) -> str:
     return format_bytes(n)
 
 
-def _print_report(r) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def _ppl(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
 
-    con = Console()
-    ppl = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    summary = Table(title=f"llmctl quantize: {r.output}", show_header=False)
-    for k, v in (
-        (
-            "method",
-            f"{r.method} {r.bits}-bit, group {r.group_size}, {'symmetric' if r.symmetric else 'asymmetric'}",
-        ),
+
+def _summary_rows(r) -> list[tuple[str, str]]:
+    kind = "symmetric" if r.symmetric else "asymmetric"
+    calib = r.calibration
+    return [
+        ("method", f"{r.method} {r.bits}-bit, group {r.group_size}, {kind}"),
         ("format", r.format),
         ("wall time", f"{r.wall_time_s:.1f} s"),
         ("size", f"{_fmt_size(r.size_before_bytes)} -> {_fmt_size(r.size_after_bytes)}"),
         (
             "perplexity",
-            f"{ppl(r.perplexity_before)} -> {ppl(r.perplexity_after)} ({r.eval_tokens} held-out tokens)",
+            f"{_ppl(r.perplexity_before)} -> {_ppl(r.perplexity_after)} "
+            f"({r.eval_tokens} held-out tokens)",
         ),
         (
             "calibration",
-            f"{r.calibration['num_samples']} x {r.calibration['seq_len']} tokens from {r.calibration['source']}",
+            f"{calib['num_samples']} x {calib['seq_len']} tokens from {calib['source']}",
         ),
-    ):
+    ]
+
+
+def _print_report(r) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    summary = Table(title=f"llmctl quantize: {r.output}", show_header=False)
+    for k, v in _summary_rows(r):
         summary.add_row(k, v)
     con.print(summary)
     layers = Table(title="per-layer relative output error ||X(W-Q)^T||^2 / ||XW^T||^2")

@@ -1,18 +1,38 @@
 """`llmctl sparsify`: prune a model's linear layers to 2:4, 4:8 or an unstructured sparsity with
 magnitude, Wanda or SparseGPT, optionally followed by quantization (a recipe).
 
-The work is in llmctl.compress.sparse (job.py, recipe.py); this file parses options, shows progress
-and prints the report (a table, and JSON with --report-json).
+The work is in llmctl.compress.recipe_run (through llmctl.compress.oneshot); this file parses
+options (defaults: SparsifyArgs, then the recipe), shows progress and prints the report (a table,
+or JSON with --report-json; `-` for stdout).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Annotated, Optional
 
 import typer
 
-from llmctl.commands._options import Device, Quiet
+from llmctl.commands._compress_options import (
+    ColumnBlockOpt,
+    DampeningOpt,
+    IgnoreOpt,
+    NumSamplesOpt,
+    SeqLenOpt,
+    option,
+)
+from llmctl.commands._options import (
+    CalibOpt,
+    DeviceOpt,
+    EvalDataOpt,
+    OverwriteOpt,
+    QuietOpt,
+    ReportJsonOpt,
+    default_of,
+    given,
+    path_str,
+)
+from llmctl.compress.args import SparsifyArgs
 
 HELP = """Prune MODEL's decoder linears; write a dense checkpoint storing the zeros.
 
@@ -51,143 +71,125 @@ same arguments. --overwrite replaces only an earlier llmctl output.
 """
 
 
+BLOCK_SIZE_DEPRECATED = "--block-size is deprecated for sparsify; use --column-block"
+PatternOpt = Annotated[
+    Optional[str], option("--pattern", help="N:M semi-structured pattern: 2:4 (default) or 4:8.")
+]
+SparsityOpt = Annotated[
+    Optional[float], option("--sparsity", help="Unstructured fraction of zeros instead, e.g. 0.5.")
+]
+MethodOpt = Annotated[
+    Optional[str],
+    option(
+        "--method",
+        help="magnitude, wanda or sparsegpt" + default_of(SparsifyArgs, "method") + ".",
+    ),
+]
+BlockSizeOpt = Annotated[  # the old name of --column-block, hidden
+    Optional[int], option("--block-size", help=BLOCK_SIZE_DEPRECATED + ".", hidden=True)
+]
+RecipeOpt = Annotated[
+    Optional[Path],
+    option(
+        "--recipe",
+        help="YAML recipe (sparsify, then optionally quantize); flags given here override it.",
+    ),
+]
+EvalOpt = Annotated[
+    Optional[bool], option("--eval/--no-eval", help="Measure perplexity before and after.")
+]
+
+
 def register(app: typer.Typer) -> None:
     @app.command("sparsify", help=HELP, no_args_is_help=True)
     def sparsify(
-        model: str = typer.Argument(..., help="Model folder (or hub id) to prune."),
-        output: Path = typer.Option(
-            ..., "--output", "-o", help="Output folder for the pruned model."
-        ),
-        pattern: Optional[str] = typer.Option(
-            None,
-            "--pattern",
-            help="N:M semi-structured pattern: 2:4 (default) or 4:8.",
-            show_default=False,
-        ),
-        sparsity: Optional[float] = typer.Option(
-            None,
-            "--sparsity",
-            help="Unstructured fraction of zeros instead, e.g. 0.5.",
-            show_default=False,
-        ),
-        method: Optional[str] = typer.Option(
-            None, "--method", help="magnitude, wanda or sparsegpt (default).", show_default=False
-        ),
-        calib: Optional[Path] = typer.Option(
-            None, "--calib", help="Calibration data: .jsonl, .parquet or text."
-        ),
-        eval_data: Optional[Path] = typer.Option(
-            None, "--eval-data", help="Held-out data for perplexity (same formats)."
-        ),
-        num_samples: Optional[int] = typer.Option(
-            None, "--num-samples", help="Calibration sequences (default 128).", show_default=False
-        ),
-        seq_len: Optional[int] = typer.Option(
-            None,
-            "--seq-len",
-            help="Tokens per calibration sequence (default 512).",
-            show_default=False,
-        ),
-        ignore: Optional[List[str]] = typer.Option(
-            None, "--ignore", help="Linear layers to keep dense (repeatable)."
-        ),
-        dampening: Optional[float] = typer.Option(
-            None,
-            "--dampening",
-            help="SparseGPT: fraction of the mean Hessian diagonal added (default 0.01).",
-            show_default=False,
-        ),
-        block_size: Optional[int] = typer.Option(
-            None,
-            "--block-size",
-            help="SparseGPT: columns per mask/update block (default 128).",
-            show_default=False,
-        ),
-        recipe: Optional[Path] = typer.Option(
-            None,
-            "--recipe",
-            help="YAML recipe (sparsify, then optionally quantize); flags given here override it.",
-        ),
-        evaluate: bool = typer.Option(
-            True, "--eval/--no-eval", help="Measure perplexity before and after."
-        ),
-        device: str = Device,
-        report_json: Optional[Path] = typer.Option(
-            None, "--report-json", help="Also write the report as JSON here."
-        ),
-        overwrite: bool = typer.Option(
-            False, "--overwrite", help="Replace an earlier llmctl output in -o."
-        ),
-        quiet: bool = Quiet,
+        model: Annotated[str, typer.Argument(help="Model folder (or hub id) to prune.")],
+        output: Annotated[
+            Path, typer.Option("--output", "-o", help="Output folder for the pruned model.")
+        ],
+        pattern: PatternOpt = None,
+        sparsity: SparsityOpt = None,
+        method: MethodOpt = None,
+        calib: CalibOpt = None,
+        eval_data: EvalDataOpt = None,
+        num_samples: NumSamplesOpt = None,
+        seq_len: SeqLenOpt = None,
+        ignore: IgnoreOpt = None,
+        dampening: DampeningOpt = None,
+        column_block: ColumnBlockOpt = None,
+        block_size: BlockSizeOpt = None,
+        recipe: RecipeOpt = None,
+        evaluate: EvalOpt = None,
+        device: DeviceOpt = None,
+        report_json: ReportJsonOpt = None,
+        overwrite: OverwriteOpt = False,
+        quiet: QuietOpt = False,
     ) -> None:
-        from llmctl.compress.sparse.recipe import load_recipe, merge_args, run_recipe
+        from llmctl.compress.recipe import load_recipe, merge_args
 
+        notes = [BLOCK_SIZE_DEPRECATED] if block_size is not None else []
         loaded = load_recipe(recipe) if recipe is not None else None
+        cli = given(
+            pattern=pattern,
+            sparsity=sparsity,
+            method=method,
+            calib=path_str(calib),
+            eval_data=path_str(eval_data),
+            num_samples=num_samples,
+            seq_len=seq_len,
+            ignore=list(ignore or []),
+            dampening=dampening,
+            column_block=column_block if column_block is not None else block_size,
+            device=device,
+            evaluate=evaluate,
+            report_json=path_str(report_json),
+        )
         args = merge_args(
-            loaded,
-            {
-                "model": model,
-                "output": str(output),
-                "pattern": pattern,
-                "sparsity": sparsity,
-                "method": method,
-                "calib": str(calib) if calib else None,
-                "eval_data": str(eval_data) if eval_data else None,
-                "num_samples": num_samples,
-                "seq_len": seq_len,
-                "ignore": list(ignore) if ignore else None,
-                "dampening": dampening,
-                "block_size": block_size,
-                "device": device,
-                "evaluate": evaluate,
-                "overwrite": overwrite,
-                "report_json": str(report_json) if report_json else None,
-            },
+            loaded, {"model": model, "output": str(output), "overwrite": overwrite, **cli}
         ).resolve()
-        report = _run_with_progress(loaded, args, run_recipe, quiet)
-        if report_json:
-            from llmctl.compress.output_dir import write_report
-
-            write_report(report_json, report.to_dict())
-        if not quiet:
-            _print_report(report)
+        _run(loaded, args, notes, quiet)
 
 
-def _run_with_progress(recipe, args, run_recipe, quiet: bool):
-    from llmctl.commands._output import stage_progress
+def _run(recipe, args: SparsifyArgs, notes: list[str], quiet: bool) -> None:
+    """Run the job with progress on stderr; the report as JSON (--report-json) and a table."""
+    from llmctl.commands._output import emit_json, stage_progress
+    from llmctl.compress.job_common import STDOUT
+    from llmctl.compress.recipe_run import run_recipe
 
     with stage_progress(quiet) as (progress, warn):
-        if progress is None:
-            return run_recipe(recipe, args, warn=warn)
-        sparsify = f"{args.method} {args.pattern or args.sparsity}"
+        for note in notes:
+            warn(note)
+        by_stage = None
+        if progress is not None:
+            sparsify = f"{args.method} {args.pattern or args.sparsity}"
 
-        def by_stage(stage: str, done: int, total: int) -> None:
-            progress(sparsify if stage == "sparsify" else "quantize", done, total)
+            def by_stage(stage: str, done: int, total: int) -> None:
+                progress(sparsify if stage == "sparsify" else "quantize", done, total)
 
-        return run_recipe(recipe, args, progress=by_stage, warn=warn)
+        report = run_recipe(recipe, args, progress=by_stage, warn=warn)
+    emit_json(args.report_json, report.to_dict())
+    if not quiet and args.report_json != STDOUT:
+        _print_report(report)
 
 
-def _print_report(report) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def _ppl(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
 
-    con = Console()
+
+def _summary_rows(report) -> list[tuple[str, str]]:
     r = report.sparsify
-    ppl = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    out = report.quantize.output if report.quantize is not None else r.output
-    summary = Table(title=f"llmctl sparsify: {out}", show_header=False)
+    measured = (
+        f"{_ppl(r.perplexity_before)} -> {_ppl(r.perplexity_after)} "
+        f"({r.eval_tokens} held-out tokens)"
+    )
     rows = [
         ("method", f"{r.method}, pattern {r.pattern}"),
         (
             "sparsity",
-            f"{r.global_sparsity:.2%} of pruned linears, {r.model_sparsity:.2%} of all decoder linears",
+            f"{r.global_sparsity:.2%} of pruned linears, "
+            f"{r.model_sparsity:.2%} of all decoder linears",
         ),
-        (
-            "perplexity",
-            "not measured (--no-eval)"
-            if r.perplexity_after is None
-            else f"{ppl(r.perplexity_before)} -> {ppl(r.perplexity_after)} ({r.eval_tokens} held-out tokens)",
-        ),
+        ("perplexity", "not measured (--no-eval)" if r.perplexity_after is None else measured),
         ("wall time", f"{r.wall_time_s:.1f} s"),
     ]
     if report.quantize is not None:
@@ -196,12 +198,24 @@ def _print_report(report) -> None:
             ("then quantized", f"{q.method} {q.bits}-bit, group {q.group_size}, {q.format}"),
             (
                 "perplexity",
-                f"{ppl(q.perplexity_before)} (sparse) -> {ppl(q.perplexity_after)} (sparse + quantized)",
+                f"{_ppl(q.perplexity_before)} (sparse) -> "
+                f"{_ppl(q.perplexity_after)} (sparse + quantized)",
             ),
             ("zeros kept", "yes, every pruned weight is exactly zero after quantization"),
         ]
     rows.append(("speed", r.speed_note))
-    for k, v in rows:
+    return rows
+
+
+def _print_report(report) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    r = report.sparsify
+    out = report.quantize.output if report.quantize is not None else r.output
+    summary = Table(title=f"llmctl sparsify: {out}", show_header=False)
+    for k, v in _summary_rows(report):
         summary.add_row(k, v)
     con.print(summary)
     layers = Table(title="per layer")

@@ -156,7 +156,8 @@ def cut_sequences(
     ids = torch.tensor(stream[: n_windows * seq_len], dtype=torch.long).reshape(n_windows, seq_len)
     if n_windows < num_samples:
         warnings.append(
-            f"calibration data gives only {n_windows} sequences of {seq_len} tokens (asked for {num_samples})"
+            f"calibration data gives only {n_windows} sequences of {seq_len} tokens (asked for "
+            f"{num_samples})"
         )
         return ids, warnings
     pick = torch.linspace(0, n_windows - 1, num_samples).round().long().unique()

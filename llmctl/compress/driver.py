@@ -68,7 +68,8 @@ class LayerMethod(Protocol):
     def process_group(
         self, layer_index: int, layer: nn.Module, group: SubLayerGroup, names: list[str]
     ) -> dict[str, Any]:
-        """Change the group's linears in place; return a record per full linear name (may be empty)."""
+        """Change the group's linears in place; return a record per full linear name (may be
+        empty)."""
 
     def finish_layer(self, layer_index: int, layer: nn.Module) -> dict[str, Any]:
         """Called once all groups of the layer are processed; return more records (may be empty)."""
@@ -118,7 +119,8 @@ def _run_layer(
     batch_size: int,
     keep: bool,
 ):
-    """layer.forward_dense over hidden [N, S, H] in mini-batches; returns the outputs (on CPU) if keep."""
+    """layer.forward_dense over hidden [N, S, H] in mini-batches; returns the outputs (on CPU) if
+    keep."""
     outs = []
     for i in range(0, hidden.shape[0], batch_size):
         try:
@@ -166,9 +168,9 @@ def calibrate_layers(
 ) -> DriverResult:
     """Run `method` over every decoder layer of `model` (our LlamaForCausalLM) on input_ids [N, S].
 
-    progress(done_layers, total_layers) is called after each layer. With `checkpoint_dir`, a previous
-    run with the same `fingerprint` is resumed from its last finished layer (a damaged checkpoint is
-    redone, with a warning).
+    progress(done_layers, total_layers) is called after each layer. With `checkpoint_dir`, a
+    previous run with the same `fingerprint` is resumed from its last finished layer (a damaged
+    checkpoint is redone, with a warning).
     """
     layers = model.model.layers
     n_layers = len(layers)

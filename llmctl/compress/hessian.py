@@ -5,9 +5,9 @@ Owns: `HessianAccumulator` (H = 2 X X^T averaged over tokens, accumulated batch 
 by column.
 
 Stable API (imported by llmctl/compress/sparse):
-    damped_cholesky_inverse(H: Tensor [n, n], percdamp: float = 0.01) -> Tensor [n, n]
+    damped_cholesky_inverse(H: Tensor [n, n], dampening: float = 0.01) -> Tensor [n, n]
         Returns U, upper triangular, with U^T U = (H' + d I)^-1 where H' is H with zero diagonal
-        entries ("dead" inputs that never fired) replaced by 1 and d = percdamp * mean(diag(H')).
+        entries ("dead" inputs that never fired) replaced by 1 and d = dampening * mean(diag(H')).
         If the Cholesky factorisation fails, d is multiplied by 10 and retried (up to
         MAX_DAMP_RETRIES times, each logged as a warning); then it raises LlmctlError. It never
         falls back to another method. The caller should zero the weight columns of dead inputs
@@ -52,7 +52,7 @@ def dead_inputs(H: torch.Tensor) -> torch.Tensor:
     return torch.diag(H) == 0
 
 
-def damped_cholesky_inverse(H: torch.Tensor, percdamp: float = 0.01) -> torch.Tensor:
+def damped_cholesky_inverse(H: torch.Tensor, dampening: float = 0.01) -> torch.Tensor:
     """Upper Cholesky factor of the dampened inverse Hessian; see the module docstring."""
     H = H.detach().to(torch.float32).clone()
     n = H.shape[0]
@@ -60,7 +60,7 @@ def damped_cholesky_inverse(H: torch.Tensor, percdamp: float = 0.01) -> torch.Te
     H[dead, dead] = 1.0
     idx = torch.arange(n, device=H.device)
     mean_diag = torch.diag(H).mean()
-    damp_frac = percdamp
+    damp_frac = dampening
     for attempt in range(MAX_DAMP_RETRIES + 1):
         Hd = H.clone()
         Hd[idx, idx] += damp_frac * mean_diag

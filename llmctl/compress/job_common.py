@@ -3,8 +3,9 @@
 Owns: `JobArgs` (the fields both argument classes share), `check_common_options` (range checks of
 those fields), `prepare` (the output folder's plan, nothing created yet; the input files; the model
 folder resolved and kept apart from the output; its config read without loading weights; the
-device), `Notes` (a job's warnings, shown at once and kept for the report) and `settle` (after the job's own checks: --seq-len capped at the model's context, and a
-warning for each --ignore pattern that matches no layer). Loading and calibrating come after.
+device), `Notes` (a job's warnings, shown at once and kept for the report) and `settle` (after
+the job's own checks: --seq-len capped at the model's context, and a warning for each --ignore
+pattern that matches no layer). Loading and calibrating come after (llmctl.compress.oneshot).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Callable, Protocol
 from llmctl.compress.driver import decoder_linears, make_ignore, unmatched_patterns
 from llmctl.compress.output_dir import OutputFolder, check_input_file, check_output_file
 from llmctl.errors import UsageError
+
+STDOUT = "-"  # --report-json - : the report goes to standard output
 
 
 class JobArgs(Protocol):
@@ -53,13 +56,15 @@ class Prepared:
 
 
 def plan_output(args: JobArgs, inputs: tuple[Path, ...] = ()) -> OutputFolder:
-    """The output folder and --report-json (not one of `inputs`), checked before anything is
-    created."""
-    report = (Path(args.report_json),) if args.report_json else ()
+    """The output folder and --report-json (not one of `inputs`; '-' is standard output, not a
+    file), checked before anything is created."""
+    to_file = args.report_json not in (None, STDOUT)
+    report = (Path(args.report_json),) if to_file else ()
     out = OutputFolder.plan(args.output, overwrite=args.overwrite, keep=report)
-    # a report inside the output folder: its folder exists once the run is done
-    in_output = bool(report) and OutputFolder.at(report[0].parent).final == out.final
-    check_output_file(args.report_json, "--report-json", inputs, create_parents=in_output)
+    if to_file:
+        # a report inside the output folder: its folder exists once the run is done
+        in_output = OutputFolder.at(report[0].parent).final == out.final
+        check_output_file(args.report_json, "--report-json", inputs, create_parents=in_output)
     return out
 
 
@@ -75,8 +80,9 @@ class Notes:
         self.show(message)
 
 
-def prepare(args: JobArgs) -> Prepared:
-    """Every shared check that needs no weights (see the module docstring)."""
+def prepare(args: JobArgs, inputs: tuple[Path, ...] = ()) -> Prepared:
+    """Every shared check that needs no weights (see the module docstring); `inputs`: more files
+    the run reads (a recipe), which --report-json may not overwrite either."""
     from llmctl.models.config import ModelConfig
     from llmctl.runtime.resolve import resolve_device, resolve_model_path
 
@@ -84,7 +90,7 @@ def prepare(args: JobArgs) -> Prepared:
     local = Path(args.model).expanduser() if args.model else None
     if local is not None and local.exists():  # the clearest error first, before -o's contents
         OutputFolder.at(args.output).check_source(local)
-    files = tuple(Path(p) for p in (args.calib, args.eval_data) if p)
+    files = (*inputs, *(Path(p) for p in (args.calib, args.eval_data) if p))
     out = plan_output(args, files)
     check_input_file(args.calib, "--calib")
     check_input_file(args.eval_data, "--eval-data")
@@ -96,9 +102,15 @@ def prepare(args: JobArgs) -> Prepared:
     return Prepared(out, model_path, config, device, decoder_linears(config))
 
 
-def settle(args: JobArgs, prep: Prepared, warn: Callable[[str], None]) -> None:
+def settle(
+    args: JobArgs,
+    prep: Prepared,
+    warn: Callable[[str], None],
+    ignores: list[list[str]] | None = None,
+) -> None:
     """After every check passed: cap args.seq_len at the model's context and warn about --ignore
-    patterns that match no layer (warnings, so they come after the errors)."""
+    patterns (args.ignore, or those of each step in `ignores`) that match no layer (warnings, so
+    they come after the errors)."""
     context = prep.config.max_position_embeddings
     if args.seq_len > context:
         warn(
@@ -106,7 +118,8 @@ def settle(args: JobArgs, prep: Prepared, warn: Callable[[str], None]) -> None:
             f"calibrating on sequences of {context}"
         )
         args.seq_len = context
-    for pattern in unmatched_patterns(args.ignore, [n for n, _, _ in prep.linears] + ["lm_head"]):
+    patterns = list(dict.fromkeys(p for ps in (ignores or [args.ignore]) for p in ps))
+    for pattern in unmatched_patterns(patterns, [n for n, _, _ in prep.linears] + ["lm_head"]):
         warn(f"--ignore {pattern!r} matches no linear layer of the model")
 
 

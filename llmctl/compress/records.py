@@ -30,7 +30,8 @@ class LinearRecord:
 
 
 def relative_output_error(w: torch.Tensor, q: torch.Tensor, H: torch.Tensor) -> float:
-    """||X (W - Q)^T||^2 / ||X W^T||^2 over the calibration tokens, from H = 2 X X^T / n; w, q [out, in]."""
+    """||X (W - Q)^T||^2 / ||X W^T||^2 over the calibration tokens, from H = 2 X X^T / n; w, q [out,
+    in]."""
     d = w.float() - q.float()
     num = torch.einsum("oi,ij,oj->", d, H, d)
     den = torch.einsum("oi,ij,oj->", w.float(), H, w.float())

@@ -57,7 +57,8 @@ class BlockManager:
         return (num_tokens + self.block_size - 1) // self.block_size
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix of `seq`, always leaving the last token to compute."""
+        """Block ids of the longest cached prefix of `seq`, always leaving the last token to
+        compute."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size

@@ -49,9 +49,10 @@ SPECULATIVE_MODES = ("off", "ngram", "draft", "auto")
 
 
 def speculative_settings(
-    mode: str, draft: str | None, num_tokens: int, max_batch: int | None
+    mode: str, draft: str | None, num_tokens: int | None, max_batch: int | None
 ) -> dict:
-    """EngineConfig fields for the --speculative/--draft/... options of the commands."""
+    """EngineConfig fields for the --speculative/--draft/... options of the commands (a None
+    value: EngineConfig's default, for the caller to drop)."""
     if mode not in SPECULATIVE_MODES:
         raise UsageError(
             f"--speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}"
@@ -85,7 +86,8 @@ def format_bytes(n: float) -> str:
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
-    # Bytes for K and V of all layers; None: what max_num_seqs full-length sequences need, at most 2 GiB.
+    # Bytes for K and V of all layers; None: what max_num_seqs full-length sequences need, at most
+    # 2 GiB.
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decodes)
@@ -101,6 +103,9 @@ class EngineConfig:
     cuda_graphs: bool = (
         True  # on CUDA with Triton: decode-only steps replay captured graphs (cuda_graphs.py)
     )
+    # Every row's tokens independent of its batch-mates and of prompt chunking (issue 20): fixed
+    # reduction orders in the linear, attention and norm kernels (engine/model_runner.py).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

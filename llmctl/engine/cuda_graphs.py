@@ -1,4 +1,5 @@
-"""CUDA graphs for decode-only steps: the model forward captured once per padded batch size, replayed.
+"""CUDA graphs for decode-only steps: the model forward captured once per padded batch size,
+replayed.
 
 Owns: the static input buffers a captured step reads (token ids, positions, slot mapping, block
 tables, context lengths), the padding of a batch up to the next captured size, and the captured
@@ -115,7 +116,8 @@ class DecodeGraphs:
         self.context_lens[n:b].fill_(1)
 
     def _meta(self, b: int, max_len: int) -> PagedAttentionMetadata:
-        # No gather workspace: a buffer allocated inside a capture belongs to the graph's memory pool.
+        # No gather workspace: a buffer allocated inside a capture belongs to the graph's memory
+        # pool.
         return PagedAttentionMetadata(
             self.slot_mapping[:b],
             b,

@@ -82,8 +82,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, model_config, cfg, device, dtype or weight.dtype)
         if self.runner.num_blocks < 1:
             raise UsageError(
-                f"--kv-cache-memory is smaller than one KV block ({self.runner.bytes_per_block} bytes "
-                f"at block size {cfg.block_size})"
+                f"--kv-cache-memory is smaller than one KV block ({self.runner.bytes_per_block} "
+                f"bytes at block size {cfg.block_size})"
             )
         self.block_manager = BlockManager(
             self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching
@@ -118,7 +118,8 @@ class LLMEngine:
             where = "context length" if self.capacity == self.max_model_len else "KV cache capacity"
             raise RequestError(
                 "prompt_too_long",
-                f"the prompt has {n} tokens; at most {self.capacity - 1} fit ({where} {self.capacity} tokens)",
+                f"the prompt has {n} tokens; at most {self.capacity - 1} fit ({where} "
+                f"{self.capacity} tokens)",
             )
         seq = Sequence(
             request_id, prompt_token_ids, params, max_len=min(self.capacity, n + params.max_tokens)

@@ -3,7 +3,10 @@
 Owns: the KV cache tensors (sized once from the memory budget) and the per-step input building:
 packed token ids [T], positions [T], slot mapping [T], decode block tables, prefill chunks, and
 the indices of the tokens whose logits are needed (the last token of each sequence that samples).
-Decode-only steps go through `cuda_graphs.DecodeGraphs` when enabled (CUDA).
+Decode-only steps go through `cuda_graphs.DecodeGraphs` when enabled (CUDA). With
+`EngineConfig.batch_invariant` every token is laid out as a decode (its own block table and
+context length, prefill chunks included) and the model takes its fixed-order paths, so a token's
+arithmetic does not depend on what else is in the step.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from llmctl.engine.config import DEFAULT_KV_CAP, EngineConfig
 from llmctl.engine.cuda_graphs import DecodeGraphs, graph_sizes
 from llmctl.engine.scheduler import ScheduledBatch
 from llmctl.engine.sequence import Sequence
+from llmctl.errors import UsageError
 from llmctl.kernels.attention import (
     GatherWorkspace,
     PagedAttentionMetadata,
@@ -29,7 +33,8 @@ MIN_GROUPED_DECODES = 8  # below this, one padded decode-attention call costs le
 
 @dataclass
 class StepInputs:
-    """One step as Python lists, in packed order (one-token decodes first, longest context first)."""
+    """One step as Python lists, in packed order (one-token decodes first, longest context
+    first)."""
 
     ids: list[int] = field(default_factory=list)  # [T] token ids
     positions: list[int] = field(default_factory=list)  # [T]
@@ -64,8 +69,19 @@ class ModelRunner:
         dtype: torch.dtype,
     ):
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
-        if device == "cpu" and dtype == torch.float32 and hasattr(model, "pack_lm_head"):
-            model.pack_lm_head()  # batched logits through oneDNN's packed layout (kernels/onednn_linear.py)
+        # Every token's arithmetic independent of its batch (see _step_inputs, kernels/invariant.py)
+        self.batch_invariant = engine_config.batch_invariant
+        if self.batch_invariant and device != "cpu":
+            raise UsageError(
+                "batch-invariant runs are implemented on the CPU only (not yet the Triton kernels)"
+            )
+        if (
+            device == "cpu"
+            and dtype == torch.float32
+            and hasattr(model, "pack_lm_head")
+            and not self.batch_invariant
+        ):  # batched logits through oneDNN's packed layout (kernels/onednn_linear.py)
+            model.pack_lm_head()
         self.block_size = engine_config.block_size
         self.bytes_per_block = kv_bytes_per_token(config, dtype) * self.block_size
         budget = engine_config.kv_cache_memory
@@ -99,7 +115,8 @@ class ModelRunner:
         self, max_num_seqs: int, max_model_len: int, use_graphs: bool = True
     ) -> None:
         """Serve decode-only steps of up to min(max_num_seqs, 256) sequences from static buffers,
-        through CUDA graphs (`use_graphs`, CUDA only) or eagerly (the same arithmetic, for tests)."""
+        through CUDA graphs (`use_graphs`, CUDA only) or eagerly (the same arithmetic, for
+        tests)."""
         max_blocks = min(-(-max_model_len // self.block_size), self.num_blocks)
         self.graphs = DecodeGraphs(
             self.model,
@@ -135,9 +152,9 @@ class ModelRunner:
             st.ids.extend(seq.step_token_ids(start, n))
             st.positions.extend(range(start, start + n))
             st.slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n == 1:
-                st.dec_tables.append(table)
-                st.dec_lens.append(start + 1)
+            if n == 1 or self.batch_invariant:  # invariant: each token attends as a decode does
+                st.dec_tables.extend([table] * n)
+                st.dec_lens.extend(range(start + 1, start + n + 1))
             else:
                 seq_slots = [table[p // bs] * bs + p % bs for p in range(start + n)]
                 st.prefills.append(
@@ -167,7 +184,8 @@ class ModelRunner:
             dec_lens_t = torch.tensor(st.dec_lens, dtype=torch.long, device=dev)
         else:
             dec_tables_t = dec_lens_t = None
-        groups = length_groups(st.dec_lens, bs) if nd >= MIN_GROUPED_DECODES else None
+        grouped = nd >= MIN_GROUPED_DECODES and not self.batch_invariant
+        groups = length_groups(st.dec_lens, bs) if grouped else None
         meta = PagedAttentionMetadata(
             torch.tensor(st.slots, dtype=torch.long, device=dev),
             nd,
@@ -178,6 +196,7 @@ class ModelRunner:
             groups,
             self.workspace,
             max(st.dec_lens, default=0),
+            self.batch_invariant,
         )
         return (
             torch.tensor(st.ids, dtype=torch.long, device=dev),
@@ -189,8 +208,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one step; returns float32 logits on the CPU, 1 + len(spec_token_ids) rows per sampling
-        sequence, in order, and those sequences."""
+        """Run one step; returns float32 logits on the CPU, 1 + len(spec_token_ids) rows per
+        sampling sequence, in order, and those sequences."""
         st = self._step_inputs(batch)
         if (
             self.graphs is not None
@@ -207,4 +226,5 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
         if not sampling:
             return torch.empty(0, self.config.vocab_size), sampling
-        return self.model.compute_logits(hidden[logits_idx]).cpu(), sampling
+        logits = self.model.compute_logits(hidden[logits_idx], self.batch_invariant)
+        return logits.cpu(), sampling

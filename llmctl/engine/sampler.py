@@ -39,7 +39,8 @@ class Sampler:
     def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One token per row of probs [B, V] by inverse CDF: a uniform draw per row, located in the
         row's cumulative sum. One random number per row instead of V (the exponential-race trick
-        measured 57 ms per step at 16 x 152k on the CPU, mostly drawing its noise; this about 20)."""
+        measured 57 ms per step at 16 x 152k on the CPU, mostly drawing its noise; this about
+        20)."""
         u = torch.rand(probs.shape[0], dtype=torch.float64, generator=self.generator)
         for i, s in enumerate(seqs):
             if s.params.seed is not None and not s.params.greedy:
@@ -52,7 +53,8 @@ class Sampler:
 
 
 def sampling_probs(logits: torch.Tensor, params) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p applied: the distribution each row samples from. [B, V]"""
+    """Temperature, top-k, top-p and min-p applied: the distribution each row samples from,
+    [B, V]."""
     temps = torch.tensor(
         [p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32
     )

@@ -86,4 +86,7 @@ class Sequence:
         return self.status is Status.FINISHED
 
     def __repr__(self) -> str:
-        return f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, blocks={self.block_table})"
+        return (
+            f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )

@@ -58,18 +58,19 @@ def decode_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, nb] block ids of each sequence (padding: any valid block)
-    context_lens: torch.Tensor,  # [B] int64, tokens in cache including the new one (<= nb * block_size)
+    context_lens: torch.Tensor,  # [B] int64, cached tokens with the new one (<= nb * block_size)
     scale: float,
     block_size: int,
     workspace: GatherWorkspace | None = None,
 ) -> torch.Tensor:
     """Returns [B, heads, D].
 
-    K/V are gathered a whole block at a time: the cache viewed as [kv_heads, num_blocks, block_size * D]
-    makes each block one contiguous row, which copies about 4x faster than gathering token slots
-    (B=64, 528 positions, fp32, 1 thread). Explicit batched matmuls rather than SDPA: for one query
-    token per sequence, PyTorch's CPU flash kernel measured about 5x slower here. Query heads are
-    grouped by the KV head they share, so K/V are never repeated per query head."""
+    K/V are gathered a whole block at a time: the cache viewed as
+    [kv_heads, num_blocks, block_size * D] makes each block one contiguous row, which copies about
+    4x faster than gathering token slots (B=64, 528 positions, fp32, 1 thread). Explicit batched
+    matmuls rather than SDPA: for one query token per sequence, PyTorch's CPU flash kernel measured
+    about 5x slower here. Query heads are grouped by the KV head they share, so K/V are never
+    repeated per query head."""
     b, heads, d = q.shape
     kvh = k_cache.shape[0]
     nb = block_tables.shape[1]
@@ -98,8 +99,8 @@ def length_groups(
     context_lens: list[int], block_size: int, max_groups: int = 4
 ) -> list[tuple[int, int, int]]:
     """Split decodes sorted by context length (longest first) into at most `max_groups` runs of
-    equal count: (start, end, blocks) per run, `blocks` the widest table in it. Each run pads only to
-    its own longest sequence, so gathered bytes follow the real lengths, not B x the longest."""
+    equal count: (start, end, blocks) per run, `blocks` the widest table in it. Each run pads only
+    to its own longest sequence, so gathered bytes follow the real lengths, not B x the longest."""
     b = len(context_lens)
     groups, size = [], -(-b // max_groups)
     for s in range(0, b, size):
@@ -123,8 +124,8 @@ def chunk_attention(
 
     A chunk with nothing cached before it is plain causal attention (SDPA's flash backend on CUDA).
     After a cached prefix the mask is causal aligned to the bottom right; `lower_right` (default: on
-    CUDA) says so with PyTorch's CausalBias, which SDPA dispatches to its flash kernel there, instead
-    of a materialised [Tq, total] mask that only the slower backends take."""
+    CUDA) says so with PyTorch's CausalBias, which SDPA dispatches to its flash kernel there,
+    instead of a materialised [Tq, total] mask that only the slower backends take."""
     tq = q.shape[0]
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, Tq, D]
     if num_computed == 0:  # nothing cached before: plain causal attention on the new K/V
@@ -159,7 +160,8 @@ class PrefillChunk:
 
 
 class PagedAttentionMetadata:
-    """Where each packed token's K/V goes and what it attends to. Decodes come first in the batch."""
+    """Where each packed token's K/V goes and what it attends to. Decodes come first in the
+    batch."""
 
     __slots__ = (
         "slot_mapping",
@@ -171,6 +173,7 @@ class PagedAttentionMetadata:
         "decode_groups",
         "workspace",
         "decode_max_len",
+        "batch_invariant",
     )
 
     def __init__(
@@ -184,6 +187,7 @@ class PagedAttentionMetadata:
         decode_groups=None,
         workspace: GatherWorkspace | None = None,
         decode_max_len: int = 0,
+        batch_invariant: bool = False,
     ):
         self.slot_mapping = slot_mapping  # [T] int64
         self.num_decodes = num_decodes  # tokens [0, num_decodes) are one-token decodes
@@ -191,12 +195,13 @@ class PagedAttentionMetadata:
         self.decode_context_lens = decode_context_lens  # [num_decodes] int64 or None
         self.prefills = prefills  # list[PrefillChunk]
         self.block_size = block_size
-        # (start, end, blocks) runs of decodes sorted longest first (see length_groups); None: one run
+        # (start, end, blocks) runs of decodes, longest first (see length_groups); None: one run
         self.decode_groups = decode_groups
         self.workspace = workspace
-        self.decode_max_len = (
-            decode_max_len  # max(decode_context_lens) as a Python int; 0: not given
-        )
+        self.decode_max_len = decode_max_len  # max(decode_context_lens) as an int; 0: not given
+        # Every token is a "decode" row (prefill tokens too, each with its own context length),
+        # and linears and the MLP take the fixed-order paths of kernels/invariant.py.
+        self.batch_invariant = batch_invariant
 
 
 def _triton_kernels(t: torch.Tensor):
@@ -224,12 +229,12 @@ def _decode(
             meta.block_size,
         )
     tables, lens, bs = meta.decode_block_tables, meta.decode_context_lens, meta.block_size
-    if meta.decode_max_len and cpu_native.supports(
-        q, k_cache
-    ):  # reads the blocks in place: no gather
+    if meta.decode_max_len and cpu_native.supports(q, k_cache):  # reads blocks in place
         return cpu_native.paged_decode_attention(
             q, k_cache, v_cache, tables, lens, scale, bs, meta.decode_max_len
         )
+    if meta.batch_invariant:
+        return _decode_per_row(q, k_cache, v_cache, tables, lens, scale, bs)
     if not meta.decode_groups or len(meta.decode_groups) == 1:
         return decode_attention(q, k_cache, v_cache, tables, lens, scale, bs, meta.workspace)
     out = torch.empty_like(q)
@@ -240,10 +245,30 @@ def _decode(
     return out
 
 
+def _decode_per_row(q, k_cache, v_cache, tables, lens, scale: float, bs: int) -> torch.Tensor:
+    """Decode attention one row at a time over exactly its own positions, so a row's shapes (and
+    so its reduction order) depend on its context length alone, not on its batch-mates or the
+    block size: the batch-invariant path where the C kernel does not apply. q [B, heads, D]."""
+    b, heads, d = q.shape
+    kvh = k_cache.shape[0]
+    out = torch.empty_like(q)
+    offsets = torch.arange(bs, device=q.device)
+    for i, n in enumerate(lens.tolist()):
+        blocks = tables[i, : -(-n // bs)]
+        slots = (blocks[:, None] * bs + offsets).reshape(-1)[:n]  # [n]
+        k, v = k_cache.index_select(1, slots), v_cache.index_select(1, slots)  # [kv_heads, n, D]
+        qg = q[i].view(kvh, heads // kvh, d)
+        scores = torch.bmm(qg, k.transpose(1, 2)).float() * scale  # [kv_heads, group, n]
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        out[i] = torch.bmm(probs, v).view(heads, d)
+    return out
+
+
 def paged_attention(
     q, k, v, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """q [T, heads, D], k/v [T, kv_heads, D] for the packed batch; writes K/V, returns [T, heads, D]."""
+    """q [T, heads, D], k/v [T, kv_heads, D] for the packed batch; writes K/V and returns
+    [T, heads, D]."""
     triton = _triton_kernels(q)
     (triton[0] if triton else write_kv)(k_cache, v_cache, k, v, meta.slot_mapping)
     nd = meta.num_decodes

@@ -27,7 +27,8 @@ import torch
 from llmctl.kernels import cpu_bf16
 
 SOURCES = tuple(
-    Path(__file__).with_name(n) for n in ("cpu_paged_attention.c", "cpu_linear.c", "cpu_norm.c")
+    Path(__file__).with_name(n)
+    for n in ("cpu_paged_attention.c", "cpu_linear.c", "cpu_norm.c", "cpu_act.c")
 )
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by the sources: part of the cache key
 # -ffast-math at compile time only: it lets the reductions vectorise and expf use the vector libm;
@@ -98,7 +99,8 @@ def build(sources: tuple[Path, ...] = SOURCES, out_dir: Path | None = None) -> P
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, built on first call; None when disabled or the build fails (warned once)."""
+    """The loaded kernels, built on first call; None when disabled or the build fails (warned
+    once)."""
     if not enabled():
         return None
     try:
@@ -139,6 +141,8 @@ def library() -> ctypes.CDLL | None:
         ctypes.c_int,
     ]
     lib.rms_norm.restype = None
+    lib.silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
+    lib.silu_mul.restype = None
     return lib
 
 
@@ -146,7 +150,8 @@ _KERNELS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf1
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether paged_decode_attention can serve these tensors (CPU, fp32/bf16 cache, D % 16 == 0)."""
+    """Whether paged_decode_attention can serve these tensors: CPU, fp32/bf16 cache,
+    D % 16 == 0."""
     return (
         q.device.type == "cpu"
         and k_cache.dtype in _KERNELS
@@ -216,10 +221,26 @@ _LINEAR = (torch.float32, torch.bfloat16)
 LINEAR_ROWS_PER_THREAD = 16
 
 
+def linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` can compute x @ weight^T at all, whatever the row count: inference on the
+    CPU, a plain float32/bfloat16 weight [N, K] of x's dtype, K % 8 == 0, the kernels built. Each
+    output element is then one dot product in a fixed order (8 lanes along K, summed by `hsum`),
+    whatever the rows, tiles and threads (batch-invariant mode relies on it)."""
+    dtype = weight.dtype
+    if x.dtype is not dtype or dtype not in _LINEAR or not x.is_cpu:
+        return False
+    if type(weight) not in cpu_bf16.PLAIN or weight.dim() != 2 or weight.shape[1] % 8:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    return library() is not None
+
+
 def use_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` should serve x @ weight^T: inference on the CPU, a plain float32/bfloat16
     weight (not a quantized or sparse tensor subclass) matching x's dtype, K % 8 == 0, few rows,
-    and for bfloat16 a CPU without native bf16. (Called per layer per step: cheapest tests first.)"""
+    and for bfloat16 a CPU without native bf16. (Called per layer per step: cheapest tests
+    first.)"""
     dtype = weight.dtype
     if (
         x.dtype is not dtype
@@ -240,8 +261,8 @@ def use_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [..., K], weight [N, K] float32 or bfloat16 (contiguous), on the
-    CPU; returns [..., N] in x's dtype. Call only where `use_linear(x, weight)`."""
+    """F.linear(x, weight, bias) for x [..., K], weight [N, K] float32 or bfloat16 (contiguous), on
+    the CPU; returns [..., N] in x's dtype. Call only where `use_linear(x, weight)`."""
     # Each tensor op here costs about a microsecond and this runs ~200 times per decode step, so
     # conversions and copies happen only where needed.
     n, k = weight.shape
@@ -274,8 +295,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def use_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `rms_norm` should serve RMSNorm: inference on the CPU, x and weight both float32 or both
-    bfloat16, the last dimension a multiple of 8."""
+    """Whether `rms_norm` should serve RMSNorm: inference on the CPU, x and weight both float32 or
+    both bfloat16, the last dimension a multiple of 8."""
     if x.dtype is not weight.dtype or x.dtype not in _LINEAR or not x.is_cpu or x.shape[-1] % 8:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
@@ -303,3 +324,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             torch.get_num_threads(),
         )
     return out
+
+
+def use_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether `silu_mul` can serve: inference on the CPU, gate and up of one float32/bfloat16
+    dtype and shape, contiguous."""
+    if gate.dtype is not up.dtype or gate.dtype not in _LINEAR or not gate.is_cpu:
+        return False
+    if gate.shape != up.shape or not (gate.is_contiguous() and up.is_contiguous()):
+        return False
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return False
+    return library() is not None
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate, up [..., F], written into gate (see cpu_act.c), one row at a
+    time. Call only where `use_silu_mul(gate, up)`."""
+    f = gate.shape[-1]
+    rows = gate.numel() // f if f else 0
+    if rows:
+        library().silu_mul(
+            gate.data_ptr(),
+            up.data_ptr(),
+            rows,
+            f,
+            int(gate.dtype == torch.bfloat16),
+            torch.get_num_threads(),
+        )
+    return gate

@@ -11,7 +11,9 @@
  * D must be a multiple of 16 (checked by the caller).
  * Work item = (sequence, KV head): its G = H / KVH query heads share every K/V row read, so the
  * cache is streamed once per step. Two passes over the context, each reading whole blocks of
- * bs * D contiguous values: scores into a per-thread buffer [G, len], softmax, weighted sum of V.
+ * bs * D contiguous values: scores into a per-thread buffer [G, len] (rows 64-byte aligned),
+ * softmax, weighted sum of V. A row's result depends on its own query, K/V and length only (no
+ * split of the context across threads), which batch-invariant mode relies on.
  */
 #include <math.h>
 #include <stdint.h>
@@ -23,16 +25,18 @@
 static inline size_t elem(const int bf16) { return bf16 ? 2 : 4; }
 
 /* Blocks sit anywhere in the cache and the hardware prefetchers stop at page boundaries (an fp32
- * block of 16 x 64 is exactly one page), so each token row fetches the same row of the next block. */
+ * block of 16 x 64 is exactly one page), so each token row fetches the same row of the next
+ * block. */
 static inline void prefetch_row(const char *p, size_t row) {
     for (size_t o = 0; o < row; o += 64) __builtin_prefetch(p + o, 0, 0);
 }
 
 /* One (sequence, KV head). q, out: its G query rows [G, D]; k, v: this KV head's slot 0.
- * Inlined with D a constant for the common head sizes, so the loops over D unroll into registers. */
+ * Inlined with D a constant for the common head sizes, so the loops over D unroll into
+ * registers. */
 static inline __attribute__((always_inline)) void item(
     const float *q, const char *k, const char *v, const int64_t *table, int64_t len, float *out,
-    int G, const int D, int bs, float scale, float *s, const int bf16) {
+    int G, const int D, int bs, float scale, float *s, int64_t stride, const int bf16) {
     const size_t row = elem(bf16) * (size_t)D;
     for (int64_t start = 0; start < len; start += bs) {
         const int64_t n = len - start < bs ? len - start : bs;
@@ -43,17 +47,18 @@ static inline __attribute__((always_inline)) void item(
             if (next) prefetch_row(next + t * row, row);
             for (int g = 0; g < G; ++g) {
                 const float *qg = q + (int64_t)g * D;
-                v8f a0 = {0}, a1 = {0};  /* two chains: the FMA latency, not the loads, bounds one */
+                /* two chains: the FMA latency, not the loads, bounds one */
+                v8f a0 = {0}, a1 = {0};
                 for (int d = 0; d < D; d += 16) {
                     a0 += *(const v8f *)(qg + d) * load8(kr, d, bf16);
                     a1 += *(const v8f *)(qg + d + 8) * load8(kr, d + 8, bf16);
                 }
-                s[(int64_t)g * len + start + t] = hsum(a0 + a1) * scale;
+                s[(int64_t)g * stride + start + t] = hsum(a0 + a1) * scale;
             }
         }
     }
     for (int g = 0; g < G; ++g) {  /* softmax of row g in place; its entries are all finite */
-        float *sg = s + (int64_t)g * len, m = sg[0], sum = 0.f;
+        float *sg = s + (int64_t)g * stride, m = sg[0], sum = 0.f;
         for (int64_t t = 1; t < len; ++t) m = sg[t] > m ? sg[t] : m;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; ++t) {
@@ -65,14 +70,15 @@ static inline __attribute__((always_inline)) void item(
     }
     for (int g = 0; g < G; ++g) {
         float *og = out + (int64_t)g * D;
-        const float *pg = s + (int64_t)g * len;
+        const float *pg = s + (int64_t)g * stride;
         for (int c = 0; c < D; c += 64) {  /* 8 register accumulators per 64 columns */
             const int w = D - c < 64 ? D - c : 64;
             v8f acc[8] = {{0}};
             for (int64_t start = 0; start < len; start += bs) {
                 const int64_t n = len - start < bs ? len - start : bs;
                 const char *vb = v + (size_t)table[start / bs] * bs * row + elem(bf16) * c;
-                const char *next = g == 0 && start + bs < len ? v + (size_t)table[start / bs + 1] * bs * row : NULL;
+                const int more = g == 0 && start + bs < len;
+                const char *next = more ? v + (size_t)table[start / bs + 1] * bs * row : NULL;
                 for (int64_t t = 0; t < n; ++t) {
                     if (next && c == 0) prefetch_row(next + t * row, row);
                     const float p = pg[start + t];
@@ -87,14 +93,18 @@ static inline __attribute__((always_inline)) void item(
 
 /* Returns 0, or 1 when a scratch buffer could not be allocated (out is then incomplete). */
 static int run(
-    const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens, float *out,
-    int B, int H, int KVH, int D, int64_t slots, int max_blocks, int bs, float scale, int64_t max_len,
-    int threads, const int bf16) {
+    const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
+    float *out, int B, int H, int KVH, int D, int64_t slots, int max_blocks, int bs, float scale,
+    int64_t max_len, int threads, const int bf16) {
     const int G = H / KVH;
+    /* Rows of the score buffer start 64-byte aligned, whatever max_len and the allocator give:
+     * the vectorised softmax sum then splits a row the same way in every call (batch-invariant
+     * mode relies on it; rows never share a vector). */
+    const int64_t stride = ((max_len > 0 ? max_len : 1) + 15) & ~(int64_t)15;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        float *s = (float *)malloc(sizeof(float) * (size_t)G * (size_t)(max_len > 0 ? max_len : 1));
+        float *s = (float *)aligned_alloc(64, sizeof(float) * (size_t)G * (size_t)stride);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < (int64_t)B * KVH; ++it) {
             if (s == NULL) {
@@ -105,29 +115,35 @@ static int run(
             const int64_t b = it / KVH, h = it % KVH, r = (b * H + h * G) * D;
             const size_t head = (size_t)h * slots * D * elem(bf16);
             const char *k = (const char *)kc + head, *v = (const char *)vc + head;
-            /* Every specialisation is chosen here, inside the loop: GCC outlines the parallel region
-             * before inlining, so a constant passed into run() would reach item() as a variable. */
+            /* Every specialisation is chosen here, inside the loop: GCC outlines the parallel
+             * region before inlining, so a constant passed into run() would reach item() as a
+             * variable. */
             const int64_t *tb = tables + b * max_blocks;
-            if (bf16 && D == 64) item(q + r, k, v, tb, lens[b], out + r, G, 64, bs, scale, s, 1);
-            else if (bf16 && D == 128) item(q + r, k, v, tb, lens[b], out + r, G, 128, bs, scale, s, 1);
-            else if (bf16) item(q + r, k, v, tb, lens[b], out + r, G, D, bs, scale, s, 1);
-            else if (D == 64) item(q + r, k, v, tb, lens[b], out + r, G, 64, bs, scale, s, 0);
-            else if (D == 128) item(q + r, k, v, tb, lens[b], out + r, G, 128, bs, scale, s, 0);
-            else item(q + r, k, v, tb, lens[b], out + r, G, D, bs, scale, s, 0);
+            const float *qr = q + r;
+            float *o = out + r;
+            const int64_t n = lens[b];
+            if (bf16 && D == 64) item(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, 1);
+            else if (bf16 && D == 128) item(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, 1);
+            else if (bf16) item(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, 1);
+            else if (D == 64) item(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, 0);
+            else if (D == 128) item(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, 0);
+            else item(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, 0);
         }
         free(s);
     }
     return failed;
 }
 
-int paged_decode_f32(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
-                     float *out, int B, int H, int KVH, int D, int64_t slots, int max_blocks, int bs, float scale,
-                     int64_t max_len, int threads) {
-    return run(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale, max_len, threads, 0);
+int paged_decode_f32(const float *q, const void *kc, const void *vc, const int64_t *tables,
+                     const int64_t *lens, float *out, int B, int H, int KVH, int D, int64_t slots,
+                     int max_blocks, int bs, float scale, int64_t max_len, int threads) {
+    return run(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale, max_len,
+               threads, 0);
 }
 
-int paged_decode_bf16(const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
-                      float *out, int B, int H, int KVH, int D, int64_t slots, int max_blocks, int bs, float scale,
-                      int64_t max_len, int threads) {
-    return run(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale, max_len, threads, 1);
+int paged_decode_bf16(const float *q, const void *kc, const void *vc, const int64_t *tables,
+                      const int64_t *lens, float *out, int B, int H, int KVH, int D, int64_t slots,
+                      int max_blocks, int bs, float scale, int64_t max_len, int threads) {
+    return run(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale, max_len,
+               threads, 1);
 }

@@ -71,8 +71,8 @@ def _paged_decode_kernel(
     G_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
-    # Program (b, h): sequence b, KV head h, all GROUP query heads that share it. Online softmax over
-    # the sequence's blocks, read in place through its block table.
+    # Program (b, h): sequence b, KV head h, all GROUP query heads that share it. Online softmax
+    # over the sequence's blocks, read in place through its block table.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     ctx = tl.load(context_lens_ptr + b)

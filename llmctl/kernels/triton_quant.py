@@ -62,8 +62,9 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        # Program (i, j): rows [i*BM, (i+1)*BM) of x, outputs [j*BN, (j+1)*BN). K is walked in tiles of
-        # BLOCK_K, which divides GROUP (and so K): each tile's columns share one scale/zero per output.
+        # Program (i, j): rows [i*BM, (i+1)*BM) of x, outputs [j*BN, (j+1)*BN). K is walked in tiles
+        # of BLOCK_K, which divides GROUP (and so K): each tile's columns share one scale/zero per
+        # output.
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -102,8 +103,8 @@ if triton is not None:
 
 
 def quant_matmul_triton(x, qweight, scales, zeros, bits: int, group_size: int) -> torch.Tensor:
-    """As `quant_matmul_reference` (same shapes and layout), in one Triton kernel: fp32 accumulation,
-    output in x's dtype. group_size: a power of two >= 16 dividing K."""
+    """As `quant_matmul_reference` (same shapes and layout), in one Triton kernel: fp32
+    accumulation, output in x's dtype. group_size: a power of two >= 16 dividing K."""
     m, k = x.shape
     n = qweight.shape[0]
     assert group_size >= 16 and group_size & (group_size - 1) == 0 and k % group_size == 0, (

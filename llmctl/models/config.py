@@ -45,7 +45,8 @@ class ModelConfig:
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
-                f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {model_type!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         try:
             hidden = int(d["hidden_size"])
@@ -127,7 +128,8 @@ def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ModelLoadError(
-                f"unsupported RoPE scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+                f"unsupported RoPE scaling {rope_type!r}; supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
         if rope_type == "default":
             return theta, None

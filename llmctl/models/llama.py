@@ -1,7 +1,9 @@
 """Our model code for the Llama family: llama, mistral, qwen2 (q/k/v bias) and qwen3 (q/k RMSNorm).
 
 Owns: the decoder modules and two forward paths over the same weights:
-- `forward(input_ids [T], positions [T], meta, kv_caches)`: the engine's packed, paged-KV path;
+- `forward(input_ids [T], positions [T], meta, kv_caches)`: the engine's packed, paged-KV path
+  (with `meta.batch_invariant`, every projection and the MLP through `project` and
+  kernels/invariant.py, whose rows do not depend on each other);
 - `forward_dense(input_ids [B, S])`: plain causal attention with no cache (calibration, eval).
 Parameter names equal Hugging Face's, so checkpoints load (and save) one to one.
 """
@@ -12,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmctl.kernels import cpu_bf16, cpu_native
+from llmctl.kernels import cpu_bf16, cpu_native, invariant
 from llmctl.kernels.attention import PagedAttentionMetadata, paged_attention
 from llmctl.kernels.onednn_linear import pack_weight, packed_linear
 from llmctl.models.config import ModelConfig
@@ -32,6 +34,16 @@ class Linear(nn.Linear):
         if cpu_bf16.use_upcast(x, self.weight):
             return cpu_bf16.upcast_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def project(layer: nn.Module, x: torch.Tensor, fixed_order: bool) -> torch.Tensor:
+    """layer(x); with `fixed_order` (batch-invariant mode) through kernels/invariant.py, whose
+    rows do not depend on each other's presence. Any linear module (dense, quantized, sparse)."""
+    if not fixed_order:
+        return layer(x)
+    if type(layer) is not Linear:  # quantized and other modules: one row a call
+        return invariant.linear(x, None, None, layer)
+    return invariant.linear(x, layer.weight, layer.bias, layer)
 
 
 class RMSNorm(nn.Module):
@@ -73,21 +85,22 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self._rotary = [rotary]  # a list, so the shared table is not registered once per layer
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor):
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, fixed_order: bool = False):
         """x [..., hidden] -> q [..., heads, D], k and v [..., kv_heads, D], RoPE applied."""
         lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        q = project(self.q_proj, x, fixed_order).view(*lead, self.num_heads, self.head_dim)
+        k = project(self.k_proj, x, fixed_order).view(*lead, self.num_kv_heads, self.head_dim)
+        v = project(self.v_proj, x, fixed_order).view(*lead, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rotary[0](positions, q, k)
         return q, k, v
 
     def forward(self, x, positions, meta: PagedAttentionMetadata, kv_cache) -> torch.Tensor:
-        q, k, v = self.qkv(x, positions)  # [T, heads, D], [T, kv_heads, D]
+        fixed = meta.batch_invariant
+        q, k, v = self.qkv(x, positions, fixed)  # [T, heads, D], [T, kv_heads, D]
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        return project(self.o_proj, out.reshape(x.shape[0], -1), fixed)
 
     def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, past):
         """x [S, hidden] at `positions` after `past` = (k, v) [kv_heads, P, D] or None (a dense,
@@ -131,9 +144,12 @@ class MLP(nn.Module):
         self.up_proj = Linear(h, f, bias=False)
         self.down_proj = Linear(f, h, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fixed_order: bool = False) -> torch.Tensor:
         if torch.is_grad_enabled():
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if fixed_order:  # batch-invariant mode: see kernels/invariant.py
+            gate, up = project(self.gate_proj, x, True), project(self.up_proj, x, True)
+            return project(self.down_proj, invariant.silu_mul(gate, up), True)
         h = F.silu(self.gate_proj(x), inplace=True)  # in place: no [T, intermediate] temporaries
         return self.down_proj(h.mul_(self.up_proj(x)))
 
@@ -149,7 +165,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x, positions, meta, kv_cache) -> torch.Tensor:
         """The engine's path (inference only): residual adds in place."""
         x = x.add_(self.self_attn(self.input_layernorm(x), positions, meta, kv_cache))
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+        return x.add_(self.mlp(self.post_attention_layernorm(x), meta.batch_invariant))
 
     def forward_cached(self, x, positions, past):
         a, cache = self.self_attn.forward_cached(self.input_layernorm(x), positions, past)
@@ -187,26 +203,31 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids, positions, meta: PagedAttentionMetadata, kv_caches
     ) -> torch.Tensor:
-        """Packed tokens [T] -> final hidden states [T, hidden] (normed); K/V written to the caches."""
+        """Packed tokens [T] -> final hidden states [T, hidden] (normed); K/V written to the
+        caches."""
         x = self.model.embed_tokens(input_ids)
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer(x, positions, meta, kv)
         return self.model.norm(x)
 
     def _plain_head(self) -> bool:
-        """lm_head is our bias-free Linear over a plain tensor (not quantized, not a sparse subclass)."""
+        """lm_head is our bias-free Linear over a plain tensor (not quantized, not a sparse
+        subclass)."""
         head = self.lm_head
         return type(head) is Linear and head.bias is None and type(head.weight.data) is torch.Tensor
 
     def pack_lm_head(self) -> bool:
-        """Keep a oneDNN-packed copy of the vocabulary projection for batched logits (inference on the
-        CPU in float32). Costs one more vocab x hidden matrix of memory; returns whether it was made."""
+        """Keep a oneDNN-packed copy of the vocabulary projection for batched logits (inference on
+        the CPU in float32). Costs one more vocab x hidden matrix of memory; returns whether it was
+        made."""
         if self._plain_head():
             self.packed_head = pack_weight(self.lm_head.weight)
         return self.packed_head is not None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, fixed_order: bool = False) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab]; `fixed_order`: batch-invariant."""
+        if fixed_order:
+            return project(self.lm_head, hidden, True).float()
         # Few rows: the native kernel inside lm_head (1.1-1.3x the packed weight at 4-16 rows, both
         # shapes, 1 thread); more rows: the packed weight (1.2-1.5x F.linear at 16-64 rows).
         if (

@@ -30,7 +30,8 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 @functools.lru_cache(maxsize=1)
 def _int4_block_rows() -> int | None:
-    """Row-block width B of the CPU int4 kernel's packed layout, or None (no kernel, unknown layout)."""
+    """Row-block width B of the CPU int4 kernel's packed layout, or None (no kernel, unknown
+    layout)."""
     try:
         q = torch.randint(
             0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0)
@@ -51,7 +52,8 @@ def _int4_layout_ok() -> bool:
 def _unpack_int4_cpu(
     packed: torch.Tensor, n: int, k: int, block: int | None = None
 ) -> torch.Tensor:
-    """Codes int32 [n, k] from the CPU int4 kernel's packed uint8 [n, k / 2] (row blocks of `block`)."""
+    """Codes int32 [n, k] from the CPU int4 kernel's packed uint8 [n, k / 2] (row blocks of
+    `block`)."""
     block = block or _int4_block_rows()
     f = packed.contiguous().reshape(n // block, k, block // 2)
     return torch.cat([f & 15, f >> 4], dim=-1).permute(0, 2, 1).reshape(n, k).to(torch.int32)
@@ -107,7 +109,8 @@ class QuantLinear(nn.Module):
     def from_unpacked(
         cls, u, dtype: torch.dtype, device: str | torch.device = "cpu"
     ) -> "QuantLinear":
-        """Build from an UnpackedLinear (codes [out, in], scales/zeros [out, groups], g_idx [in])."""
+        """Build from an UnpackedLinear: codes [out, in], scales/zeros [out, groups],
+        g_idx [in]."""
         out_f, in_f = u.codes.shape
         self = cls(in_f, out_f, u.bits, u.group_size)
         codes, g_idx = u.codes, u.g_idx.long()
@@ -116,7 +119,8 @@ class QuantLinear(nn.Module):
             perm = torch.argsort(g_idx, stable=True)
             if not torch.equal(g_idx[perm], expected):
                 raise ModelLoadError(
-                    f"g_idx with groups of unequal size (group size {u.group_size}) is not supported"
+                    f"g_idx with groups of unequal size (group size {u.group_size}) is not "
+                    "supported"
                 )
             self.perm = perm.to(device)
             codes = codes[:, perm]
@@ -195,4 +199,7 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kernel = "int4 kernel" if self.use_int4_kernel else "dequantize"
-        return f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={self.group_size}, {kernel}"
+        return (
+            f"in={self.in_features}, out={self.out_features}, bits={self.bits}, "
+            f"group={self.group_size}, {kernel}"
+        )

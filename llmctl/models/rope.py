@@ -1,4 +1,5 @@
-"""Rotary position embeddings: inverse frequencies (default, linear, llama3 scaling) and a cos/sin table.
+"""Rotary position embeddings: inverse frequencies (default, linear, llama3 scaling) and a cos/sin
+table.
 
 Owns: the RoPE math shared by every attention layer. Matches Hugging Face's float32 computation so
 greedy outputs agree token for token.

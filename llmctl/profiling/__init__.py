@@ -1,7 +1,9 @@
-"""Profiling: memory/throughput estimates from a config, machine peaks, measured sweeps and their reports.
+"""Profiling and evaluation: estimates from a config, machine peaks, measured sweeps, perplexity.
 
 Modules: `estimate` (pure math on a ModelConfig), `environment` (who/where a record was measured),
-`machine` (measured bandwidth and matmul peak, cached), `sweep` (the measured sweep through the engine),
-`report` (JSON/CSV/Markdown/PNG writers), `compare` (regression check between two sweep files).
+`machine` (measured bandwidth and matmul peak, cached), `sweep` (the measured sweep through the
+engine), `report` (JSON/CSV/Markdown/PNG writers), `compare` (regression check between two sweep
+files), `dtypes` (one spelling of float dtypes), and the commands' jobs: `sweep_job`,
+`estimate_job`, `eval_job` (options with their defaults in, records out), `tables` (table cells).
 Nothing here imports typer or rich.
 """

@@ -1,9 +1,9 @@
 """Compare two sweep records (A = baseline, B = candidate) point by point, for CI regression checks.
 
-Owns: matching points by (batch size, prompt length, generation length), the B/A ratio of each metric's
-statistic (p50 by default), and the regression rule: B regresses when a lower-is-better metric
-(latency) rises by more than the threshold, B/A > 1 + t, or a higher-is-better metric (throughput)
-falls by more than the threshold, B/A < 1 - t.
+Owns: matching points by (batch size, prompt length, generation length), the B/A ratio of each
+metric's statistic (p50 by default), and the regression rule: B regresses when a lower-is-better
+metric (latency) rises by more than the threshold, B/A > 1 + t, or a higher-is-better metric
+(throughput) falls by more than the threshold, B/A < 1 - t.
 """
 
 from __future__ import annotations
@@ -13,8 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmctl.errors import UsageError
+from llmctl.profiling.dtypes import canonical_dtype
 from llmctl.profiling.sweep import HIGHER_IS_BETTER, LOWER_IS_BETTER
 
+COMPARE_SCHEMA = "llmctl.profile.compare"
+DEFAULT_THRESHOLD = "5%"  # allowed change before B counts as a regression
+DEFAULT_STAT = "p50"
+STATS = ("mean", "p50", "p90", "p99")
 COMPARED = (
     "ttft_s",
     "tpot_s",
@@ -30,7 +35,8 @@ def parse_threshold(text: str) -> float:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(%?)\s*", str(text))
     if not m:
         raise UsageError(
-            f"cannot read threshold {text!r}; use a percentage such as 5% (or a fraction such as 0.05)"
+            f"cannot read threshold {text!r}; use a percentage such as 5% (or a fraction such as "
+            "0.05)"
         )
     value = float(m.group(1)) / (100 if m.group(2) else 1)
     if not 0 <= value < 1:
@@ -67,6 +73,30 @@ class Comparison:
     def regressions(self) -> list[MetricDelta]:
         return [d for d in self.deltas if d.regression]
 
+    def to_dict(self) -> dict[str, Any]:
+        """The comparison as JSON-ready data (a point is [batch_size, prompt_len, gen_len])."""
+        return {
+            "schema": COMPARE_SCHEMA,
+            "schema_version": 1,
+            "stat": self.stat,
+            "threshold": self.threshold,
+            "regressions": len(self.regressions),
+            "deltas": [
+                {
+                    "point": list(d.point),
+                    "metric": d.metric,
+                    "a": d.a,
+                    "b": d.b,
+                    "ratio": d.ratio,
+                    "lower_is_better": d.lower_is_better,
+                    "regression": d.regression,
+                }
+                for d in self.deltas
+            ],
+            "only_in_a": [list(k) for k in self.only_in_a],
+            "only_in_b": [list(k) for k in self.only_in_b],
+        }
+
 
 def _is_regression(
     a: float | None, b: float | None, lower_is_better: bool, threshold: float
@@ -84,12 +114,15 @@ def _points(record: dict[str, Any]) -> dict[tuple[int, int, int], dict[str, Any]
 def compare_records(
     a: dict[str, Any],
     b: dict[str, Any],
-    threshold: float = 0.05,
-    stat: str = "p50",
+    threshold: float | None = None,
+    stat: str = DEFAULT_STAT,
     metrics: tuple[str, ...] = COMPARED,
 ) -> Comparison:
-    """Every compared metric of every point present in both records."""
-    if stat not in ("mean", "p50", "p90", "p99"):
+    """Every compared metric of every point present in both records (threshold None:
+    DEFAULT_THRESHOLD)."""
+    if threshold is None:
+        threshold = parse_threshold(DEFAULT_THRESHOLD)
+    if stat not in STATS:
         raise UsageError(f"unknown statistic {stat!r}; choose mean, p50, p90 or p99")
     pa, pb = _points(a), _points(b)
     deltas = []
@@ -121,5 +154,8 @@ ENVIRONMENT_KEYS = (
 
 def environment_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """'dtype: bfloat16 -> float32' for each environment fact that differs between the records."""
-    ea, eb = a.get("environment") or {}, b.get("environment") or {}
+    ea, eb = dict(a.get("environment") or {}), dict(b.get("environment") or {})
+    for env in (ea, eb):  # a record written before dtypes had one spelling may say bf16
+        if env.get("dtype"):
+            env["dtype"] = canonical_dtype(env["dtype"])
     return [f"{k}: {ea.get(k)} -> {eb.get(k)}" for k in ENVIRONMENT_KEYS if ea.get(k) != eb.get(k)]

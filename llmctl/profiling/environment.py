@@ -1,7 +1,9 @@
-"""Where and with what a record was measured: versions, device, CPU model and threads or GPU name, date.
+"""Where and with what a record was measured: versions, device, CPU model and threads or GPU name,
+date.
 
-Owns: `environment()` (a plain dict every profile/estimate/eval record carries), `machine_key()` (the
-key the machine-peaks cache uses) and `peak_memory` helpers (CPU peak RSS from /proc, CUDA max allocated).
+Owns: `environment()` (a plain dict every profile/estimate/eval record carries), `machine_key()`
+(the key the machine-peaks cache uses) and `peak_memory` helpers (CPU peak RSS from /proc, CUDA max
+allocated).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def machine_key(device: str) -> str:
 
 
 def environment(device: str, dtype: str | None) -> dict[str, Any]:
-    """The environment block of a record. `device` is the resolved device ('cpu', 'cuda', 'cuda:0')."""
+    """The environment block of a record. `device` is the resolved device ('cpu', 'cuda',
+    'cuda:0')."""
     import torch
 
     from llmctl import __version__

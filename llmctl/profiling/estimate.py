@@ -1,20 +1,22 @@
 """Memory and speed estimates from a model's config.json alone (no weights): pure arithmetic.
 
 Owns: parameter and weight-byte counts per storage format (int4/int8 with their per-group scales and
-zero points), KV-cache bytes per token / sequence / batch, how many sequences fit in a memory budget,
-the bandwidth-bound decode ceiling and FLOPs per token (used for MFU), and finding a config.json from
-a folder, a file or a hub id.
+zero points), KV-cache bytes per token / sequence / batch, how many sequences fit in a memory
+budget, the bandwidth-bound decode ceiling and FLOPs per token (used for MFU), and finding a
+config.json from a folder, a file or a hub id.
 
 Conventions (stated in every estimate record):
 - Quantized formats (int8, int4) quantize the decoder's linear weights (q/k/v/o, gate/up/down) in
   groups of `group_size` input elements per output row (None: one group per output row). Each group
-  stores one 16-bit scale and one zero point packed at the weight's bit width (asymmetric, as AWQ and
-  GPTQ checkpoints do). Embeddings, lm_head, norms and biases stay 16-bit unless `quantize_embeddings`.
+  stores one 16-bit scale and one zero point packed at the weight's bit width (asymmetric, as AWQ
+  and GPTQ checkpoints do). Embeddings, lm_head, norms and biases stay 16-bit unless
+  `quantize_embeddings`.
 - KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per KV element.
-- A sequence's KV is rounded up to whole blocks of `block_size` tokens (the paged cache allocates blocks).
-- Decode ceiling: each decode step reads every weight once plus the KV of every sequence in the batch, so
-  steps/s <= bandwidth / (weight bytes + batch x context x KV bytes per token); each step yields one token
-  per sequence (per-sequence tokens/s = steps/s, aggregate = batch x steps/s).
+- A sequence's KV is rounded up to whole blocks of `block_size` tokens (the paged cache allocates
+  blocks).
+- Decode ceiling: each decode step reads every weight once plus the KV of every sequence in the
+  batch, so steps/s <= bandwidth / (weight bytes + batch x context x KV bytes per token); each step
+  yields one token per sequence (per-sequence tokens/s = steps/s, aggregate = batch x steps/s).
 """
 
 from __future__ import annotations
@@ -28,24 +30,18 @@ from typing import Any
 
 from llmctl.errors import ModelLoadError, UsageError
 from llmctl.models.config import ModelConfig
+from llmctl.profiling.dtypes import canonical_dtype
 
 # Weight storage formats and their bits per element.
-WEIGHT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "int4": 4}
+WEIGHT_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4}
 # KV-cache element formats and their bytes per element.
-KV_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
-_ALIASES = {
-    "float32": "fp32",
-    "bfloat16": "bf16",
-    "float16": "fp16",
-    "half": "fp16",
-    "float": "fp32",
-}
+KV_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
 SCALE_BYTES = 2  # one 16-bit scale per group
 
 
 def normalize_dtype(name: str, table: dict[str, Any], what: str) -> str:
-    """'bfloat16' -> 'bf16'; raises UsageError for a name not in `table`."""
-    key = _ALIASES.get(str(name).lower(), str(name).lower())
+    """'bf16' -> 'bfloat16' (see `dtypes`); raises UsageError for a name not in `table`."""
+    key = canonical_dtype(name)
     if key not in table:
         raise UsageError(f"unknown {what} {name!r}; choose one of: {', '.join(table)}")
     return key
@@ -86,17 +82,18 @@ def _matrix_bytes(
 
 def weight_bytes(
     config: ModelConfig,
-    dtype: str = "bf16",
+    dtype: str = "bfloat16",
     group_size: int | None = 128,
     quantize_embeddings: bool = False,
 ) -> WeightBytes:
-    """Bytes of all weights stored as `dtype` (see module docstring for what int formats include)."""
+    """Bytes of all weights stored as `dtype` (see module docstring for what int formats
+    include)."""
     dtype = normalize_dtype(dtype, WEIGHT_BITS, "weight dtype")
     if group_size is not None and group_size < 1:
         raise UsageError(f"--group-size must be a positive integer, got {group_size}")
     bits = WEIGHT_BITS[dtype]
     quantized = dtype.startswith("int")
-    float_bytes = 4 if dtype == "fp32" else 2  # what unquantized tensors are stored in
+    float_bytes = 4 if dtype == "float32" else 2  # what unquantized tensors are stored in
     linear = scales = zeros = 0
     for out_f, in_f in linear_shapes(config):
         w, s, z = _matrix_bytes(out_f, in_f, bits, group_size, quantized, float_bytes)
@@ -117,14 +114,14 @@ def _matrix_params(config: ModelConfig) -> int:
     return config.num_layers * per_layer + n_emb * config.vocab_size * config.hidden_size
 
 
-def kv_bytes_per_token(config: ModelConfig, kv_dtype: str = "bf16") -> int:
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: str = "bfloat16") -> int:
     """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
     kv_dtype = normalize_dtype(kv_dtype, KV_BYTES, "KV dtype")
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES[kv_dtype]
 
 
 def kv_bytes_per_sequence(
-    config: ModelConfig, seq_len: int, kv_dtype: str = "bf16", block_size: int = 1
+    config: ModelConfig, seq_len: int, kv_dtype: str = "bfloat16", block_size: int = 1
 ) -> int:
     """KV bytes of one sequence of `seq_len` tokens, rounded up to whole cache blocks."""
     tokens = math.ceil(seq_len / block_size) * block_size
@@ -178,7 +175,7 @@ def estimate(
     config: ModelConfig,
     *,
     model: str = "",
-    dtype: str = "bf16",
+    dtype: str = "bfloat16",
     group_size: int | None = 128,
     kv_dtype: str | None = None,
     seq_len: int | None = None,
@@ -188,11 +185,12 @@ def estimate(
     bandwidth: float | None = None,
     quantize_embeddings: bool = False,
 ) -> Estimate:
-    """Everything `profile --estimate` prints. kv_dtype None: 16-bit (fp32 for fp32 weights);
+    """Everything `profile --estimate` prints. kv_dtype None: the weights' float dtype (bfloat16
+    for int weights);
     seq_len None: the model's max_position_embeddings."""
     dtype = normalize_dtype(dtype, WEIGHT_BITS, "weight dtype")
     if kv_dtype is None:
-        kv_dtype = "fp32" if dtype == "fp32" else ("fp16" if dtype == "fp16" else "bf16")
+        kv_dtype = dtype if dtype in ("float32", "float16") else "bfloat16"
     kv_dtype = normalize_dtype(kv_dtype, KV_BYTES, "KV dtype")
     seq_len = config.max_position_embeddings if seq_len is None else seq_len
     for name, value in (("--seq-len", seq_len), ("--batch", batch), ("--block-size", block_size)):
@@ -230,17 +228,19 @@ def estimate(
 
 
 ESTIMATE_FORMULAS = {
-    "weights": "decoder linears at the weight dtype; int formats add one 16-bit scale and one zero point "
-    "(packed at the weight bit width) per group of group_size inputs per output row; embeddings, "
-    "lm_head, norms and biases 16-bit (fp32 for fp32)",
+    "weights": "decoder linears at the weight dtype; int formats add one 16-bit scale and one "
+    "zero point (packed at the weight bit width) per group of group_size inputs per output row; "
+    "embeddings, lm_head, norms and biases 16-bit (float32 for float32)",
     "kv_bytes_per_token": "2 x num_layers x num_kv_heads x head_dim x bytes(kv_dtype)",
     "kv_bytes_per_sequence": "ceil(seq_len / block_size) x block_size x kv_bytes_per_token",
     "kv_bytes_batch": "batch x kv_bytes_per_sequence",
-    "max_sequences": "floor((memory_budget - weights.total) / kv_bytes_per_sequence); no allowance for activations",
+    "max_sequences": "floor((memory_budget - weights.total) / kv_bytes_per_sequence); no "
+    "allowance for activations",
     "decode_bytes_per_step": "weights.total + batch x seq_len x kv_bytes_per_token",
     "decode_tokens_per_s_per_sequence": "bandwidth / decode_bytes_per_step (an upper bound)",
     "decode_tokens_per_s_aggregate": "batch x decode_tokens_per_s_per_sequence",
-    "flops_per_token": "2 x (decoder linear + lm_head weights) + 4 x num_layers x seq_len x num_heads x head_dim",
+    "flops_per_token": "2 x (decoder linear + lm_head weights) + 4 x num_layers x seq_len x "
+    "num_heads x head_dim",
 }
 
 
@@ -296,7 +296,8 @@ def group_size_for(
 
 
 def find_config(target: str) -> tuple[ModelConfig, str]:
-    """Read a config from a folder (its config.json), a .json file, or a hub id (downloads only config.json).
+    """Read a config from a folder (its config.json), a .json file, or a hub id (downloads only
+    config.json).
 
     Returns (config, where it came from). Offline hub ids fail with one line.
     """
@@ -314,7 +315,8 @@ def find_config(target: str) -> tuple[ModelConfig, str]:
 
 
 def _hub_config(repo_id: str) -> str:
-    """Path of the hub repo's config.json: from the local hub cache, else downloaded when the hub answers."""
+    """Path of the hub repo's config.json: from the local hub cache, else downloaded when the hub
+    answers."""
     import logging
     import os
     import socket

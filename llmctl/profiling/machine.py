@@ -1,9 +1,10 @@
-"""This machine's measured peaks (memory bandwidth, bf16 and float32 matmul FLOP/s), cached per machine.
+"""This machine's measured peaks (memory bandwidth, bfloat16 and float32 matmul FLOP/s), cached per
+machine.
 
 Owns: the measurements behind `profile --measure-machine` and the cache file
-`$XDG_CACHE_HOME/llmctl/machine.json` (default `~/.cache/llmctl/machine.json`), a JSON object keyed by
-`environment.machine_key(device)` so a cached value is only reused on the same CPU model and thread
-count, or the same GPU. Measured profiles divide by these peaks to report MBU and MFU.
+`$XDG_CACHE_HOME/llmctl/machine.json` (default `~/.cache/llmctl/machine.json`), a JSON object keyed
+by `environment.machine_key(device)` so a cached value is only reused on the same CPU model and
+thread count, or the same GPU. Measured profiles divide by these peaks to report MBU and MFU.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from llmctl.profiling.dtypes import canonical_dtype
 from llmctl.profiling.environment import machine_key
 
 CACHE_SCHEMA_VERSION = 2  # 2: float32 matmul peak added
@@ -35,10 +37,11 @@ class MachinePeaks:
         return asdict(self)
 
     def compute_peak(self, kv_dtype: str) -> float:
-        """The matmul ceiling for a model in `kv_dtype` ("fp32", "bf16", "fp16"): float32's for
-        float32; for 16-bit dtypes the larger of the two, since a CPU without bf16 units does bf16
-        math on its float32 FMAs (llmctl's kernels do; PyTorch's bf16 matmul there is a slow path)."""
-        if kv_dtype == "fp32":
+        """The matmul ceiling for a model in `kv_dtype` (float32, bfloat16, float16; the short
+        spellings fp32, bf16, fp16 are read too): float32's for float32; for 16-bit dtypes the
+        larger of the two, since a CPU without bf16 units does bf16 math on its float32 FMAs
+        (llmctl's kernels do; PyTorch's bf16 matmul there is a slow path)."""
+        if canonical_dtype(kv_dtype) == "float32":
             return self.matmul_flops_fp32
         return max(self.matmul_flops_bf16, self.matmul_flops_fp32)
 
@@ -69,7 +72,8 @@ def _best_time(fn, device: str, repeats: int) -> float:
 
 
 def measure_bandwidth(device: str, nbytes: int, repeats: int = 5) -> dict[str, float]:
-    """Bytes/s of reading (`sum`) and copying (`copy_`, counted as read + write) a `nbytes` fp32 tensor."""
+    """Bytes/s of reading (`sum`) and copying (`copy_`, counted as read + write) a `nbytes` float32
+    tensor."""
     import torch
 
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # pages touched up front
@@ -92,7 +96,8 @@ def measure_matmul(device: str, n: int, repeats: int = 3, dtype: str = "bfloat16
 def measure_machine(
     device: str, nbytes: int | None = None, matmul_n: int | None = None
 ) -> MachinePeaks:
-    """Measure now (about a second on CPU); sizes default to 256 MiB / n=1024 on CPU, 2 GiB / n=8192 on CUDA."""
+    """Measure now (about a second on CPU); sizes default to 256 MiB / n=1024 on CPU, 2 GiB /
+    n=8192 on CUDA."""
     cuda = device.startswith("cuda")
     nbytes = nbytes or (2 * 1024**3 if cuda else 256 * 1024**2)
     matmul_n = matmul_n or (8192 if cuda else 1024)

@@ -1,7 +1,9 @@
-"""Writers for sweep records: the versioned JSON document, CSV rows, a Markdown table and a PNG plot.
+"""Writers for sweep records: the versioned JSON document, CSV rows, a Markdown table and a PNG
+plot.
 
-Owns: the layout of a sweep record (`sweep_record`), `load_record` (schema check for `compare`), and the
-flat column names shared by CSV and Markdown. matplotlib is an optional extra (`pip install llmctl[plot]`).
+Owns: the layout of a sweep record (`sweep_record`), `load_record` (schema check for `compare`), and
+the flat column names shared by CSV and Markdown. matplotlib is an optional extra (`pip install
+llmctl[plot]`).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def write_json(record: dict[str, Any], path: Path) -> None:
 
 
 def load_record(path: Path) -> dict[str, Any]:
-    """A sweep JSON written by `profile --json`; one-line errors for anything else."""
+    """A sweep JSON written by `profile --report-json`; one-line errors for anything else."""
     try:
         record = json.loads(Path(path).read_text())
     except OSError as e:
@@ -72,7 +74,8 @@ def load_record(path: Path) -> dict[str, Any]:
 
 
 def flat_row(record: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
-    """One CSV row: point settings, every metric statistic, memory, KV, MBU/MFU and the environment."""
+    """One CSV row: point settings, every metric statistic, memory, KV, MBU/MFU and the
+    environment."""
     row: dict[str, Any] = {"model": record["model"]}
     row.update({k: point[k] for k in ("batch_size", "prompt_len", "gen_len", "repeats")})
     for metric in METRICS:
@@ -114,7 +117,8 @@ def markdown(record: dict[str, Any]) -> str:
         f"**{record['model']}** on {env.get('device')} ({where}), dtype {env.get('dtype')}, "
         f"llmctl {env.get('llmctl_version')}, torch {env.get('torch_version')}, {env.get('date')}",
         "",
-        "| batch | prompt | gen | TTFT p50 (ms) | TPOT p50 (ms) | e2e p50 (s) | decode tok/s | decode tok/s/seq "
+        "| batch | prompt | gen | TTFT p50 (ms) | TPOT p50 (ms) | e2e p50 (s) | decode tok/s | "
+        "decode tok/s/seq "
         "| prefill tok/s | peak mem (MiB) | KV blocks | MBU | MFU |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -148,7 +152,8 @@ def _nan(value: float | None) -> float:
 
 
 def plot(record: dict[str, Any], path: Path) -> None:
-    """PNG: decode and output throughput, TTFT and TPOT against batch size, one line per (prompt, gen)."""
+    """PNG: decode and output throughput, TTFT and TPOT against batch size, one line per (prompt,
+    gen)."""
     try:
         import matplotlib
 
@@ -192,7 +197,8 @@ def plot(record: dict[str, Any], path: Path) -> None:
     env = record.get("environment") or {}
     where = env.get("gpu_name") or f"{env.get('cpu_model')}, threads: {env.get('cpu_threads')}"
     fig.suptitle(
-        f"llmctl profile: {record['model']} on {env.get('device')} ({where}), dtype {env.get('dtype')} "
+        f"llmctl profile: {record['model']} on {env.get('device')} ({where}), dtype "
+        f"{env.get('dtype')} "
         f"- lines p50, bands p50..p90 over repeats",
         fontsize=10,
     )

@@ -1,10 +1,11 @@
 """The measured sweep: batch sizes x prompt lengths x generation lengths through the serving engine.
 
 Owns: running one sweep point (random-token prompts, greedy, `ignore_eos` so every request produces
-exactly `gen_len` tokens) on an already-built engine, and turning its request timings into the metrics
-of a point record (see `FORMULAS`, written into every sweep JSON). The engine is anything with the
-LLMEngine interface: `add_request(id, prompt_token_ids, params)`, `step() -> finished RequestOutputs`,
-`has_unfinished_requests()`; weights are loaded once by the caller and reused for every point.
+exactly `gen_len` tokens) on an already-built engine, and turning its request timings into the
+metrics of a point record (see `FORMULAS`, written into every sweep JSON). The engine is anything
+with the LLMEngine interface: `add_request(id, prompt_token_ids, params)`, `step() -> finished
+RequestOutputs`, `has_unfinished_requests()`; weights are loaded once by the caller and reused for
+every point.
 """
 
 from __future__ import annotations
@@ -32,27 +33,32 @@ HIGHER_IS_BETTER = (
 METRICS = LOWER_IS_BETTER + HIGHER_IS_BETTER
 
 FORMULAS = {
-    "prompts": "batch_size requests of prompt_len uniformly random token ids (new ones every repeat), "
-    "greedy, ignore_eos=True, max_tokens=gen_len, all added at once to the engine",
+    "prompts": "batch_size requests of prompt_len uniformly random token ids (new ones every "
+    "repeat), greedy, ignore_eos=True, max_tokens=gen_len, all added at once to the engine",
     "ttft_s": "first_token_time - arrival_time, per request",
-    "tpot_s": "(finish_time - first_token_time) / (output_tokens - 1), per request (end-to-end minus TTFT)",
+    "tpot_s": "(finish_time - first_token_time) / (output_tokens - 1), per request (end-to-end "
+    "minus TTFT)",
     "e2e_s": "finish_time - arrival_time, per request",
     "decode_tokens_per_s_per_sequence": "1 / tpot_s, per request",
-    "decode_tokens_per_s": "sum over requests of (output_tokens - 1) / (last finish_time - earliest first_token_time), per repeat",
-    "prefill_tokens_per_s": "batch_size x prompt_len / (latest first_token_time - earliest arrival_time), per repeat",
+    "decode_tokens_per_s": "sum over requests of (output_tokens - 1) / (last finish_time - "
+    "earliest first_token_time), per repeat",
+    "prefill_tokens_per_s": "batch_size x prompt_len / (latest first_token_time - earliest "
+    "arrival_time), per repeat",
     "output_tokens_per_s": "batch_size x gen_len / wall_s, per repeat",
-    "wall_s": "time from adding the first request to the engine reporting the last finished, per repeat",
-    "percentiles": "per-request metrics pool every request of every repeat; per-repeat metrics pool the repeats; "
-    "linear interpolation between closest ranks (numpy's default)",
+    "wall_s": "time from adding the first request to the engine reporting the last finished, "
+    "per repeat",
+    "percentiles": "per-request metrics pool every request of every repeat; per-repeat metrics "
+    "pool the repeats; linear interpolation between closest ranks (numpy's default)",
     "peak_memory_bytes": "CUDA: torch.cuda.max_memory_allocated over the point's repeats; "
     "CPU: peak resident set size (VmHWM, reset per point when /proc/self/clear_refs allows)",
-    "kv_blocks_used": "most KV-cache blocks in use during any engine step of the point (the engine's peak counter, "
-    "reset per repeat)",
-    "mbu": "(weight_bytes + batch_size x (prompt_len + gen_len / 2) x kv_bytes_per_token) / tpot_s.p50 / "
-    "machine memory_bandwidth",
-    "mfu": "batch_size x (prompt_len x flops_per_token(prompt_len / 2) + gen_len x flops_per_token(prompt_len + gen_len / 2)) "
-    "/ wall_s.p50 / machine compute_peak(dtype) (float32's matmul peak for float32 models, the larger of bf16's "
-    "and float32's for 16-bit ones); flops_per_token(c) = 2 x matmul weights + 4 x layers x c x q_size",
+    "kv_blocks_used": "most KV-cache blocks in use during any engine step of the point (the "
+    "engine's peak counter, reset per repeat)",
+    "mbu": "(weight_bytes + batch_size x (prompt_len + gen_len / 2) x kv_bytes_per_token) / "
+    "tpot_s.p50 / machine memory_bandwidth",
+    "mfu": "batch_size x (prompt_len x flops_per_token(prompt_len / 2) + gen_len x "
+    "flops_per_token(prompt_len + gen_len / 2)) / wall_s.p50 / machine compute_peak(dtype) "
+    "(float32's matmul peak for float32 models, the larger of bfloat16's and float32's for "
+    "16-bit ones); flops_per_token(c) = 2 x matmul weights + 4 x layers x c x q_size",
 }
 
 
@@ -93,7 +99,8 @@ class ModelFacts:
     weight_bytes: int
     kv_bytes_per_token: int
     flops_per_token: Callable[[int], float]  # context length -> forward FLOPs of one token
-    dtype: str = "bf16"  # the model's ("fp32", "bf16", "fp16"): which matmul peak MFU divides by
+    # the model's (float32, bfloat16, float16): which matmul peak MFU divides by
+    dtype: str = "bfloat16"
 
 
 @dataclass
@@ -127,8 +134,8 @@ def kv_blocks_in_use(engine: Any) -> int | None:
 
 
 def _reset_engine_peak(engine: Any) -> bool:
-    """Zero the engine's own peak-blocks counter (LLMEngine.stats.peak_used_blocks, updated inside a step,
-    before finished requests free their blocks); False when the engine has none."""
+    """Zero the engine's own peak-blocks counter (LLMEngine.stats.peak_used_blocks, updated inside a
+    step, before finished requests free their blocks); False when the engine has none."""
     stats = getattr(engine, "stats", None)
     if isinstance(getattr(stats, "peak_used_blocks", None), int):
         stats.peak_used_blocks = 0
@@ -283,7 +290,8 @@ def run_sweep(
 
 
 def model_facts(model: Any, config: Any, kv_dtype: str) -> ModelFacts:
-    """Weight bytes as loaded (every parameter's storage, tied weights once) and the config's KV/FLOP sizes."""
+    """Weight bytes as loaded (every parameter's storage, tied weights once) and the config's
+    KV/FLOP sizes."""
     from llmctl.profiling.estimate import flops_per_token, kv_bytes_per_token
 
     seen, weight_bytes = set(), 0

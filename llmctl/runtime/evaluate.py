@@ -9,7 +9,8 @@ tokens [begin, t) of its own window, so with stride < seq_len every scored token
 window sees at least seq_len - stride tokens of context. The plan stops after the window reaching N.
 Result: every token except the very first is scored exactly once when stride < seq_len; when
 stride == seq_len (non-overlapping windows) the first token of each window is not scored either,
-exactly as Hugging Face's loop does. The model only needs `forward_dense(ids [B, S]) -> logits [B, S, V]`.
+exactly as Hugging Face's loop does. The model only needs
+`forward_dense(ids [B, S]) -> logits [B, S, V]`.
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ def perplexity(
 ) -> PerplexityResult:
     """Sliding-window perplexity of `model` on `token_ids` (and KL against `reference`, when given).
 
-    stride None: seq_len // 2. Runs under inference mode on the model's device; windows of equal length
-    run as one batch (bounded by LOGITS_BUDGET)."""
+    stride None: seq_len // 2. Runs under inference mode on the model's device; windows of equal
+    length run as one batch (bounded by LOGITS_BUDGET)."""
     import torch
 
     stride = max(1, seq_len // 2) if stride is None else stride
@@ -162,8 +163,10 @@ def perplexity(
 
 
 METHOD = (
-    "sliding window (Hugging Face strided perplexity): windows [begin, min(begin + seq_len, N)) at begin = 0, "
-    "stride, ...; each scores tokens [max(previous end, begin + 1), end) given the window's earlier tokens; "
+    "sliding window (Hugging Face strided perplexity): windows [begin, min(begin + seq_len, N)) "
+    "at begin = 0, "
+    "stride, ...; each scores tokens [max(previous end, begin + 1), end) given the window's "
+    "earlier tokens; "
     "perplexity = exp(mean NLL over scored tokens); KL = mean over scored tokens of "
     "sum_v p_ref(v) (log p_ref(v) - log p_model(v)), in nats"
 )
@@ -177,9 +180,9 @@ HELDOUT_METHOD = (
 
 
 def heldout_perplexity(model: Any, heldout: Any | None) -> float | None:
-    """The before/after perplexity quantize and sparsify report: the first HELDOUT_MAX_TOKENS held-out
-    tokens in non-overlapping HELDOUT_WINDOW windows, the same for both commands so their numbers
-    compare. None when there is nothing to score."""
+    """The before/after perplexity quantize and sparsify report: the first HELDOUT_MAX_TOKENS
+    held-out tokens in non-overlapping HELDOUT_WINDOW windows, the same for both commands so their
+    numbers compare. None when there is nothing to score."""
     if heldout is None or heldout.numel() < 2:
         return None
     window = min(HELDOUT_WINDOW, model.config.max_position_embeddings)

@@ -27,7 +27,8 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """None -> the embedded demo model; an existing folder -> itself; otherwise a hub id, when online."""
+    """None -> the embedded demo model; an existing folder -> itself; otherwise a hub id, when
+    online."""
     if model is None or str(model) == "":
         return DEMO_MODEL_DIR
     path = Path(model).expanduser()
@@ -50,15 +51,17 @@ def _download(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
     except Exception as e:  # offline, unknown repo, gated: all the same advice
         raise ModelLoadError(
-            f"cannot fetch {repo_id!r} from the hub ({type(e).__name__}); download it where the hub is "
+            f"cannot fetch {repo_id!r} from the hub ({type(e).__name__}); download it where the "
+            "hub is "
             f"reachable and pass the local folder instead: --model /path/to/folder"
         ) from None
 
 
 def resolve_dtype(dtype: str, config: ModelConfig, device: str):
-    """--dtype to a torch dtype. auto: the checkpoint's dtype, except on the CPU, where half precision
-    becomes bfloat16 (fast CPU half matmuls are rare), or float32 when the CPU has no bf16 units
-    (`cpu_bf16.native_bf16`: PyTorch's bf16 matmuls there run several times slower than float32)."""
+    """--dtype to a torch dtype. auto: the checkpoint's dtype, except on the CPU, where half
+    precision becomes bfloat16 (fast CPU half matmuls are rare), or float32 when the CPU has no bf16
+    units (`cpu_bf16.native_bf16`: PyTorch's bf16 matmuls there run several times slower than
+    float32)."""
     import torch
 
     from llmctl.kernels.cpu_bf16 import native_bf16

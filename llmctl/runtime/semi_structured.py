@@ -24,7 +24,8 @@ SHAPE_MULTIPLE = 64  # conservative over cuSPARSELt (16) and CUTLASS (32 x 64) m
 
 
 def satisfies_nm(weight: torch.Tensor, n: int, m: int) -> bool:
-    """True when every group of `m` consecutive columns of every row holds at least m-n exact zeros."""
+    """True when every group of `m` consecutive columns of every row holds at least m-n exact
+    zeros."""
     rows, cols = weight.shape
     if cols % m:
         return False
@@ -48,7 +49,8 @@ def semi_structured_support(device: str | torch.device) -> tuple[bool, str]:
     if dev.type != "cuda":
         return (
             False,
-            "2:4 sparse matmuls need an NVIDIA GPU; on the CPU pruned weights run dense (no speedup)",
+            "2:4 sparse matmuls need an NVIDIA GPU; on the CPU pruned weights run dense (no "
+            "speedup)",
         )
     if not torch.cuda.is_available():
         return False, "CUDA is not available"
@@ -64,7 +66,8 @@ def semi_structured_support(device: str | torch.device) -> tuple[bool, str]:
 
 
 def shape_supported(weight: torch.Tensor) -> bool:
-    """2-D half-precision weight whose sides are multiples of SHAPE_MULTIPLE and which is exactly 2:4."""
+    """2-D half-precision weight whose sides are multiples of SHAPE_MULTIPLE and which is exactly
+    2:4."""
     return (
         weight.dim() == 2
         and weight.dtype in (torch.float16, torch.bfloat16)

@@ -2,9 +2,9 @@
 
 Owns: `weight_files` (the safetensors index when present, else every *.safetensors; pickles are
 refused), `iter_tensors` / `read_tensors`, `save_safetensors` (a file whose mode follows the umask,
-not safetensors' 0600, and whose I/O failures are OSError), and `assign_dense`: copy dense tensors into a model
-built on the meta device (checked names and shapes, tied embeddings, owned aligned copies), shared
-by dense and quantized checkpoints.
+not safetensors' 0600, and whose I/O failures are OSError), and `assign_dense`: copy dense tensors
+into a model built on the meta device (checked names and shapes, tied embeddings, owned aligned
+copies), shared by dense and quantized checkpoints.
 """
 
 from __future__ import annotations

@@ -39,9 +39,10 @@ def load_model(path: Path, dtype: str = "auto", device: str = "cpu"):
 
 
 def _accelerate_2of4(model, config: ModelConfig) -> None:
-    """A 2:4 checkpoint from `llmctl sparsify` (config.json `sparsity_config.pattern == "2:4"`): on an
-    Ampere+ GPU, swap its pruned linears to semi-structured sparse where timed faster; elsewhere they
-    stay dense. The per-linear decisions are kept on `model.semi_structured` for reports and tests."""
+    """A 2:4 checkpoint from `llmctl sparsify` (config.json `sparsity_config.pattern == "2:4"`): on
+    an Ampere+ GPU, swap its pruned linears to semi-structured sparse where timed faster; elsewhere
+    they stay dense. The per-linear decisions are kept on `model.semi_structured` for reports and
+    tests."""
     meta = config.raw.get("sparsity_config") or {}
     if meta.get("pattern") != "2:4":
         return

@@ -1,0 +1,8 @@
+"""Training: `llmctl distill` (knowledge distillation of a teacher into a smaller student).
+
+Owns: `args` (DistillArgs, the defaults and the checks that need no model), `losses` (the
+distillation losses as pure functions on logits), `data` (streamed, packed training sequences with
+loss masks), `student` (building the student and checking its tokenizer), `checkpoint` (resumable
+state as safetensors + JSON), `distributed` (DDP from torchrun's environment), `loop` (the
+optimisation loop) and `job` (the whole run, from checks to the output folder).
+"""

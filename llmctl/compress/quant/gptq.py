@@ -1,10 +1,10 @@
 """GPTQ: quantize a weight column by column, pushing each column's error onto the columns not yet
 quantized through the inverse Hessian of the layer's inputs (Frantar et al., 2022).
 
-Owns: `quantize_gptq(weight, H, spec, ...)`. Lazy batches of `block_size` columns (updates inside a
-block are applied at once to the rest of the matrix at the block's end); act-order with groups
-that stay in the original column order (so `g_idx` stays column // group_size and every format
-can store the result), their parameters either static (fitted on the original weights up front)
+Owns: `quantize_gptq(weight, H, spec, ...)`. Lazy batches of `column_block` columns (updates
+inside a block are applied at once to the rest of the matrix at the block's end); act-order with
+groups that stay in the original column order (so `g_idx` stays column // group_size and every
+format can store the result), their parameters either static (fitted on the original weights up front)
 or refitted (on the group's error-updated weights when its first column comes up); an optional
 MSE range search per group; an optional `mask` of weights that are pruned and must stay exactly
 zero (sparse-then-quantize).
@@ -67,8 +67,8 @@ def quantize_gptq(
     H: torch.Tensor,
     spec: QuantSpec,
     *,
-    percdamp: float = 0.01,
-    block_size: int = 128,
+    dampening: float = 0.01,
+    column_block: int = 128,
     act_order: bool = False,
     mask: torch.Tensor | None = None,
     mse: bool = False,
@@ -92,11 +92,11 @@ def quantize_gptq(
     if act_order:
         W, H = W[:, perm], H[perm][:, perm]
         M = M[:, perm] if M is not None else None
-    U = damped_cholesky_inverse(H, percdamp)  # [in, in] upper, in permuted order
+    U = damped_cholesky_inverse(H, dampening)  # [in, in] upper, in permuted order
     codes = torch.zeros(W.shape, dtype=torch.int32)
     g_of = perm // spec.group_size  # group of each permuted position
-    for b0 in range(0, in_f, block_size):
-        b1 = min(b0 + block_size, in_f)
+    for b0 in range(0, in_f, column_block):
+        b1 = min(b0 + column_block, in_f)
         Err = _quantize_block(W, U, M, codes, groups, g_of, spec, b0, b1, mse)
         W[:, b1:] -= Err @ U[b0:b1, b1:]
     if act_order:

@@ -2,8 +2,8 @@
 
 Owns: sparsity patterns and mask helpers (`masks`), magnitude pruning (`magnitude`), Wanda
 (`wanda`), SparseGPT (`sparsegpt`), the per-linear dispatch (`prune`), the whole-model pass on the
-shared calibration driver (`pipeline`), the dense HF export (`export`), the `sparsify` job and
-its recipes (`job`, `recipe`), and the CUDA 2:4 semi-structured path (`semi_structured`).
+shared calibration driver (`pipeline`), the prune step of the one-shot pipeline (`step`), the
+dense HF export (`export`) and the `sparsify` job (`job`). Recipes are llmctl.compress.recipe.
 
 Mask convention everywhere in this package: a bool tensor shaped like the weight, True where
 the weight is pruned (set to exactly zero).

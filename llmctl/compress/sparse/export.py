@@ -86,7 +86,8 @@ def save_dense_model(
     out_dir: Path,
     extra_config: dict[str, Any],
 ) -> Path:
-    """Write `model` to `out_dir` as HF safetensors in the source checkpoint's dtype; returns out_dir."""
+    """Write `model` to `out_dir` as HF safetensors in the source checkpoint's dtype; returns
+    out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     first = next(model.parameters())
     dtype = stored_dtype(raw_config, first.dtype)

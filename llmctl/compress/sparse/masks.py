@@ -83,7 +83,8 @@ def nm_prune_mask(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
 
 
 def row_prune_mask(scores: torch.Tensor, sparsity: float) -> torch.Tensor:
-    """Prune the round(cols * sparsity) lowest scores of each row (Wanda's per-output comparison group)."""
+    """Prune the round(cols * sparsity) lowest scores of each row (Wanda's per-output comparison
+    group)."""
     rows, cols = scores.shape
     k = int(round(cols * sparsity))
     mask = torch.zeros_like(scores, dtype=torch.bool)
@@ -93,7 +94,8 @@ def row_prune_mask(scores: torch.Tensor, sparsity: float) -> torch.Tensor:
 
 
 def global_prune_mask(scores: torch.Tensor, sparsity: float) -> torch.Tensor:
-    """Prune the round(numel * sparsity) lowest scores of the whole tensor (exactly that many, ties included)."""
+    """Prune the round(numel * sparsity) lowest scores of the whole tensor (exactly that many, ties
+    included)."""
     k = int(round(scores.numel() * sparsity))
     flat = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
     if k > 0:
@@ -102,7 +104,8 @@ def global_prune_mask(scores: torch.Tensor, sparsity: float) -> torch.Tensor:
 
 
 def prune_mask(scores: torch.Tensor, pattern: SparsityPattern, scope: str = "row") -> torch.Tensor:
-    """Mask for `pattern` from importance scores; unstructured masks compare per `row` or `layer`."""
+    """Mask for `pattern` from importance scores; unstructured masks compare per `row` or
+    `layer`."""
     if pattern.structured:
         return nm_prune_mask(scores, pattern.n, pattern.m)  # type: ignore[arg-type]
     if scope == "row":

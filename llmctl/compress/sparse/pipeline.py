@@ -25,11 +25,10 @@ from llmctl.compress.sparse.wanda import InputNormAccumulator
 class SparsifySettings:
     pattern: SparsityPattern
     method: str = "sparsegpt"
-    ignore: tuple[
-        str, ...
-    ] = ()  # as quantize's --ignore: globs, dotted suffixes ("down_proj", "layers.0.*"), re:REGEX
-    percdamp: float = 0.01
-    blocksize: int = 128
+    # as quantize's --ignore: globs, dotted suffixes ("down_proj", "layers.0.*"), re:REGEX
+    ignore: tuple[str, ...] = ()
+    dampening: float = 0.01
+    column_block: int = 128
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -155,8 +154,8 @@ def _sparsegpt_fn(settings: SparsifySettings):
             settings.pattern,
             "sparsegpt",
             hessian,
-            percdamp=settings.percdamp,
-            blocksize=settings.blocksize,
+            dampening=settings.dampening,
+            column_block=settings.column_block,
         )
         with torch.no_grad():
             linear.weight.copy_(new)

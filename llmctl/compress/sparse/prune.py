@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from llmctl.compress.args import PRUNE_METHODS
 from llmctl.compress.hessian import damped_cholesky_inverse, dead_inputs
 from llmctl.compress.records import LayerSparsity, relative_output_error
 from llmctl.compress.sparse.magnitude import magnitude_mask
@@ -17,7 +18,7 @@ from llmctl.compress.sparse.sparsegpt import sparsegpt_prune
 from llmctl.compress.sparse.wanda import input_norms_from_hessian, wanda_mask
 from llmctl.runtime.semi_structured import satisfies_nm
 
-METHODS = ("magnitude", "wanda", "sparsegpt")
+METHODS = PRUNE_METHODS
 
 
 def needs_calibration(method: str) -> bool:
@@ -33,8 +34,8 @@ def prune_linear(
     hessian: torch.Tensor | None = None,
     *,
     input_norms: torch.Tensor | None = None,
-    percdamp: float = 0.01,
-    blocksize: int = 128,
+    dampening: float = 0.01,
+    column_block: int = 128,
 ) -> tuple[torch.Tensor, LayerSparsity]:
     """Prune `weight` [out, in] -> (new weight in weight's dtype and device, report line).
 
@@ -68,10 +69,12 @@ def prune_linear(
             raise ValueError(f"{name}: sparsegpt needs the Hessian of the layer's inputs")
         h = hessian.to(w.device)
         w = _zero_dead_columns(w, dead_inputs(h))
-        res = sparsegpt_prune(w, damped_cholesky_inverse(h, percdamp), pattern, blocksize=blocksize)
+        u = damped_cholesky_inverse(h, dampening)
+        res = sparsegpt_prune(w, u, pattern, column_block=column_block)
         new, loss = res.weight, res.loss
         rel_error = relative_output_error(weight.detach().float(), new, h.float())
-    ok = satisfies_nm(new, pattern.n, pattern.m) if pattern.structured else True  # type: ignore[arg-type]
+    structured = pattern.structured
+    ok = satisfies_nm(new, pattern.n, pattern.m) if structured else True  # type: ignore[arg-type]
     line = LayerSparsity(
         name, (int(w.shape[0]), int(w.shape[1])), zero_fraction(new), ok, loss, rel_error
     )

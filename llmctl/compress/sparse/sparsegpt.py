@@ -1,14 +1,15 @@
 """SparseGPT (Frantar & Alistarh, 2023): prune column by column and push each pruned weight's error
 onto the not-yet-processed columns through the inverse Hessian, as GPTQ does for rounding error.
 
-Input is the upper Cholesky factor U of H^-1 (H^-1 = U^T U, H = 2 X X^T / T of the layer's inputs),
-the same factor GPTQ uses (`llmctl.compress.hessian.damped_cholesky_inverse`). Row i of U restricted
-to columns >= i is the OBS update direction for column i once columns < i are fixed, and U[i, i]^2 is
-the matching inverse-Hessian diagonal, so the saliency of weight w in column i is w^2 / U[i, i]^2.
+Input is the upper Cholesky factor U of H^-1 (H^-1 = U^T U, H = 2 X X^T / T of the layer's
+inputs), the same factor GPTQ uses (`llmctl.compress.hessian.damped_cholesky_inverse`). Row i of U
+restricted to columns >= i is the OBS update direction for column i once columns < i are fixed,
+and U[i, i]^2 is the matching inverse-Hessian diagonal, so the saliency of weight w in column i is
+w^2 / U[i, i]^2.
 
 Masks are chosen lazily: unstructured sparsity picks the lowest-saliency fraction of each block of
-`blocksize` columns when the block starts; N:M picks the m-n lowest in each group of m columns when
-the sweep reaches the group, so both see the weights already updated by earlier columns.
+`column_block` columns when the block starts; N:M picks the m-n lowest in each group of m columns
+when the sweep reaches the group, so both see the weights already updated by earlier columns.
 """
 
 from __future__ import annotations
@@ -31,25 +32,27 @@ def sparsegpt_prune(
     weight: torch.Tensor,
     hinv_chol: torch.Tensor,
     pattern: SparsityPattern,
-    blocksize: int = 128,
+    column_block: int = 128,
 ) -> SparseGPTResult:
-    """Prune weight [out, in] to `pattern`, updating the kept weights; hinv_chol is U [in, in] (upper)."""
+    """Prune weight [out, in] to `pattern`, updating the kept weights; hinv_chol is U [in, in]
+    (upper)."""
     rows, cols = weight.shape
     if hinv_chol.shape != (cols, cols):
         raise ValueError(
             f"Cholesky factor {tuple(hinv_chol.shape)} does not match {cols} input columns"
         )
     if pattern.structured:
-        if cols % pattern.m or blocksize % pattern.m:  # type: ignore[operator]
+        if cols % pattern.m or column_block % pattern.m:  # type: ignore[operator]
             raise ValueError(
-                f"{cols} columns / block {blocksize} are not multiples of the group width {pattern.m}"
+                f"{cols} columns / block {column_block} are not multiples of the group width "
+                f"{pattern.m}"
             )
     w_all = weight.detach().float().clone()
     u_all = hinv_chol.detach().float().to(w_all.device)
     mask = torch.zeros_like(w_all, dtype=torch.bool)
     loss = torch.zeros((), dtype=torch.float64, device=w_all.device)
-    for start in range(0, cols, blocksize):
-        end = min(start + blocksize, cols)
+    for start in range(0, cols, column_block):
+        end = min(start + column_block, cols)
         block_mask, block_err, block_loss = _prune_block(w_all, u_all, start, end, pattern)
         mask[:, start:end] = block_mask
         loss += block_loss
@@ -61,7 +64,8 @@ def sparsegpt_prune(
 def _prune_block(
     w_all: torch.Tensor, u_all: torch.Tensor, start: int, end: int, pattern: SparsityPattern
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sweep columns start..end-1 in place in w_all; returns (mask, scaled errors, loss) of the block."""
+    """Sweep columns start..end-1 in place in w_all; returns (mask, scaled errors, loss) of the
+    block."""
     w = w_all[:, start:end]  # view [rows, count]: edits land in w_all
     u = u_all[start:end, start:end]  # [count, count]
     diag = torch.diagonal(u)  # [count]

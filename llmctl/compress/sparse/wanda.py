@@ -1,4 +1,5 @@
-"""Wanda (Sun et al., 2023): prune by |W_ij| * ||X_j||_2, weight magnitude times input activation norm.
+"""Wanda (Sun et al., 2023): prune by |W_ij| * ||X_j||_2, weight magnitude times input activation
+norm.
 
 X_j is input channel j of the linear over all calibration tokens. Weights compete per output row
 (unstructured) or within each group of M input columns of a row (N:M); no weight is updated.
@@ -12,7 +13,8 @@ from llmctl.compress.sparse.masks import SparsityPattern, prune_mask
 
 
 class InputNormAccumulator:
-    """Running sum of squares of each input channel over calibration tokens (O(in_features) memory)."""
+    """Running sum of squares of each input channel over calibration tokens (O(in_features)
+    memory)."""
 
     def __init__(self, in_features: int, device: torch.device | str = "cpu"):
         self.sum_sq = torch.zeros(in_features, dtype=torch.float64, device=device)
@@ -30,7 +32,8 @@ class InputNormAccumulator:
 
 
 def input_norms_from_hessian(hessian: torch.Tensor) -> torch.Tensor:
-    """Per-channel norms up to one common factor, from H = (2/T) X X^T: sqrt(diag H) = sqrt(2/T) ||X_j||.
+    """Per-channel norms up to one common factor, from H = (2/T) X X^T: sqrt(diag H) = sqrt(2/T)
+    ||X_j||.
 
     A factor shared by all channels does not change which weights are lowest, so Wanda can reuse
     the Hessian the calibration driver already accumulates for GPTQ/SparseGPT.

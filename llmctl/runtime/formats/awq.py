@@ -31,7 +31,8 @@ def pack_awq(name: str, r: QuantResult, spec: QuantSpec, ignore: list[str], dtyp
         )
     if r.codes.shape[0] % 8:
         raise UsageError(
-            f"{name}: {r.codes.shape[0]} output features are not a multiple of 8, which --format awq needs"
+            f"{name}: {r.codes.shape[0]} output features are not a multiple of 8, which --format "
+            "awq needs"
         )
     tensors = {
         f"{name}.qweight": pack_rows(r.codes.t(), 4, AWQ_ORDER),
@@ -55,7 +56,8 @@ def unpack_awq(tensors: dict[str, torch.Tensor], qcfg: dict):
     version = str(qcfg.get("version", "gemm")).lower()
     if bits != 4 or version != "gemm":
         raise ModelLoadError(
-            f"AWQ checkpoints with bits={bits}, version={version!r} are not supported (4-bit GEMM only)"
+            f"AWQ checkpoints with bits={bits}, version={version!r} are not supported (4-bit GEMM "
+            "only)"
         )
     names = [k[: -len(".qweight")] for k in tensors if k.endswith(".qweight")]
     linears = {}

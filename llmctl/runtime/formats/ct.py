@@ -91,12 +91,14 @@ def unpack_ct(tensors: dict[str, torch.Tensor], qcfg: dict):
         or groups[0].weights is None
     ):
         raise ModelLoadError(
-            f"compressed-tensors checkpoints in format {fmt!r} are not supported (pack-quantized only)"
+            f"compressed-tensors checkpoints in format {fmt!r} are not supported (pack-quantized "
+            "only)"
         )
     w = groups[0].weights
     if w.type != "int" or w.strategy not in ("group", "channel") or w.num_bits not in (4, 8):
         raise ModelLoadError(
-            f"compressed-tensors weights {w.type} {w.num_bits}-bit {w.strategy} are not supported (int 4/8-bit group or channel)"
+            f"compressed-tensors weights {w.type} {w.num_bits}-bit {w.strategy} are not supported "
+            "(int 4/8-bit group or channel)"
         )
     b, offset = w.num_bits, 1 << (w.num_bits - 1)
     names = [k[: -len(".weight_packed")] for k in tensors if k.endswith(".weight_packed")]

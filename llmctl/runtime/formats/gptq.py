@@ -23,7 +23,8 @@ def pack_gptq(name: str, r: QuantResult, spec: QuantSpec, ignore: list[str], dty
     out_f, in_f = r.codes.shape
     if out_f % per:
         raise UsageError(
-            f"{name}: {out_f} output features are not a multiple of {per}, which --format gptq needs"
+            f"{name}: {out_f} output features are not a multiple of {per}, which --format gptq "
+            "needs"
         )
     tensors = {
         f"{name}.qweight": pack_rows(r.codes, b).t().contiguous(),  # [in / per, out]

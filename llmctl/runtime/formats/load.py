@@ -32,7 +32,8 @@ def load_quantized(model, path: Path, config, quant: dict, dtype: torch.dtype, d
             ) from None
         if (old.out_features, old.in_features) != tuple(u.codes.shape):
             raise ModelLoadError(
-                f"{name}: quantized shape {tuple(u.codes.shape)}, expected {(old.out_features, old.in_features)}"
+                f"{name}: quantized shape {tuple(u.codes.shape)}, expected "
+                f"{(old.out_features, old.in_features)}"
             )
         setattr(
             model.get_submodule(parent_name), child, QuantLinear.from_unpacked(u, dtype, device)

@@ -64,7 +64,8 @@ def detect_format(quant_config: dict) -> str:
 def read_quantized(
     path: str | Path,
 ) -> tuple[dict, dict[str, UnpackedLinear], dict[str, torch.Tensor]]:
-    """Read a quantized folder: (quantization_config, module name -> UnpackedLinear, dense tensors)."""
+    """Read a quantized folder: (quantization_config, module name -> UnpackedLinear, dense
+    tensors)."""
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     qcfg = config.get("quantization_config")

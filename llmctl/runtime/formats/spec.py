@@ -61,8 +61,9 @@ class QuantSpec:
 class QuantResult:
     """One quantized linear weight [out, in].
 
-    codes: int32 [out, in] in [0, maxq]; scales: float32 [out, in/group]; zeros: int32 [out, in/group];
-    g_idx: int32 [in] (group of each input column; None means column // group_size);
+    codes: int32 [out, in] in [0, maxq]; scales: float32 [out, in/group];
+    zeros: int32 [out, in/group]; g_idx: int32 [in] (group of each input column; None means
+    column // group_size);
     weight: float32 [out, in], exactly (codes - zeros[:, g_idx]) * scales[:, g_idx].
     """
 
@@ -83,7 +84,8 @@ class QuantResult:
 def dequantize(
     codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor
 ) -> torch.Tensor:
-    """(codes - zeros[:, g_idx]) * scales[:, g_idx] in float32; codes [out, in], scales/zeros [out, groups]."""
+    """(codes - zeros[:, g_idx]) * scales[:, g_idx] in float32; codes [out, in], scales/zeros
+    [out, groups]."""
     g = g_idx.long()
     return (codes.float() - zeros.float()[:, g]) * scales.float()[:, g]
 
@@ -99,7 +101,8 @@ def check_group_size(layer: str, in_features: int, group_size: int) -> None:
         else "no common group size divides it"
     )
     raise UsageError(
-        f"{layer}: {in_features} input features are not a multiple of --group-size {group_size}; {hint}"
+        f"{layer}: {in_features} input features are not a multiple of --group-size {group_size}; "
+        f"{hint}"
     )
 
 

@@ -1,0 +1,121 @@
+"""The resolved arguments of the compression steps, with their defaults written once.
+
+Owns: `QuantizeArgs` and `SparsifyArgs` (every default of `llmctl quantize` / `llmctl sparsify`
+and of a recipe's sections: the command modules pass None for what the user did not set) and
+their `resolve()` checks that need no model (each error names the flag). Both carry the two
+second-order knobs under one name: `dampening` (the fraction of the mean Hessian diagonal added
+before the Cholesky factorisation) and `column_block` (the columns GPTQ and SparseGPT process per
+lazy update block; not the KV cache's `--block-size`). Light on purpose (no torch): the command
+modules quote these defaults in their help, and `llmctl --help` must stay instant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmctl.errors import UsageError
+
+QUANT_METHODS = ("awq", "gptq", "rtn")
+PRUNE_METHODS = ("magnitude", "wanda", "sparsegpt")
+
+
+def check_column_block(column_block: int, pattern=None) -> None:
+    """--column-block: a positive number of columns, a multiple of an N:M pattern's width M."""
+    if isinstance(column_block, bool) or not isinstance(column_block, int) or column_block < 1:
+        raise UsageError(f"--column-block must be a positive number of columns, got {column_block}")
+    if pattern is not None and pattern.structured and column_block % pattern.m:
+        raise UsageError(
+            f"--column-block {column_block} must be a multiple of the pattern's "
+            f"group width {pattern.m} (--pattern {pattern.label()})"
+        )
+
+
+@dataclass
+class QuantizeArgs:
+    model: str | None
+    output: str
+    method: str
+    bits: int = 4
+    group_size: int | str = "auto"  # a power of two >= 16, "channel" or "auto" (resolved per model)
+    symmetric: bool | None = None  # None: the method's default (AWQ asymmetric, GPTQ/RTN symmetric)
+    calib: str | None = None
+    eval_data: str | None = None
+    num_samples: int = 128
+    seq_len: int = 512
+    format: str = "compressed-tensors"
+    ignore: list[str] = field(default_factory=list)
+    device: str = "auto"
+    act_order: bool = True
+    dampening: float = 0.01
+    column_block: int = 128
+    overwrite: bool = False
+    report_json: str | None = None
+
+    def resolve(self) -> "QuantizeArgs":
+        """Every check that needs no model; raises UsageError naming the flag."""
+        from llmctl.compress.job_common import check_common_options
+        from llmctl.runtime.formats import FORMATS
+        from llmctl.runtime.formats.spec import BITS, parse_group_size, resolve_group_size
+
+        if self.method not in QUANT_METHODS:
+            raise UsageError(f"unknown method {self.method!r}; use --awq, --gptq or --rtn")
+        if self.format not in FORMATS:
+            raise UsageError(
+                f"unknown --format {self.format!r}; choose one of {', '.join(FORMATS)}"
+            )
+        if self.bits not in BITS or isinstance(self.bits, bool):
+            raise UsageError(f"--bits must be 4 or 8, got {self.bits!r}")
+        if self.format == "awq" and self.bits != 4:
+            raise UsageError(
+                "--format awq stores 4-bit weights only; "
+                "use --bits 4 or --format compressed-tensors"
+            )
+        self.group_size = parse_group_size(self.group_size)
+        if self.format == "awq" and self.group_size == "channel":
+            resolve_group_size("channel", [], channel_format="awq")  # raises with the one message
+        check_common_options(self)
+        check_column_block(self.column_block)
+        if self.symmetric is None:
+            self.symmetric = self.method != "awq"
+        return self
+
+    @property
+    def spec_group_size(self) -> int | None:
+        """The resolved group size as QuantSpec takes it (None: per channel)."""
+        return None if self.group_size == "channel" else int(self.group_size)
+
+
+@dataclass
+class SparsifyArgs:
+    model: str | None
+    output: str
+    pattern: str | None = None  # "2:4", "4:8"; None with sparsity None means 2:4
+    sparsity: float | None = None  # unstructured fraction instead of a pattern
+    method: str = "sparsegpt"
+    calib: str | None = None
+    eval_data: str | None = None
+    num_samples: int = 128
+    seq_len: int = 512
+    ignore: list[str] = field(default_factory=list)
+    device: str = "auto"
+    dampening: float = 0.01
+    column_block: int = 128
+    evaluate: bool = True
+    overwrite: bool = False
+    report_json: str | None = None
+
+    def resolve(self) -> "SparsifyArgs":
+        """Every check that needs no model; raises UsageError naming the flag."""
+        from llmctl.compress.job_common import check_common_options
+        from llmctl.compress.sparse.masks import parse_pattern
+
+        if self.method not in PRUNE_METHODS:
+            raise UsageError(
+                f"unknown --method {self.method!r}; choose one of {', '.join(PRUNE_METHODS)}"
+            )
+        pattern = parse_pattern(self.pattern, self.sparsity)  # raises UsageError on bad input
+        if pattern.structured:
+            self.pattern, self.sparsity = pattern.label(), None
+        check_common_options(self)
+        check_column_block(self.column_block, pattern)
+        return self

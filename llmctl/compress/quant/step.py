@@ -1,0 +1,130 @@
+"""The quantize step of the one-shot pipeline (llmctl.compress.oneshot): AWQ, GPTQ or RTN.
+
+Owns: `QuantizeStep` (checks against the model's config, the method on the calibration driver,
+the quantized output in compressed-tensors, AWQ or GPTQ layout), `check_layers` (group size and
+format rules from the layer shapes) and `check_format_available`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from llmctl.compress.args import QuantizeArgs
+from llmctl.compress.driver import DriverResult, calibrate_layers, make_ignore
+from llmctl.compress.output_dir import copy_side_files, output_config
+from llmctl.errors import UsageError
+from llmctl.runtime.formats.spec import QuantSpec, resolve_group_size
+
+
+def check_layers(args: QuantizeArgs, linears: list[tuple[str, int, int]]) -> str | None:
+    """The checks the model's shapes decide, before any work: resolves args.group_size ("auto")
+    and refuses sizes and formats that cannot store these layers. Returns the group-size note."""
+    if not linears:
+        raise UsageError("--ignore leaves no layer to quantize")
+    channel_format = "awq" if args.format == "awq" else None
+    widths = [(n, k) for n, _, k in linears]
+    group, note = resolve_group_size(args.group_size, widths, channel_format=channel_format)
+    args.group_size = "channel" if group is None else group
+    if args.format in ("awq", "gptq"):
+        per = 32 // args.bits
+        for n, out_f, _ in linears:
+            if out_f % per:
+                raise UsageError(
+                    f"{n}: {out_f} output features are not a multiple of {per}, "
+                    f"which --format {args.format} needs"
+                )
+    return note
+
+
+def check_format_available(fmt: str) -> None:
+    """--format compressed-tensors needs its package: fail now, not after calibrating."""
+    from llmctl.runtime.formats.ct import require_package
+
+    if fmt == "compressed-tensors":
+        require_package(UsageError, " or choose --format awq or gptq")
+
+
+class QuantizeStep:
+    """Weight-only quantization of the decoder linears not matched by args.ignore."""
+
+    kind = "quantize"
+    needs_data = True  # the report names the calibration data, RTN included
+    measures = True
+
+    def __init__(self, args: QuantizeArgs):
+        self.args = args
+        self.calibrates = args.method != "rtn"  # RTN reads only the weights
+        self.group_note: str | None = None
+        self.spec: QuantSpec | None = None
+        self.records: dict[str, Any] = {}
+
+    def resolve(self) -> None:
+        self.args.resolve()
+
+    def check(self, prep) -> list[str]:
+        if prep.config.raw.get("quantization_config"):
+            raise UsageError(f"{prep.model_path} is already quantized")
+        check_format_available(self.args.format)
+        ignored = make_ignore(self.args.ignore)
+        self.group_note = check_layers(self.args, [t for t in prep.linears if not ignored(t[0])])
+        return [self.group_note] if self.group_note else []
+
+    def plan(self, model: torch.nn.Module, warn: Callable[[str], None]) -> None:
+        pass
+
+    def _method(self, spec: QuantSpec):
+        from llmctl.compress.quant.layer_methods import AwqMethod, gptq_method, rtn_method
+
+        a = self.args
+        if a.method == "gptq":
+            return gptq_method(
+                spec, act_order=a.act_order, dampening=a.dampening, column_block=a.column_block
+            )
+        if a.method == "awq":
+            return AwqMethod(spec)
+        return rtn_method(spec)
+
+    def run(self, model: torch.nn.Module, calib_ids, ctx) -> DriverResult:
+        a = self.args
+        scale_dtype = torch.float16 if a.format in ("awq", "gptq") else ctx.out_dtype
+        self.spec = QuantSpec(a.bits, a.spec_group_size, bool(a.symmetric), scale_dtype)
+        result = calibrate_layers(
+            model,
+            calib_ids,
+            self._method(self.spec),
+            device=ctx.device,
+            ignore=make_ignore(a.ignore),
+            warn=ctx.warn,
+            checkpoint_dir=ctx.checkpoint_dir,
+            fingerprint=ctx.fingerprint,
+            progress=ctx.progress,
+        )
+        self.records = result.records
+        return result
+
+    def config_entry(self) -> dict[str, Any]:
+        return {}  # quantization_config comes from the writer, which knows the layout
+
+    def write(self, folder: Path, rt, extra_config: dict[str, Any], out_dtype) -> None:
+        """The quantized linears in --format's layout, every other weight dense in out_dtype."""
+        from llmctl.runtime.formats import write_quantized
+
+        model = rt.model
+        linears = {name: rec.result for name, rec in self.records.items()}
+        dense = {
+            k: v.detach().to("cpu", out_dtype)
+            for k, v in model.state_dict().items()
+            if k.rsplit(".", 1)[0] not in linears or not k.endswith(".weight")
+        }
+        if model.config.tie_word_embeddings:
+            dense.pop("lm_head.weight", None)
+        a = self.args
+        qcfg = write_quantized(folder, a.format, dense, linears, self.spec, a.ignore, out_dtype)
+        raw = json.loads((rt.model_path / "config.json").read_text())
+        config = output_config(raw, {**extra_config, "quantization_config": qcfg})
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        copy_side_files(rt.model_path, folder)

@@ -1,0 +1,46 @@
+/* SiLU-gated product for the CPU, one row at a time: g[m, :] = silu(g[m, :]) * u[m, :], float32
+ * or bfloat16 (passed as uint16 bits). Compiled on first use by llmctl/kernels/cpu_native.py; the
+ * reference is `F.silu(gate) * up` in llmctl/models/llama.py's MLP.
+ *
+ * Why: PyTorch's elementwise loops run vector code over the flattened tensor and scalar code on
+ * its tail (and on the tail of each thread's share), and the two expf differ in the last bit, so
+ * an element's result depends on how many rows share the call. Here each row is its own loop, so
+ * element j of a row takes the same path whatever the row count (batch-invariant mode).
+ *
+ * bfloat16 follows the reference's two roundings: silu rounded to bfloat16, then the product.
+ */
+#include <math.h>
+#include <stdint.h>
+
+static inline uint16_t act_to_bf16(float f) {  /* round to nearest even, as PyTorch's conversion */
+    union { float f; uint32_t u; } v = {f};
+    /* NaN: a bit test, since -ffast-math drops f != f */
+    if ((v.u & 0x7fffffff) > 0x7f800000) return 0x7fc0;
+    return (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
+}
+
+static inline float act_from_bf16(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+
+static void row_f32(float *g, const float *u, int64_t F) {
+    for (int64_t j = 0; j < F; ++j) g[j] = g[j] / (1.f + expf(-g[j])) * u[j];
+}
+
+static void row_bf16(uint16_t *g, const uint16_t *u, int64_t F) {
+    for (int64_t j = 0; j < F; ++j) {
+        const float x = act_from_bf16(g[j]);
+        const float s = act_from_bf16(act_to_bf16(x / (1.f + expf(-x))));
+        g[j] = act_to_bf16(s * act_from_bf16(u[j]));
+    }
+}
+
+/* M rows of F, contiguous; g is overwritten with the result. */
+void silu_mul(void *g, const void *u, int64_t M, int64_t F, int bf16, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M >= 16)
+    for (int64_t m = 0; m < M; ++m) {
+        if (bf16) row_bf16((uint16_t *)g + m * F, (const uint16_t *)u + m * F, F);
+        else row_f32((float *)g + m * F, (const float *)u + m * F, F);
+    }
+}
