@@ -6,8 +6,8 @@ inside a block are applied at once to the rest of the matrix at the block's end)
 groups that stay in the original column order (so `g_idx` stays column // group_size and every
 format can store the result), their parameters either static (fitted on the original weights up
 front) or refitted (on the group's error-updated weights when its first column comes up); an
-optional MSE range search per group; an optional `mask` of weights that are pruned and must stay exactly
-zero (sparse-then-quantize).
+optional MSE range search per group; an optional `mask` of weights that are pruned and must stay
+exactly zero (sparse-then-quantize).
 """
 
 from __future__ import annotations
