@@ -43,14 +43,17 @@ def search_scales(
     n_grid: int = 20,
     max_tokens: int = 4096,
     block: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
+    duo: bool = True,
 ) -> ScaleSearch:
-    """Best per-input-channel scale for linears sharing the input x [tokens, in]; weights: [out_i, in].
+    """Best per-input-channel scale for linears sharing the input x [tokens, in]; weights:
+    [out_i, in].
 
-    Grid point k = 0 is the unscaled baseline (s = 1, reported as alpha 0); k >= 1 tries alpha = k / n_grid
-    with s = mean|x|^alpha / mean|w|^(1 - alpha) per input channel (AutoAWQ's "duo" scaling), normalised
-    around 1. The loss is the mean squared error of `block(effective weights)` against
-    `block(weights)`, where the effective weight of each linear is Q(W s) / s; without `block`, the
-    linears' own outputs on x.
+    Grid point k = 0 is the unscaled baseline (s = 1, reported as alpha 0); k >= 1 tries
+    alpha = k / n_grid with s = mean|x|^alpha / mean|w|^(1 - alpha) per input channel (AutoAWQ's
+    "duo" scaling), normalised around 1. The loss is the mean squared error of
+    `block(effective weights)` against `block(weights)`, where the effective weight of each
+    linear is Q(W s) / s; without `block`, the linears' own outputs on x. duo False: the paper's
+    s = mean|x|^alpha alone (AwqMethod's default).
     """
     x = _sample_tokens(x.float(), max_tokens)
     x_mean = x.abs().mean(dim=0).clamp(min=1e-8)  # [in]
@@ -71,11 +74,12 @@ def search_scales(
         loss0 = 0.0
         for k in range(n_grid + 1):
             alpha = k / n_grid
-            s = (
-                (x_mean.pow(alpha) / w_mean.pow(1 - alpha)).clamp(min=1e-4)
-                if k
-                else torch.ones_like(x_mean)
-            )
+            if k == 0:
+                s = torch.ones_like(x_mean)
+            elif duo:
+                s = (x_mean.pow(alpha) / w_mean.pow(1 - alpha)).clamp(min=1e-4)
+            else:
+                s = x_mean.pow(alpha).clamp(min=1e-4)
             s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1 (range-neutral)
             eff = [fake_quant(w.float() * s[None, :], spec) / s[None, :] for w in weights]
             loss = float((block(eff) - ref).float().pow(2).mean())
@@ -95,7 +99,8 @@ def search_clip(
     max_shrink: float = 0.5,
     max_tokens: int = 512,
 ) -> torch.Tensor:
-    """Per (output row, group) clipping ratio in [1 - max_shrink, 1]: returns ratios [out, groups]."""
+    """Per (output row, group) clipping ratio in [1 - max_shrink, 1]: returns ratios
+    [out, groups]."""
     out_f, in_f = w.shape
     gs = spec.group_size
     G = in_f // gs
@@ -135,16 +140,24 @@ def clip_groups(wg: torch.Tensor, ratio: torch.Tensor, spec: QuantSpec) -> torch
 
 
 def quantize_awq(
-    w: torch.Tensor, x: torch.Tensor | None, spec: QuantSpec, clip: bool = True
+    w: torch.Tensor,
+    x: torch.Tensor | None,
+    spec: QuantSpec,
+    clip: bool = True,
+    *,
+    mse: bool = False,
+    clip_tokens: int = 512,
 ) -> QuantResult:
-    """Clip (searched on inputs x [tokens, in]) then quantize an already-scaled weight [out, in]."""
+    """Clip (searched on at most clip_tokens of the inputs x [tokens, in]) then quantize an
+    already-scaled weight [out, in]; mse: the RTN step takes each group's range from the MSE
+    shrink search."""
     if clip and x is not None:
         out_f, in_f = w.shape
-        ratio = search_clip(x, w, spec)
+        ratio = search_clip(x, w, spec, max_tokens=clip_tokens)
         w = clip_groups(w.float().reshape(out_f, -1, spec.group_size), ratio, spec).reshape(
             out_f, in_f
         )
-    return quantize_rtn(w, spec)
+    return quantize_rtn(w, spec, mse=mse)
 
 
 def fold_into_norm(norm_weight: torch.Tensor, s: torch.Tensor) -> None:

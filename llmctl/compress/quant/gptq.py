@@ -1,20 +1,65 @@
 """GPTQ: quantize a weight column by column, pushing each column's error onto the columns not yet
 quantized through the inverse Hessian of the layer's inputs (Frantar et al., 2022).
 
-Owns: `quantize_gptq(weight, H, spec, ...)`. Lazy batches of `column_block` columns (updates inside
-a block are applied at once to the rest of the matrix at the block's end); act-order with static
-groups (group parameters come from the original column order, so `g_idx` stays
-column // group_size and every format can store the result); an optional `mask` of weights that
-are pruned and must stay exactly zero (sparse-then-quantize).
+Owns: `quantize_gptq(weight, H, spec, ...)`. Lazy batches of `column_block` columns (updates
+inside a block are applied at once to the rest of the matrix at the block's end); act-order with
+groups that stay in the original column order (so `g_idx` stays column // group_size and every
+format can store the result), their parameters either static (fitted on the original weights up
+front) or refitted (on the group's error-updated weights when its first column comes up); an
+optional MSE range search per group; an optional `mask` of weights that are pruned and must stay
+exactly zero (sparse-then-quantize).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from llmctl.compress.hessian import damped_cholesky_inverse, dead_inputs
 from llmctl.compress.quant.rtn import group_params, quantize_with
 from llmctl.runtime.formats.spec import QuantResult, QuantSpec, dequantize
+
+
+@dataclass
+class _Groups:
+    """Per-group parameters and where each group's columns sit in the quantization order."""
+
+    scales: torch.Tensor  # [out, G]
+    zeros: torch.Tensor  # [out, G] int32
+    positions: torch.Tensor  # [G, gs]: permuted positions of each group's columns
+    first: torch.Tensor  # [in] bool: this position is its group's first in quantization order
+    fitted: bool  # parameters fixed up front (static groups from the original weights)
+
+
+def _plan_groups(
+    W: torch.Tensor, perm: torch.Tensor, spec: QuantSpec, *, fit_now: bool, mse: bool
+) -> _Groups:
+    """Group bookkeeping for W [out, in] in original order quantized in order `perm` [in]."""
+    out_f, in_f = W.shape
+    gs = spec.group_size
+    n_groups = in_f // gs
+    scales = torch.zeros(out_f, n_groups)
+    zeros = torch.zeros(out_f, n_groups, dtype=torch.int32)
+    if fit_now:
+        for g in range(n_groups):
+            scales[:, g], zeros[:, g] = group_params(W[:, g * gs : (g + 1) * gs], spec, mse=mse)
+    positions = torch.argsort(perm).reshape(n_groups, gs)  # inverse permutation, per group
+    first = torch.zeros(in_f, dtype=torch.bool)
+    first[positions.amin(dim=1)] = True
+    return _Groups(scales, zeros, positions, first, fit_now)
+
+
+def _current_columns(W, W1, Err, U, b0: int, b1: int, pos: torch.Tensor) -> torch.Tensor:
+    """The present values [out, len(pos)] of permuted columns pos (all >= the current one):
+    inside the block W1 holds them; later columns still owe the block's pending update."""
+    inside = pos < b1
+    cur = torch.empty(W.shape[0], pos.numel())
+    cur[:, inside] = W1[:, pos[inside] - b0]
+    later = pos[~inside]
+    if later.numel():
+        cur[:, ~inside] = W[:, later] - Err @ U[b0:b1, later]
+    return cur
 
 
 def quantize_gptq(
@@ -26,74 +71,60 @@ def quantize_gptq(
     column_block: int = 128,
     act_order: bool = False,
     mask: torch.Tensor | None = None,
+    mse: bool = False,
+    refit_groups: bool = False,
 ) -> QuantResult:
     """Quantize `weight` [out, in] given H [in, in] = 2 X X^T / n.
 
     mask: bool [out, in], True where the weight is pruned; those entries get code == zero point,
-    so they dequantize to exactly 0.
+    so they dequantize to exactly 0. mse: each group's range from the MSE shrink search
+    (llmctl.compress.quant.observer) instead of its min/max. refit_groups (act-order only): fit a
+    group's parameters when its first column comes up, on the group's error-updated weights,
+    instead of on the original weights up front.
     """
-    out_f, in_f = weight.shape
     W = weight.detach().float().clone()
     W[:, dead_inputs(H)] = 0.0
     M = mask.clone() if mask is not None else None
-    W, H, M, perm, scales, zeros = _in_order(W, H, M, spec, act_order)
+    in_f = W.shape[1]
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(in_f)
+    # static groups: with act-order and no refit, parameters from the original weight
+    groups = _plan_groups(W, perm, spec, fit_now=act_order and not refit_groups, mse=mse)
+    if act_order:
+        W, H = W[:, perm], H[perm][:, perm]
+        M = M[:, perm] if M is not None else None
     U = damped_cholesky_inverse(H, dampening)  # [in, in] upper, in permuted order
-    codes = torch.zeros(out_f, in_f, dtype=torch.int32)
+    codes = torch.zeros(W.shape, dtype=torch.int32)
+    g_of = perm // spec.group_size  # group of each permuted position
     for b0 in range(0, in_f, column_block):
         b1 = min(b0 + column_block, in_f)
-        err = _quantize_block(W, U, M, perm, codes, scales, zeros, (b0, b1), spec, act_order)
-        W[:, b1:] -= err @ U[b0:b1, b1:]
+        Err = _quantize_block(W, U, M, codes, groups, g_of, spec, b0, b1, mse)
+        W[:, b1:] -= Err @ U[b0:b1, b1:]
     if act_order:
         codes = codes[:, torch.argsort(perm)]
+    scales, zeros = groups.scales, groups.zeros
     g_idx = torch.arange(in_f, dtype=torch.int32) // spec.group_size
     return QuantResult(codes, scales, zeros, dequantize(codes, scales, zeros, g_idx), spec)
 
 
-def _in_order(W: torch.Tensor, H: torch.Tensor, M: torch.Tensor | None, spec, act_order: bool):
-    """(W, H, M in processing order, perm, scales [out, groups], zeros [out, groups]).
-
-    Static groups: parameters from the original weight, before any error feedback, when act-order
-    permutes columns; otherwise a group's parameters are taken when its first column comes up
-    (in _quantize_block) and the order is the identity."""
-    out_f, in_f = W.shape
-    gs = spec.group_size
-    n_groups = in_f // gs
-    scales = torch.zeros(out_f, n_groups)
-    zeros = torch.zeros(out_f, n_groups, dtype=torch.int32)
-    if not act_order:
-        return W, H, M, torch.arange(in_f), scales, zeros
-    for g in range(n_groups):
-        scales[:, g], zeros[:, g] = group_params(W[:, g * gs : (g + 1) * gs], spec)
-    perm = torch.argsort(torch.diag(H), descending=True)
-    if M is not None:
-        M = M[:, perm]
-    return W[:, perm], H[perm][:, perm], M, perm, scales, zeros
-
-
-def _quantize_block(W, U, M, perm, codes, scales, zeros, block, spec, act_order) -> torch.Tensor:
-    """Quantize columns b0..b1-1 of W (processing order) into `codes`, each column's error pushed
-    onto the block's later columns at once; returns the scaled errors [out, b1 - b0] for the
-    columns after the block. Fills `scales`/`zeros` of groups that start here (no act-order)."""
-    b0, b1 = block
-    gs = spec.group_size
+def _quantize_block(W, U, M, codes, groups: _Groups, g_of, spec, b0: int, b1: int, mse: bool):
+    """Quantize permuted columns [b0, b1) into codes with error feedback inside the block;
+    returns the block's scaled errors Err [out, b1 - b0] for the update of later columns."""
     W1 = W[:, b0:b1].clone()  # [out, B] receives intra-block updates immediately
     Err = torch.zeros_like(W1)
     U1 = U[b0:b1, b0:b1]
     for i in range(b1 - b0):
         col = b0 + i
-        g = int(perm[col]) // gs
-        if not act_order and col % gs == 0:
-            # the group's columns as they are now: updated ones in W1, later blocks in W
-            cur = W1[:, i : i + gs]
-            if cur.shape[1] < gs:  # the group runs past this block
-                cur = torch.cat([cur, W[:, b1 : b1 + gs - cur.shape[1]]], dim=1)
-            scales[:, g], zeros[:, g] = group_params(cur, spec)
+        g = int(g_of[col])
+        if not groups.fitted and groups.first[col]:
+            cur = _current_columns(W, W1, Err, U, b0, b1, groups.positions[g])
+            groups.scales[:, g], groups.zeros[:, g] = group_params(cur, spec, mse=mse)
+        scale, zero = groups.scales[:, g], groups.zeros[:, g]
         w = W1[:, i]
-        q = quantize_with(w[:, None], scales[:, g], zeros[:, g], spec)[:, 0]
+        q = quantize_with(w[:, None], scale, zero, spec)[:, 0]
         if M is not None:
-            q = torch.where(M[:, col], zeros[:, g], q)
+            q = torch.where(M[:, col], zero, q)
         codes[:, col] = q
-        dq = (q.float() - zeros[:, g].float()) * scales[:, g]
+        dq = (q.float() - zero.float()) * scale
         err = (w - dq) / U1[i, i]  # [out]
         W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
         Err[:, i] = err

@@ -36,13 +36,19 @@ def _set_weight(linear: nn.Linear, w: torch.Tensor) -> None:
 def gptq_method(
     spec: QuantSpec,
     *,
-    act_order: bool = True,
+    act_order: bool = False,
     dampening: float = 0.01,
     column_block: int = 128,
     preserve_zeros: bool = True,
+    mse: bool = True,
+    refit_groups: bool = True,
 ) -> HessianMethod:
     """GPTQ per linear. RTN and AWQ map an exact zero to its zero point, so they keep zeros by
-    construction; GPTQ's error feedback would refill them, hence the mask of exact zeros."""
+    construction; GPTQ's error feedback would refill them, hence the mask of exact zeros.
+
+    Defaults (measured, benchmarks/bench_quant_quality.py): no act-order and the MSE range
+    search; with act-order, groups refitted on the error-updated weights (static groups from the
+    original weights lost to RTN on a trained model)."""
 
     def fn(name: str, linear: nn.Linear, H: torch.Tensor) -> LinearRecord:
         w = linear.weight.detach().float().cpu().clone()
@@ -58,6 +64,8 @@ def gptq_method(
             column_block=column_block,
             act_order=act_order,
             mask=mask,
+            mse=mse,
+            refit_groups=refit_groups,
         )
         _set_weight(linear, r.weight)
         return LinearRecord(name, tuple(w.shape), r, relative_output_error(w, r.weight, H))
@@ -65,13 +73,13 @@ def gptq_method(
     return HessianMethod(fn)
 
 
-def rtn_method(spec: QuantSpec) -> HessianMethod:
+def rtn_method(spec: QuantSpec, *, mse: bool = True) -> HessianMethod:
     """RTN needs no data; run through the driver only to report the same output error as the
-    others."""
+    others. mse (default): each group's range from the MSE shrink search, not its min/max."""
 
     def fn(name: str, linear: nn.Linear, H: torch.Tensor) -> LinearRecord:
         w = linear.weight.detach().float().cpu().clone()
-        r = quantize_rtn(w, spec.for_width(name, w.shape[1]))
+        r = quantize_rtn(w, spec.for_width(name, w.shape[1]), mse=mse)
         _set_weight(linear, r.weight)
         return LinearRecord(name, tuple(w.shape), r, relative_output_error(w, r.weight, H.cpu()))
 
@@ -80,12 +88,23 @@ def rtn_method(spec: QuantSpec) -> HessianMethod:
 
 class AwqMethod:
     """LayerMethod for AWQ: per group, scale search and folding; at the layer's end, clip and
-    quantize."""
+    quantize. Defaults (measured, benchmarks/bench_quant_quality.py): the paper's scales
+    s = mean|x|^alpha (duo False), the clip search, and min/max ranges after clipping (mse False:
+    a second shrink on top of the clip search lost)."""
 
     def __init__(
-        self, spec: QuantSpec, *, n_grid: int = 20, max_tokens: int = 4096, clip: bool = True
+        self,
+        spec: QuantSpec,
+        *,
+        n_grid: int = 20,
+        max_tokens: int = 4096,
+        clip: bool = True,
+        duo: bool = False,
+        mse: bool = False,
+        clip_tokens: int = 512,
     ):
         self.spec, self.n_grid, self.max_tokens, self.clip = spec, n_grid, max_tokens, clip
+        self.duo, self.mse, self.clip_tokens = duo, mse, clip_tokens
         self.xs: dict[str, list[torch.Tensor]] = {}
         self.seqs: dict[str, list[torch.Tensor]] = {}
         self.acc: dict[str, HessianAccumulator] = {}
@@ -126,7 +145,7 @@ class AwqMethod:
                 layer.get_submodule(n.split(".", 3)[3]).weight.detach().float() for n in names
             ]
             block = self._block(layer, group, names)
-            found = search_scales(x, quantized, spec, n_grid=self.n_grid, block=block)
+            found = search_scales(x, quantized, spec, n_grid=self.n_grid, block=block, duo=self.duo)
             s = found.scales
             if found.alpha > 0:
                 if isinstance(prev, nn.Linear):
@@ -182,7 +201,8 @@ class AwqMethod:
             w = linear.weight.detach().float().cpu().clone()
             # AutoAWQ leaves q/k unclipped: attention scores are too sensitive to their range
             clip = self.clip and not name.endswith(("q_proj", "k_proj"))
-            r = quantize_awq(w, x, self.spec.for_width(name, w.shape[1]), clip=clip)
+            lspec = self.spec.for_width(name, w.shape[1])
+            r = quantize_awq(w, x, lspec, clip=clip, mse=self.mse, clip_tokens=self.clip_tokens)
             _set_weight(linear, r.weight)
             records[name] = LinearRecord(
                 name, tuple(w.shape), r, relative_output_error(w, r.weight, H), alpha

@@ -1,4 +1,5 @@
-"""Round-to-nearest (RTN) quantization: min/max per group, symmetric or asymmetric.
+"""Round-to-nearest (RTN) quantization: one range per group (min/max or MSE-searched),
+symmetric or asymmetric.
 
 Owns: `group_params` (scale and zero of a block of columns, used by GPTQ and AWQ too),
 `quantize_with` (codes for given parameters) and `quantize_rtn` (a whole weight).
@@ -8,51 +9,36 @@ from __future__ import annotations
 
 import torch
 
+from llmctl.compress.quant.observer import minmax_params, mse_params
 from llmctl.runtime.formats.spec import QuantResult, QuantSpec, dequantize
 
 
-def group_params(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero for each row of `w` [rows, cols] (one group): returns (scale [rows], zero [rows] int32).
-
-    Symmetric: s = max|w| / ((2^b - 1) / 2), z = 2^(b-1) (the compressed-tensors convention).
-    Asymmetric: the range is widened to include 0, s = (max - min) / (2^b - 1), z = round(-min / s).
-    """
-    w = w.float()
-    if spec.symmetric:
-        amax = w.abs().amax(dim=1)
-        scale = amax / (spec.maxq / 2)
-        zero = torch.full_like(scale, spec.sym_zero)
-    else:
-        wmin = w.amin(dim=1).clamp(max=0)
-        wmax = w.amax(dim=1).clamp(min=0)
-        scale = (wmax - wmin) / spec.maxq
-        zero = None
-    # all-zero groups: any positive scale reproduces them exactly
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    scale = scale.to(spec.scale_dtype).float()
-    scale = torch.where(
-        scale > 0, scale, torch.full_like(scale, torch.finfo(spec.scale_dtype).tiny)
-    )
-    if zero is None:
-        zero = torch.round(-wmin / scale).clamp(0, spec.maxq)
-    return scale, zero.to(torch.int32)
+def group_params(
+    w: torch.Tensor, spec: QuantSpec, *, mse: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero for each row of `w` [rows, cols] (one group): (scale [rows], zero [rows]
+    int32), from the row's min/max (llmctl.compress.quant.observer.range_params gives the
+    formulas) or, with mse, from the MSE-optimal shrink of that range (observer.mse_params)."""
+    return mse_params(w, spec) if mse else minmax_params(w, spec)
 
 
 def quantize_with(
     w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: QuantSpec
 ) -> torch.Tensor:
-    """Integer codes [rows, cols] of `w` for per-row `scale`/`zero` [rows] (or broadcastable [rows, cols])."""
+    """Integer codes [rows, cols] of `w` for per-row `scale`/`zero` [rows] (or broadcastable
+    [rows, cols])."""
     if scale.dim() == 1:
         scale, zero = scale[:, None], zero[:, None]
     return torch.clamp(torch.round(w.float() / scale) + zero, 0, spec.maxq).to(torch.int32)
 
 
-def quantize_rtn(weight: torch.Tensor, spec: QuantSpec) -> QuantResult:
-    """Quantize `weight` [out, in] group by group along the input dimension."""
+def quantize_rtn(weight: torch.Tensor, spec: QuantSpec, *, mse: bool = False) -> QuantResult:
+    """Quantize `weight` [out, in] group by group along the input dimension; mse: each group's
+    range from the MSE shrink search instead of its min/max."""
     out_f, in_f = weight.shape
     g = spec.group_size
     w = weight.float().reshape(out_f * (in_f // g), g)  # one row per (output row, group)
-    scale, zero = group_params(w, spec)
+    scale, zero = group_params(w, spec, mse=mse)
     codes = quantize_with(w, scale, zero, spec).reshape(out_f, in_f)
     scales = scale.reshape(out_f, in_f // g)
     zeros = zero.reshape(out_f, in_f // g)
