@@ -125,3 +125,29 @@ def test_awq_paper_scales_follow_activations_only_and_mse_reaches_rtn():
     assert torch.equal(plain.weight, quantize_rtn(w, spec, mse=True).weight)
     clipped = quantize_awq(w, x, spec, mse=True)
     assert _out_err(x, w, clipped.weight) <= _out_err(x, w, plain.weight) * 1.05
+
+
+def test_observer_and_act_order_defaults_reach_the_recipe_and_change_the_weights(tmp_path, capsys):
+    """quantize resolves --observer per method (mse for GPTQ/RTN, minmax for AWQ) and records it
+    and act_order (off by default) in recipe.yaml; minmax gives other weights than mse."""
+    from safetensors.torch import load_file
+
+    from llmctl.cli import main
+    from llmctl.runtime.resolve import DEMO_MODEL_DIR
+
+    base = ["quantize", str(DEMO_MODEL_DIR), "--rtn", "--group-size", "32", "-q"]
+    base += ["--num-samples", "4", "--seq-len", "32"]
+    outs = {}
+    for name, extra in (("default", []), ("minmax", ["--observer", "minmax"])):
+        outs[name] = tmp_path / name
+        assert main([*base, "-o", str(outs[name]), *extra]) == 0
+    recipe = (outs["default"] / "recipe.yaml").read_text()
+    assert "observer: mse" in recipe and "act_order: false" in recipe
+    assert "observer: minmax" in (outs["minmax"] / "recipe.yaml").read_text()
+    a = load_file(str(outs["default"] / "model.safetensors"))
+    b = load_file(str(outs["minmax"] / "model.safetensors"))
+    scales = [k for k in a if k.endswith("weight_scale")]
+    assert scales and any(not torch.equal(a[k], b[k]) for k in scales)
+    assert main([*base, "-o", str(tmp_path / "bad"), "--observer", "p99"]) == 2
+    assert "--observer must be mse or minmax" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

@@ -92,7 +92,16 @@ ActOrderOpt = Annotated[
     Optional[bool],
     option(
         "--act-order/--no-act-order",
-        help="GPTQ: columns by decreasing Hessian diagonal (default: --act-order).",
+        help="GPTQ: columns by decreasing Hessian diagonal (default: --no-act-order, which "
+        "measured better held-out).",
+    ),
+]
+ObserverOpt = Annotated[
+    Optional[str],
+    option(
+        "--observer",
+        help="Each group's range: mse (a shrink search minimising its error) or minmax "
+        "(default: mse for GPTQ/RTN, minmax for AWQ, whose clip search already shrinks).",
     ),
 ]
 
@@ -123,6 +132,7 @@ def register(app: typer.Typer) -> None:
         fmt: FormatOpt = None,
         ignore: IgnoreOpt = None,
         act_order: ActOrderOpt = None,
+        observer: ObserverOpt = None,
         dampening: DampeningOpt = None,
         column_block: ColumnBlockOpt = None,
         device: DeviceOpt = None,
@@ -147,6 +157,7 @@ def register(app: typer.Typer) -> None:
                 ignore=list(ignore or []),
                 device=device,
                 act_order=act_order,
+                observer=observer,
                 dampening=dampening,
                 column_block=column_block,
                 report_json=path_str(report_json),

@@ -30,6 +30,9 @@ def check_column_block(column_block: int, pattern=None) -> None:
         )
 
 
+OBSERVERS = ("mse", "minmax")
+
+
 @dataclass
 class QuantizeArgs:
     model: str | None
@@ -45,7 +48,9 @@ class QuantizeArgs:
     format: str = "compressed-tensors"
     ignore: list[str] = field(default_factory=list)
     device: str = "auto"
-    act_order: bool = True
+    act_order: bool = False  # measured worse held-out (BENCHMARKS.md, quantization quality)
+    # each group's range: "mse" (shrink search) or "minmax"; None: the method's measured default
+    observer: str | None = None
     dampening: float = 0.01
     column_block: int = 128
     overwrite: bool = False
@@ -77,6 +82,10 @@ class QuantizeArgs:
         check_column_block(self.column_block)
         if self.symmetric is None:
             self.symmetric = self.method != "awq"
+        if self.observer is None:
+            self.observer = "minmax" if self.method == "awq" else "mse"
+        if self.observer not in OBSERVERS:
+            raise UsageError(f"--observer must be mse or minmax, got {self.observer!r}")
         return self
 
     @property

@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from llmctl.compress.args import PRUNE_METHODS, QUANT_METHODS, SparsifyArgs
+from llmctl.compress.args import OBSERVERS, PRUNE_METHODS, QUANT_METHODS, SparsifyArgs
 from llmctl.compress.sparse.masks import parse_pattern
 from llmctl.errors import UsageError
 from llmctl.runtime.formats import FORMATS
@@ -102,6 +102,7 @@ class QuantizeSection(_Section):
     format: str | None = None
     ignore: list[str] | None = None
     act_order: bool | None = None
+    observer: str | None = None
     dampening: float | None = Field(None, gt=0, lt=1)
     column_block: int | None = Field(None, ge=1)
 
@@ -121,6 +122,11 @@ class QuantizeSection(_Section):
     @classmethod
     def _format(cls, v):
         return _one_of(v, FORMATS, "format")
+
+    @field_validator("observer")
+    @classmethod
+    def _observer(cls, v):
+        return _one_of(v, OBSERVERS, "observer")
 
     @field_validator("group_size")
     @classmethod

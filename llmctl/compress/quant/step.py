@@ -80,13 +80,18 @@ class QuantizeStep:
         from llmctl.compress.quant.layer_methods import AwqMethod, gptq_method, rtn_method
 
         a = self.args
+        mse = a.observer == "mse"
         if a.method == "gptq":
             return gptq_method(
-                spec, act_order=a.act_order, dampening=a.dampening, column_block=a.column_block
+                spec,
+                act_order=a.act_order,
+                dampening=a.dampening,
+                column_block=a.column_block,
+                mse=mse,
             )
         if a.method == "awq":
-            return AwqMethod(spec)
-        return rtn_method(spec)
+            return AwqMethod(spec, mse=mse)
+        return rtn_method(spec, mse=mse)
 
     def run(self, model: torch.nn.Module, calib_ids, ctx) -> DriverResult:
         a = self.args
