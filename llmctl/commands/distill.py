@@ -92,6 +92,12 @@ LossOpt = _o(str, "--loss", "fkl, rkl, jsd or tvd.", "loss")
 BetaOpt = _o(float, "--beta", "jsd's mixture weight of the teacher.", "beta")
 TempOpt = _o(float, "--temperature", "Softening temperature.", "temperature")
 AlphaOpt = _o(float, "--alpha-ce", "Weight of cross-entropy (0 to 1).", "alpha_ce")
+OnPolicyOpt = _o(
+    float,
+    "--on-policy-fraction",
+    "Share of the steps trained on the student's own samples.",
+    "on_policy_fraction",
+)
 EvalEveryOpt = _o(int, "--eval-every", "Evaluate every N steps (0: at the end).", "eval_every")
 SaveEveryOpt = _o(int, "--save-every", "Checkpoint every N steps (0: on Ctrl-C).", "save_every")
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue the checkpoint in -o.")]
@@ -118,6 +124,7 @@ def register(app: typer.Typer) -> None:
         beta: BetaOpt = None,
         temperature: TempOpt = None,
         alpha_ce: AlphaOpt = None,
+        on_policy_fraction: OnPolicyOpt = None,
         eval_every: EvalEveryOpt = None,
         save_every: SaveEveryOpt = None,
         resume: ResumeOpt = False,

@@ -192,7 +192,7 @@ def run_distill(
         )
         trainer = Trainer(
             args, s.student, s.teacher, stream, world, device,
-            s.out.work / "checkpoint", heldout, _autocast(device, s.teacher),
+            s.out.work / "checkpoint", heldout, _autocast(device, s.teacher), eos_ids=eos,
         )  # fmt: skip
         if args.resume:
             trainer.state = load_checkpoint(
@@ -235,6 +235,8 @@ def _report(
         "student": s.student_info,
         "loss": args.loss,
         "steps": st.step,
+        "on_policy_fraction": args.on_policy_fraction,
+        "on_policy_steps": st.on_policy_steps,
         "target_tokens": st.tokens,
         "sequences": st.sequences,
         "world_size": trainer.world.size,
