@@ -6,8 +6,9 @@ micro-batches of batch_size sequences per rank; the data's global order is share
 (rank r takes sequences r, r + world, ... of each micro-batch), so W ranks with batch B train on
 what one process with batch W x B would. Teacher logits are computed on the fly without
 gradients. With --on-policy-fraction, the steps that onpolicy.is_on_policy picks replace each
-sequence's continuation by what the student samples (onpolicy.py) and train on those tokens only. Ctrl-C only sets a flag: the step in progress finishes, a
-checkpoint is written, and the run stops with StopRequested.
+sequence's continuation by what the student samples (onpolicy.py) and train on those tokens
+only. Ctrl-C only sets a flag: the step in progress finishes, a checkpoint is written, and the
+run stops with StopRequested.
 """
 
 from __future__ import annotations
