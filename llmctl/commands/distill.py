@@ -98,6 +98,13 @@ OnPolicyOpt = _o(
     "Share of the steps trained on the student's own samples.",
     "on_policy_fraction",
 )
+CacheOpt = _o(
+    Path, "--cache-teacher", "Teacher top-k logits cache (JSON index); made when missing."
+)
+TopKOpt = _o(int, "--cache-top-k", "Logits per position a new cache keeps.", "cache_top_k")
+OverwriteOpt = Annotated[
+    bool, typer.Option("--overwrite", help="Replace an earlier llmctl distill output in -o.")
+]
 EvalEveryOpt = _o(int, "--eval-every", "Evaluate every N steps (0: at the end).", "eval_every")
 SaveEveryOpt = _o(int, "--save-every", "Checkpoint every N steps (0: on Ctrl-C).", "save_every")
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue the checkpoint in -o.")]
@@ -125,6 +132,8 @@ def register(app: typer.Typer) -> None:
         temperature: TempOpt = None,
         alpha_ce: AlphaOpt = None,
         on_policy_fraction: OnPolicyOpt = None,
+        cache_teacher: CacheOpt = None,
+        cache_top_k: TopKOpt = None,
         eval_every: EvalEveryOpt = None,
         save_every: SaveEveryOpt = None,
         resume: ResumeOpt = False,
@@ -135,7 +144,7 @@ def register(app: typer.Typer) -> None:
         quiet: QuietOpt = False,
     ) -> None:
         values = dict(locals())
-        paths = ("student_config", "eval_data", "report_json")
+        paths = ("student_config", "eval_data", "report_json", "cache_teacher")
         options = given(
             **{k: path_str(v) if k in paths else v for k, v in values.items() if k in TUNED}
         )
@@ -250,5 +259,11 @@ def _print_report(r: dict) -> None:
             f"perplexity {e['perplexity']:.3f} (teacher {e['teacher_perplexity']:.3f}), "
             f"KL(teacher || student) {e['kl_teacher_student']:.4f}",
         )
+    if r.get("on_policy_steps"):
+        table.add_row("on-policy", f"{r['on_policy_steps']} of {r['steps']} steps")
+    c = r.get("teacher_cache")
+    if c:
+        how = "made" if c["built"] else "read"
+        table.add_row("teacher cache", f"top-{c['top_k']} of {c['sequences']} sequences ({how})")
     table.add_row("wall time", f"{r['wall_time_s']:.1f} s")
     Console().print(table)
