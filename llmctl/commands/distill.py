@@ -137,6 +137,7 @@ def register(app: typer.Typer) -> None:
         eval_every: EvalEveryOpt = None,
         save_every: SaveEveryOpt = None,
         resume: ResumeOpt = False,
+        overwrite: OverwriteOpt = False,
         seed: SeedOpt = None,
         device: DeviceOpt = None,
         dtype: DtypeOpt = None,
@@ -149,14 +150,21 @@ def register(app: typer.Typer) -> None:
             **{k: path_str(v) if k in paths else v for k, v in values.items() if k in TUNED}
         )
         args = DistillArgs(
-            teacher=teacher, output=str(output), data=str(data), resume=resume, **options
+            teacher=teacher,
+            output=str(output),
+            data=str(data),
+            resume=resume,
+            overwrite=overwrite,
+            **options,
         ).resolve()
         _main(args, report_json, quiet)
 
 
-# the DistillArgs fields an option may set (teacher, output, data and resume are always given)
+# the DistillArgs fields an option may set (teacher, output, data, resume, overwrite: always given)
 TUNED = tuple(
-    f.name for f in fields(DistillArgs) if f.name not in ("teacher", "output", "data", "resume")
+    f.name
+    for f in fields(DistillArgs)
+    if f.name not in ("teacher", "output", "data", "resume", "overwrite")
 )
 
 

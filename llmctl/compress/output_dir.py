@@ -1,6 +1,6 @@
-"""Output folders of quantize and sparsify: the safety rules, the work folder and the final move.
+"""Output folders of quantize, sparsify and distill: the safety rules, the work folder, the move.
 
-Owns, for both jobs (written once):
+Owns, for these jobs (written once):
 - `check_disjoint`: an output may not be the source model folder, lie inside it or contain it.
   Folders are compared by (st_dev, st_ino) of the folder and of every ancestor, so a symlink or a
   bind mount naming the source by another path is caught too.
@@ -33,6 +33,8 @@ WORK_DIR = ".llmctl-work"
 LEGACY_WORK_DIRS = (".llmctl-quantize-tmp", ".llmctl-sparsify-tmp", ".llmctl-sparse-stage")
 RECIPE_FILE = "recipe.yaml"
 RECIPE_HEADER = "# llmctl "  # first line of every recipe.yaml llmctl writes
+# distill's recipe (same header) and report: an output folder of `llmctl distill`
+DISTILL_FILES = ("distill.yaml", "distill_report.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 SIDE_FILE_PREFIXES = (
     "tokenizer",
@@ -97,7 +99,7 @@ def _is_ours(entry: Path, keep: tuple[Path, ...]) -> bool:
         return True
     if not entry.is_file() or entry.is_symlink():
         return False
-    if name in ("config.json", RECIPE_FILE, "model.safetensors.index.json"):
+    if name in ("config.json", RECIPE_FILE, "model.safetensors.index.json", *DISTILL_FILES):
         return True
     if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors", name):
         return True
@@ -105,11 +107,15 @@ def _is_ours(entry: Path, keep: tuple[Path, ...]) -> bool:
 
 
 def _is_llmctl_output(folder: Path) -> bool:
-    try:
-        with open(folder / RECIPE_FILE, encoding="utf-8") as f:
-            return f.readline().startswith(RECIPE_HEADER)
-    except (OSError, UnicodeDecodeError):
-        return False
+    """Whether `folder` holds the recipe llmctl writes: quantize/sparsify's or distill's."""
+    for recipe in (RECIPE_FILE, DISTILL_FILES[0]):
+        try:
+            with open(folder / recipe, encoding="utf-8") as f:
+                if f.readline().startswith(RECIPE_HEADER):
+                    return True
+        except (OSError, UnicodeDecodeError):
+            continue
+    return False
 
 
 def _check_writable(path: Path, flag: str) -> None:

@@ -19,7 +19,6 @@ from typing import Any, Callable
 import torch
 
 from llmctl.compress.output_dir import (
-    WORK_DIR,
     OutputFolder,
     check_input_file,
     check_output_file,
@@ -76,10 +75,9 @@ def _check_files(args: DistillArgs) -> None:
 def _plan_output(args: DistillArgs, teacher_path: Path) -> OutputFolder:
     from llmctl.runtime.resolve import resolve_model_path
 
-    final = OutputFolder.at(args.output).final
-    if final.is_dir() and any(e.name != WORK_DIR for e in final.iterdir()):
-        raise UsageError(f"output folder {args.output} is not empty; choose another -o")
-    out = OutputFolder.plan(args.output, overwrite=False)
+    # --overwrite replaces only an earlier llmctl output (never the teacher or student, below)
+    keep = (Path(args.report_json),) if args.report_json not in (None, "-") else ()
+    out = OutputFolder.plan(args.output, overwrite=args.overwrite, keep=keep)
     out.check_source(teacher_path)
     if args.student is not None:
         out.check_source(resolve_model_path(args.student))
