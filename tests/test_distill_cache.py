@@ -101,5 +101,7 @@ def test_cache_options_refused_before_training(tmp_path):
     (tmp_path / "bad.json").write_text('{"schema": "x"}')
     with pytest.raises(UsageError, match="not an llmctl teacher cache"):
         run_distill(args(tmp_path / "c", cache_teacher=str(tmp_path / "bad.json")))
+    with pytest.raises(UsageError, match="caches a teacher nothing reads"):
+        args(tmp_path / "e", cache_teacher=str(tmp_path / "t.json"), alpha_ce=1.0).resolve()
     with pytest.raises(UsageError, match="--cache-top-k must be at least 1"):
         args(tmp_path / "d", cache_top_k=0).resolve()

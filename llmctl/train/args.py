@@ -107,6 +107,8 @@ class DistillArgs:
             raise UsageError(
                 "--on-policy-fraction needs the teacher's divergence: --alpha-ce below 1"
             )
+        if self.cache_teacher is not None and self.alpha_ce == 1:
+            raise UsageError("--cache-teacher with --alpha-ce 1 caches a teacher nothing reads")
         if self.on_policy_fraction > 0 and self.cache_teacher is not None:
             raise UsageError(
                 "--on-policy-fraction needs the live teacher to score the student's samples; "
