@@ -4,7 +4,8 @@ Same teacher, students, split and held-out evaluation as bench_distill.py (tinys
 --student-layers 2, first 90% / last 10% of tinyshakespeare.txt), few steps, on the CPU:
 - held-out perplexity with --on-policy-fraction 0.5 against 0 (the default loss otherwise);
 - training tokens/s with the teacher read from a --cache-teacher top-k cache against the live
-  teacher (the cache's one-off teacher pass timed separately: it runs before training).
+  teacher (the cache's one-off teacher pass timed separately: it runs before training), and the
+  CPU seconds of each whole run (setup, training, the held-out evaluation).
 
     nice -n 19 python benchmarks/bench_distill_variants.py --steps 20 \\
         --json benchmarks/results/distill_variants.json
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import tempfile
 from pathlib import Path
 
@@ -21,6 +23,18 @@ import torch
 from bench_distill import distill, split_text
 from common import environment
 from make_draft import TARGET
+
+
+def timed(out: Path, train: Path, held: Path, args, *extra: str) -> dict:
+    """bench_distill.distill plus the process's CPU seconds (user + system) for the run: on a
+    shared host they move far less than wall time (the same run's tokens/s moved 20x here)."""
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    result = distill(out, train, held, args, *extra)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    result["cpu_s"] = cpu
+    print(f"    {out.name}: {cpu:.1f} CPU s", flush=True)
+    return result
 
 
 def parse() -> argparse.Namespace:
@@ -44,11 +58,11 @@ def run() -> None:
         cache = folder / "teacher-cache.json"
         print(f"distill: {args.steps} steps x {args.batch_size} x {args.seq_len}", flush=True)
         runs = {
-            "live": distill(folder / "live", train, held, args),
-            "on_policy_0.5": distill(
+            "live": timed(folder / "live", train, held, args),
+            "on_policy_0.5": timed(
                 folder / "on_policy", train, held, args, "--on-policy-fraction", "0.5"
             ),
-            "cache_build": distill(
+            "cache_build": timed(
                 folder / "cache_build",
                 train,
                 held,
@@ -58,7 +72,7 @@ def run() -> None:
                 "--cache-top-k",
                 str(args.top_k),
             ),  # fmt: skip
-            "cache_read": distill(
+            "cache_read": timed(
                 folder / "cache_read",
                 train,
                 held,
