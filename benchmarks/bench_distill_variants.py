@@ -7,8 +7,8 @@ Same teacher, students, split and held-out evaluation as bench_distill.py (tinys
   teacher (the cache's one-off teacher pass timed separately: it runs before training), and the
   CPU seconds of each whole run (setup, training, the held-out evaluation).
 
-    nice -n 19 python benchmarks/bench_distill_variants.py --steps 20 \\
-        --json benchmarks/results/distill_variants.json
+    OMP_NUM_THREADS=1 nice -n 19 python benchmarks/bench_distill_variants.py --steps 20 \\
+        --threads 1 --json benchmarks/results/distill_variants.json
 """
 
 from __future__ import annotations
