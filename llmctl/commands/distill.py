@@ -39,6 +39,12 @@ Examples (on the embedded demo model; use your own model folder or hub id):
   llmctl distill --teacher llmctl/data/demo-model -o demo-ce --student-layers 1 \\
       --data llmctl/compress/data/calib_default.txt --alpha-ce 1 \\
       --steps 2 --batch-size 2 --seq-len 32 --report-json demo-ce.json
+  llmctl distill --teacher llmctl/data/demo-model -o demo-gkd --student-layers 2 \\
+      --data llmctl/compress/data/calib_default.txt --loss jsd \\
+      --on-policy-fraction 0.5 --steps 4 --batch-size 2 --seq-len 32
+  llmctl distill --teacher llmctl/data/demo-model -o demo-cached --student-layers 2 \\
+      --data llmctl/compress/data/calib_default.txt --cache-teacher demo-teacher.json \\
+      --steps 4 --batch-size 2 --seq-len 32
 
 \b
 Student: --student-layers N copies N evenly spaced teacher layers (first and
@@ -54,6 +60,14 @@ Student: --student-layers N copies N evenly spaced teacher layers (first and
   --temperature, scaled by T^2; rkl, reverse KL; jsd, GKD's generalised
   Jensen-Shannon divergence with --beta; tvd, total variation. Every loss is
   mixed with cross-entropy: (1 - alpha_ce) * divergence + alpha_ce * CE.
+--on-policy-fraction F: that share of the steps (picked from --seed and the
+  step) keeps each sequence's prompt (the tokens before its first target, else
+  its first half), lets the student sample the rest through llmctl's engine at
+  temperature 1, and trains on the sampled tokens only (GKD; TRL's lmbda).
+--cache-teacher FILE: when FILE does not exist, one teacher pass stores its
+  --cache-top-k largest log-probabilities per position (safetensors shards
+  beside FILE, a JSON index); training then reads them instead of running the
+  teacher. A cache of other data, teacher, --seq-len or K is refused.
 Training: AdamW, --warmup steps of linear warm-up then cosine decay to lr/10,
   --grad-accum micro-batches per step, gradients clipped at norm 1. --dtype is
   the teacher's; the student trains and is saved in float32 (with bf16 or fp16
@@ -63,8 +77,9 @@ The output is an ordinary Hugging Face folder (config.json, model.safetensors,
   eval and quantize load, and a --draft for its teacher in run-batch. It is
   written in OUTPUT/.llmctl-work and moved into place at the end. Ctrl-C (or
   --save-every) saves a checkpoint there; the same command with --resume
-  continues it exactly. Under torchrun every rank takes its share of each
-  batch and only rank 0 writes.
+  continues it exactly. --overwrite replaces an earlier llmctl output in -o
+  (never the teacher, the student, or files llmctl did not write). Under
+  torchrun every rank takes its share of each batch and only rank 0 writes.
 """
 
 D = DistillArgs
@@ -92,10 +107,23 @@ LossOpt = _o(str, "--loss", "fkl, rkl, jsd or tvd.", "loss")
 BetaOpt = _o(float, "--beta", "jsd's mixture weight of the teacher.", "beta")
 TempOpt = _o(float, "--temperature", "Softening temperature.", "temperature")
 AlphaOpt = _o(float, "--alpha-ce", "Weight of cross-entropy (0 to 1).", "alpha_ce")
+OnPolicyOpt = _o(
+    float,
+    "--on-policy-fraction",
+    "Share of the steps trained on the student's own samples.",
+    "on_policy_fraction",
+)
+CacheOpt = _o(
+    Path, "--cache-teacher", "Teacher top-k logits cache (JSON index); made when missing."
+)
+TopKOpt = _o(int, "--cache-top-k", "Logits per position a new cache keeps.", "cache_top_k")
+OverwriteOpt = Annotated[
+    bool, typer.Option("--overwrite", help="Replace an earlier llmctl output in -o.")
+]
 EvalEveryOpt = _o(int, "--eval-every", "Evaluate every N steps (0: at the end).", "eval_every")
 SaveEveryOpt = _o(int, "--save-every", "Checkpoint every N steps (0: on Ctrl-C).", "save_every")
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue the checkpoint in -o.")]
-SeedOpt = _o(int, "--seed", "Seed of a fresh student.", "seed")
+SeedOpt = _o(int, "--seed", "Seed of a fresh student and of on-policy samples.", "seed")
 
 
 def register(app: typer.Typer) -> None:
@@ -118,9 +146,13 @@ def register(app: typer.Typer) -> None:
         beta: BetaOpt = None,
         temperature: TempOpt = None,
         alpha_ce: AlphaOpt = None,
+        on_policy_fraction: OnPolicyOpt = None,
+        cache_teacher: CacheOpt = None,
+        cache_top_k: TopKOpt = None,
         eval_every: EvalEveryOpt = None,
         save_every: SaveEveryOpt = None,
         resume: ResumeOpt = False,
+        overwrite: OverwriteOpt = False,
         seed: SeedOpt = None,
         device: DeviceOpt = None,
         dtype: DtypeOpt = None,
@@ -128,19 +160,26 @@ def register(app: typer.Typer) -> None:
         quiet: QuietOpt = False,
     ) -> None:
         values = dict(locals())
-        paths = ("student_config", "eval_data", "report_json")
+        paths = ("student_config", "eval_data", "report_json", "cache_teacher")
         options = given(
             **{k: path_str(v) if k in paths else v for k, v in values.items() if k in TUNED}
         )
         args = DistillArgs(
-            teacher=teacher, output=str(output), data=str(data), resume=resume, **options
+            teacher=teacher,
+            output=str(output),
+            data=str(data),
+            resume=resume,
+            overwrite=overwrite,
+            **options,
         ).resolve()
         _main(args, report_json, quiet)
 
 
-# the DistillArgs fields an option may set (teacher, output, data and resume are always given)
+# the DistillArgs fields an option may set (teacher, output, data, resume, overwrite: always given)
 TUNED = tuple(
-    f.name for f in fields(DistillArgs) if f.name not in ("teacher", "output", "data", "resume")
+    f.name
+    for f in fields(DistillArgs)
+    if f.name not in ("teacher", "output", "data", "resume", "overwrite")
 )
 
 
@@ -243,5 +282,11 @@ def _print_report(r: dict) -> None:
             f"perplexity {e['perplexity']:.3f} (teacher {e['teacher_perplexity']:.3f}), "
             f"KL(teacher || student) {e['kl_teacher_student']:.4f}",
         )
+    if r.get("on_policy_steps"):
+        table.add_row("on-policy", f"{r['on_policy_steps']} of {r['steps']} steps")
+    c = r.get("teacher_cache")
+    if c:
+        how = "made" if c["built"] else "read"
+        table.add_row("teacher cache", f"top-{c['top_k']} of {c['sequences']} sequences ({how})")
     table.add_row("wall time", f"{r['wall_time_s']:.1f} s")
     Console().print(table)

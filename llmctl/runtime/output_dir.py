@@ -34,6 +34,8 @@ WORK_DIR = ".llmctl-work"
 LEGACY_WORK_DIRS = (".llmctl-quantize-tmp", ".llmctl-sparsify-tmp", ".llmctl-sparse-stage")
 RECIPE_FILE = "recipe.yaml"
 RECIPE_HEADER = "# llmctl "  # first line of every recipe.yaml llmctl writes
+# distill's recipe (same header) and report: an output folder of `llmctl distill`
+DISTILL_FILES = ("distill.yaml", "distill_report.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 SIDE_FILE_PREFIXES = (
     "tokenizer",
@@ -98,7 +100,7 @@ def _is_ours(entry: Path, keep: tuple[Path, ...]) -> bool:
         return True
     if not entry.is_file() or entry.is_symlink():
         return False
-    if name in ("config.json", RECIPE_FILE, "model.safetensors.index.json"):
+    if name in ("config.json", RECIPE_FILE, "model.safetensors.index.json", *DISTILL_FILES):
         return True
     if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors", name):
         return True
@@ -106,11 +108,15 @@ def _is_ours(entry: Path, keep: tuple[Path, ...]) -> bool:
 
 
 def _is_llmctl_output(folder: Path) -> bool:
-    try:
-        with open(folder / RECIPE_FILE, encoding="utf-8") as f:
-            return f.readline().startswith(RECIPE_HEADER)
-    except (OSError, UnicodeDecodeError):
-        return False
+    """Whether `folder` holds the recipe llmctl writes: quantize/sparsify's or distill's."""
+    for recipe in (RECIPE_FILE, DISTILL_FILES[0]):
+        try:
+            with open(folder / recipe, encoding="utf-8") as f:
+                if f.readline().startswith(RECIPE_HEADER):
+                    return True
+        except (OSError, UnicodeDecodeError):
+            continue
+    return False
 
 
 def _check_writable(path: Path, flag: str) -> None:

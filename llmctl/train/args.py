@@ -15,7 +15,10 @@ from llmctl.errors import UsageError
 
 LOSSES = ("fkl", "rkl", "jsd", "tvd")  # llmctl.train.losses implements them
 # Options that change nothing in the training itself: a resumed run may change them.
-NOT_IN_FINGERPRINT = ("resume", "report_json", "eval_every", "save_every", "quiet")
+NOT_IN_FINGERPRINT = ("resume", "report_json", "eval_every", "save_every", "quiet", "overwrite")
+# Options added after checkpoints existed: left out of the fingerprint at these values, so a run
+# that does not use them resumes a checkpoint of an earlier llmctl.
+LATER_OPTIONS = {"on_policy_fraction": 0.0, "cache_teacher": None, "cache_top_k": 32}
 
 
 @dataclass
@@ -40,6 +43,9 @@ class DistillArgs:
     beta: float = 0.5
     temperature: float = 1.0
     alpha_ce: float = 0.0
+    on_policy_fraction: float = 0.0  # share of the steps on sequences the student samples
+    cache_teacher: str | None = None  # the JSON index of a teacher top-k logits cache
+    cache_top_k: int = 32  # logits per position kept in a cache --cache-teacher writes
     eval_every: int = 0  # 0: evaluate only at the end (when there is held-out data)
     save_every: int = 0  # 0: checkpoint only on Ctrl-C
     resume: bool = False
@@ -47,6 +53,7 @@ class DistillArgs:
     device: str = "auto"
     dtype: str = "auto"
     report_json: str | None = None
+    overwrite: bool = False  # replace an earlier llmctl distill output in -o
 
     def resolve(self) -> "DistillArgs":
         """Every check that needs no model; raises UsageError naming the flag."""
@@ -76,6 +83,7 @@ class DistillArgs:
             ("--warmup", self.warmup, 0),
             ("--eval-every", self.eval_every, 0),
             ("--save-every", self.save_every, 0),
+            ("--cache-top-k", self.cache_top_k, 1),
         ):
             if value < low:
                 raise UsageError(f"{flag} must be at least {low}, got {value}")
@@ -88,18 +96,35 @@ class DistillArgs:
             ("--beta", self.beta, 0.0, 1.0),
             ("--alpha-ce", self.alpha_ce, 0.0, 1.0),
             ("--temperature", self.temperature, 0.0, math.inf),
+            ("--on-policy-fraction", self.on_policy_fraction, 0.0, 1.0),
         ):
             if not (low <= value <= high) or math.isnan(value) or math.isinf(value):
                 rng = f"between {low} and {high}" if high != math.inf else f"above {low}"
                 raise UsageError(f"{flag} must be {rng}, got {value}")
         if self.temperature == 0 or self.lr == 0:
             raise UsageError("--temperature and --lr must be above 0")
+        if self.on_policy_fraction > 0 and self.alpha_ce == 1:
+            raise UsageError(
+                "--on-policy-fraction needs the teacher's divergence: --alpha-ce below 1"
+            )
+        if self.cache_teacher is not None and self.alpha_ce == 1:
+            raise UsageError("--cache-teacher with --alpha-ce 1 caches a teacher nothing reads")
+        if self.on_policy_fraction > 0 and self.cache_teacher is not None:
+            raise UsageError(
+                "--on-policy-fraction needs the live teacher to score the student's samples; "
+                "drop --cache-teacher"
+            )
 
     def fingerprint(self) -> str:
         """What a checkpoint must match to be resumed (the options that shape the training)."""
-        d = {k: v for k, v in asdict(self).items() if k not in NOT_IN_FINGERPRINT}
+        d = {
+            k: v
+            for k, v in asdict(self).items()
+            if k not in NOT_IN_FINGERPRINT and not (k in LATER_OPTIONS and v == LATER_OPTIONS[k])
+        }
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_recipe(self) -> dict:
         """The resolved recipe written as distill.yaml."""
-        return {k: v for k, v in asdict(self).items() if k not in ("resume", "report_json")}
+        skip = ("resume", "report_json", "overwrite")
+        return {k: v for k, v in asdict(self).items() if k not in skip}

@@ -35,6 +35,7 @@ class TrainState:
     history: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
     tokens: int = 0  # target tokens trained on (all ranks)
+    on_policy_steps: int = 0  # steps trained on the student's own samples
 
 
 def _optimizer_tensors(optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:

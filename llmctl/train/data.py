@@ -203,6 +203,7 @@ class SequenceStream:
         self.path, self.tokenize, self.seq_len, self.limit = path, tokenize, seq_len, limit
         self.on_wrap = on_wrap  # called with the sequences per epoch when the data first repeats
         self.position = 0
+        self.last_index = 0  # index within its epoch of the sequence next() returned last
         self._it: Iterator[Sequence] | None = None
         self._in_epoch = 0
 
@@ -219,6 +220,7 @@ class SequenceStream:
             seq = next(self._it, None)
             if seq is not None:
                 self.position += 1
+                self.last_index = self._in_epoch
                 self._in_epoch += 1
                 return seq
             if self._in_epoch == 0:

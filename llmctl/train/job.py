@@ -9,6 +9,8 @@ torchrun every rank runs this; only rank 0 writes.
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +19,13 @@ from typing import Any, Callable
 import torch
 
 from llmctl.errors import LlmctlError, UsageError
-from llmctl.runtime.output_dir import WORK_DIR, OutputFolder, check_input_file
+from llmctl.runtime.output_dir import (
+    OutputFolder,
+    check_input_file,
+    check_output_file,
+    same_or_inside,
+    writing,
+)
 from llmctl.train import student as students
 from llmctl.train.args import DistillArgs
 from llmctl.train.checkpoint import has_checkpoint, load_checkpoint
@@ -67,13 +75,19 @@ def _check_files(args: DistillArgs) -> None:
 def _plan_output(args: DistillArgs, teacher_path: Path) -> OutputFolder:
     from llmctl.runtime.resolve import resolve_model_path
 
-    final = OutputFolder.at(args.output).final
-    if final.is_dir() and any(e.name != WORK_DIR for e in final.iterdir()):
-        raise UsageError(f"output folder {args.output} is not empty; choose another -o")
-    out = OutputFolder.plan(args.output, overwrite=False)
+    # --overwrite replaces only an earlier llmctl output (never the teacher or student, below)
+    keep = (Path(args.report_json),) if args.report_json not in (None, "-") else ()
+    out = OutputFolder.plan(args.output, overwrite=args.overwrite, keep=keep)
     out.check_source(teacher_path)
     if args.student is not None:
         out.check_source(resolve_model_path(args.student))
+    if args.cache_teacher is not None:
+        check_output_file(args.cache_teacher, "--cache-teacher", inputs=(Path(args.data),))
+        if same_or_inside(Path(args.cache_teacher), out.final):
+            raise UsageError(
+                f"--cache-teacher {args.cache_teacher} lies inside -o, which the run replaces; "
+                "put it elsewhere"
+            )
     saved = has_checkpoint(out.work / "checkpoint")
     if args.resume and not saved:
         raise UsageError(f"--resume: {args.output} holds no checkpoint to resume")
@@ -165,6 +179,28 @@ def _wrap_note(args: DistillArgs, warn: Callable[[str], None] | None):
     )
 
 
+def _will_build(args: DistillArgs) -> bool:
+    return args.cache_teacher is not None and not Path(args.cache_teacher).exists()
+
+
+def _teacher_cache(args: DistillArgs, s: _Setup, tokenize: Tokenize, limit, world, warn):
+    """The --cache-teacher cache this run reads (None without one), made first when FILE does not
+    exist yet (rank 0 runs the teacher; the other ranks wait)."""
+    from llmctl.train import teacher_cache as tc
+
+    if args.cache_teacher is None:
+        return None
+    index = Path(os.path.abspath(args.cache_teacher))
+    fp = tc.fingerprint(s.teacher_path, args, next(s.teacher.parameters()).dtype, limit)
+    needed = args.steps * args.batch_size * args.grad_accum * world.size
+    if not index.exists() and world.is_main:
+        seqs = itertools.islice(packed(Path(args.data), tokenize, args.seq_len), limit)
+        with writing(f"--cache-teacher {index}"):
+            tc.build_cache(index, s.teacher, seqs, needed, args.batch_size, fp, warn)
+    world.barrier()
+    return tc.TeacherCache.open(index, fp, needed)
+
+
 def _autocast(device: str, teacher) -> Any:
     dtype = next(teacher.parameters()).dtype
     return dtype if device.startswith("cuda") and dtype in (torch.bfloat16, torch.float16) else None
@@ -190,9 +226,13 @@ def run_distill(
         stream = SequenceStream(
             Path(args.data), tokenize, args.seq_len, limit, _wrap_note(args, warn)
         )
+        t_cache, built = time.perf_counter(), _will_build(args)
+        cache = _teacher_cache(args, s, tokenize, limit, world, warn)
+        cache_s = time.perf_counter() - t_cache
         trainer = Trainer(
             args, s.student, s.teacher, stream, world, device,
-            s.out.work / "checkpoint", heldout, _autocast(device, s.teacher),
+            s.out.work / "checkpoint", heldout, _autocast(device, s.teacher), eos_ids=eos,
+            cache=cache,
         )  # fmt: skip
         if args.resume:
             trainer.state = load_checkpoint(
@@ -202,6 +242,10 @@ def run_distill(
             stream.skip(trainer.state.sequences)
         final = _train(trainer, args, progress if world.is_main else None)
         report = _report(args, s, trainer, final, time.perf_counter() - t0)
+        report["teacher_cache"] = None if cache is None else {
+            "index": str(cache.index), "top_k": cache.top_k,
+            "sequences": cache.doc["sequences"], "built": built, "seconds": cache_s,
+        }  # fmt: skip
         if world.is_main:
             write_student(s.out, s.teacher_path, s.student, s.student_raw, args, report)
         world.barrier()
@@ -235,6 +279,8 @@ def _report(
         "student": s.student_info,
         "loss": args.loss,
         "steps": st.step,
+        "on_policy_fraction": args.on_policy_fraction,
+        "on_policy_steps": st.on_policy_steps,
         "target_tokens": st.tokens,
         "sequences": st.sequences,
         "world_size": trainer.world.size,

@@ -5,8 +5,10 @@ Owns: `Trainer` (one run's student, teacher, optimizer, scheduler, data stream a
 micro-batches of batch_size sequences per rank; the data's global order is shared by all ranks
 (rank r takes sequences r, r + world, ... of each micro-batch), so W ranks with batch B train on
 what one process with batch W x B would. Teacher logits are computed on the fly without
-gradients. Ctrl-C only sets a flag: the step in progress finishes, a checkpoint is written, and
-the run stops with StopRequested.
+gradients, or read from a --cache-teacher file (teacher_cache.py). With --on-policy-fraction,
+the steps that onpolicy.is_on_policy picks replace each sequence's continuation by what the
+student samples (onpolicy.py) and train on those tokens only. Ctrl-C only sets a flag: the step
+in progress finishes, a checkpoint is written, and the run stops with StopRequested.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from llmctl.train.args import DistillArgs
 from llmctl.train.checkpoint import TrainState, save_checkpoint
 from llmctl.train.data import SequenceStream
 from llmctl.train.distributed import World
-from llmctl.train.losses import distill_loss
+from llmctl.train.losses import distill_loss, teacher_from_top_k
+from llmctl.train.onpolicy import is_on_policy, student_samples
 
 Progress = Callable[[int, int, dict], None]  # (step, steps, metrics of the step)
 
@@ -71,6 +74,9 @@ class Trainer:
     autocast: Any = None  # a torch dtype for CUDA autocast, or None
     state: TrainState = field(default_factory=TrainState)
     stop: bool = False
+    eos_ids: tuple[int, ...] = ()  # where the student's on-policy samples may stop
+    on_policy: bool = False  # whether the step in progress samples from the student
+    cache: Any = None  # a teacher_cache.TeacherCache: the teacher's top-k instead of the teacher
 
     def __post_init__(self) -> None:
         a = self.args
@@ -82,24 +88,39 @@ class Trainer:
             self.optimizer, schedule(a.warmup, a.steps, a.min_lr_ratio)
         )
 
-    def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's micro-batch: ids [B, S] and target mask [B, S] (see the module docstring)."""
-        seqs = [self.stream.next() for _ in range(self.args.batch_size * self.world.size)]
+    def _batch(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """This rank's micro-batch: ids [B, S], target mask [B, S] (see the module docstring) and
+        the sequences' numbers within their epoch (where the teacher cache has them)."""
+        seqs = []
+        for _ in range(self.args.batch_size * self.world.size):
+            seqs.append((self.stream.next(), self.stream.last_index))
         mine = seqs[self.world.rank :: self.world.size]
-        ids = torch.stack([s.ids for s in mine]).to(self.device)
-        mask = torch.stack([s.mask for s in mine]).to(self.device)
-        return ids, mask
+        ids = torch.stack([s.ids for s, _ in mine]).to(self.device)
+        mask = torch.stack([s.mask for s, _ in mine]).to(self.device)
+        return ids, mask, [n for _, n in mine]
 
-    def _micro_step(self, last: bool) -> tuple[float, float, float | None, int]:
-        """Forward and backward of one micro-batch; (loss, ce, divergence, target tokens)."""
+    def _teacher(self, ids: torch.Tensor, tmask: torch.Tensor, seqs: list[int]) -> torch.Tensor:
+        """Teacher log-probabilities or logits [N, V] at the target positions tmask [B, S - 1]."""
+        if self.cache is None:
+            with torch.no_grad():
+                return self.teacher.forward_dense(ids)[:, :-1][tmask].float()
+        values, indices, rest = (t.to(self.device) for t in self.cache.rows(seqs))
+        vocab = self.student.config.vocab_size
+        return teacher_from_top_k(values[tmask], indices[tmask], rest[tmask], vocab)
+
+    def _micro_step(self, index: int, last: bool) -> tuple[float, float, float | None, int]:
+        """Forward and backward of micro-batch `index` of the step; (loss, ce, divergence,
+        target tokens)."""
         a = self.args
-        ids, mask = self._batch()
+        ids, mask, seqs = self._batch()
+        if self.on_policy:  # row numbers unique across micro-batches and ranks: the seeds
+            row0 = (index * self.world.size + self.world.rank) * a.batch_size
+            ids, mask = student_samples(
+                self.student, ids, mask, a.seed, self.state.step, row0, self.eos_ids
+            )
         tmask = mask[:, 1:]  # position t - 1 predicts token t: [B, S - 1]
         targets = ids[:, 1:][tmask]  # [N]
-        teacher = None
-        if a.alpha_ce < 1:
-            with torch.no_grad():
-                teacher = self.teacher.forward_dense(ids)[:, :-1][tmask].float()  # [N, V]
+        teacher = self._teacher(ids, tmask, seqs) if a.alpha_ce < 1 else None  # [N, V]
         sync = contextlib.nullcontext() if last or self.world.size == 1 else self.module.no_sync()
         cast = (
             torch.autocast("cuda", dtype=self.autocast)
@@ -123,7 +144,8 @@ class Trainer:
     def step(self) -> dict:
         """One optimizer step; returns its metrics (means over micro-batches and ranks)."""
         a, n = self.args, self.args.grad_accum
-        parts = [self._micro_step(i == n - 1) for i in range(n)]
+        self.on_policy = is_on_policy(a.seed, self.state.step, a.on_policy_fraction)
+        parts = [self._micro_step(i, i == n - 1) for i in range(n)]
         norm = torch.nn.utils.clip_grad_norm_(self.student.parameters(), a.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -133,6 +155,7 @@ class Trainer:
         self.state.sequences = self.stream.position
         tokens = self.world.total(sum(p[3] for p in parts))
         self.state.tokens += tokens
+        self.state.on_policy_steps += int(self.on_policy)
         divs = [p[2] for p in parts if p[2] is not None]
         metrics = {
             "step": self.state.step,
@@ -142,6 +165,7 @@ class Trainer:
             "lr": lr,
             "grad_norm": float(norm),
             "target_tokens": tokens,
+            "on_policy": self.on_policy,
         }
         self.state.history.append(metrics)
         return metrics

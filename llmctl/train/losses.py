@@ -9,6 +9,14 @@ al.) so its gradients keep their size as T changes. `generalized_jsd` follows GK
 as TRL's GKDTrainer computes it: with M = beta * p_teacher + (1 - beta) * p_student,
 JSD_beta = beta * KL(p_teacher || M) + (1 - beta) * KL(p_student || M); beta 0 is taken as
 KL(teacher || student) and beta 1 as KL(student || teacher), as TRL does.
+
+A teacher read from a --cache-teacher file (teacher_cache.py) is sparse: its k largest
+log-probabilities at temperature 1 with their token ids, and the log of the mass left to the other
+V - k tokens. `teacher_from_top_k` spreads that mass evenly over those tokens (the most uncertain
+guess the cache allows, and what keeps every divergence finite: no teacher probability is 0) and
+returns full log-probabilities [N, V]; temperature then softens them as it would the logits, since
+log-probabilities differ from the logits by a constant per row. With k = V it is the dense teacher
+exactly; `distill_loss_top_k` is `distill_loss` on that teacher.
 """
 
 from __future__ import annotations
@@ -82,6 +90,35 @@ def divergence(
     if name == "tvd":
         return total_variation(student, teacher, temperature)
     raise ValueError(f"unknown loss {name!r}")
+
+
+REST_FLOOR = -1e4  # log-mass floor outside the top k: exp() is 0 but no 0 * -inf
+
+
+def teacher_from_top_k(
+    values: torch.Tensor, indices: torch.Tensor, rest: torch.Tensor, vocab: int
+) -> torch.Tensor:
+    """Full teacher log-probabilities [N, V] from its top-k log-probabilities values [N, k], their
+    ids indices [N, k] and the log of the remaining mass rest [N] (see the module docstring)."""
+    n, k = values.shape
+    if k >= vocab:
+        fill = torch.zeros(n, 1, device=values.device)
+    else:
+        fill = (rest.float().clamp(min=REST_FLOOR) - math.log(vocab - k)).unsqueeze(-1)
+    out = fill.expand(n, vocab).clone()
+    return out.scatter_(-1, indices.long(), values.float())
+
+
+def distill_loss_top_k(
+    name: str,
+    student: torch.Tensor,
+    top_k: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    targets: torch.Tensor,
+    **kw,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """distill_loss against a sparse teacher top_k = (values [N, k], indices [N, k], rest [N])."""
+    teacher = teacher_from_top_k(*top_k, student.shape[-1])
+    return distill_loss(name, student, teacher, targets, **kw)
 
 
 def distill_loss(
