@@ -4,10 +4,11 @@ Owns: `QuantLinear`. On CPU, 4-bit weights whose output width is a multiple of 6
 the layout of PyTorch's int4 kernel (`aten._convert_weight_to_int4pack_for_cpu`) and multiplied
 with `aten._weight_int4pack_mm_for_cpu` for small batches (decode); above `SMALL_BATCH_TOKENS`
 tokens (prefill), the weight is dequantized to the compute dtype for that call and a dense
-matmul runs, which is faster there. Other weights (8-bit, odd widths, CUDA) are kept as packed
-codes (two 4-bit codes per byte, or one int8) and dequantized per call, except on CUDA at or below
-`TRITON_MAX_TOKENS` rows, where the Triton dequantize-GEMM in `llmctl/kernels/triton_quant.py`
-reads the packed codes directly (see `_use_triton`).
+matmul runs, which is faster there. Other weights (2, 3 and 8-bit, odd widths, CUDA) are kept as
+codes (two 4-bit codes per byte; one 2-, 3- or 8-bit code per byte, the layout the Triton kernel
+reads) and dequantized per call, except on CUDA at or below `TRITON_MAX_TOKENS` rows, where the
+Triton dequantize-GEMM in `llmctl/kernels/triton_quant.py` reads the stored codes directly (see
+`_use_triton`).
 
 The int4 kernel computes w = (q - 8) * scale + zero_f per group, so our (q - z) * s is passed as
 scale = s, zero_f = (8 - z) * s. Its packed layout depends on the CPU build PyTorch dispatches to
@@ -148,7 +149,7 @@ class QuantLinear(nn.Module):
             self.register_buffer("scale_zeros", sz.to(_int4_activation_dtype(dtype)).contiguous())
         elif u.bits == 4:
             self.register_buffer("qweight", _pack_nibbles(codes).to(device))
-        else:
+        else:  # 2, 3 or 8 bits: one code per byte
             self.register_buffer("qweight", codes.to(torch.uint8).to(device))
         if u.bias is not None:
             self.bias = nn.Parameter(u.bias.to(device, dtype), requires_grad=False)
