@@ -12,7 +12,7 @@ import torch
 
 from llmctl.cli import main
 from llmctl.compress.quant.rtn import quantize_rtn
-from llmctl.errors import UsageError
+from llmctl.errors import ModelLoadError, UsageError
 from llmctl.models.qlinear import QuantLinear, _int4_layout_ok
 from llmctl.runtime.formats import read_quantized, write_quantized
 from llmctl.runtime.formats.packing import UnpackedLinear, pack_rows, unpack_rows
@@ -54,6 +54,8 @@ def test_three_bit_packing_is_autogptqs_and_compressed_tensors_layout():
         assert torch.equal(pack_rows(v, bits), ct.pack_to_int32(signed, bits))
     with pytest.raises(UsageError, match="a multiple of 32"):
         pack_rows(torch.zeros(2, 48, dtype=torch.int32), 3)
+    with pytest.raises(ModelLoadError, match="whole runs of 32"):
+        unpack_rows(torch.zeros(2, 4, dtype=torch.int32), 3)
 
 
 def _int4_kernel() -> bool:

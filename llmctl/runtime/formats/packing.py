@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmctl.errors import UsageError
+from llmctl.errors import ModelLoadError, UsageError
 from llmctl.runtime.formats.spec import QuantResult, dequantize
 
 
@@ -102,7 +102,7 @@ def _unpack_dense(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of `_pack_dense`: int32 [R, W] (W a multiple of bits) -> int32 [R, W * 32 / bits]."""
     R, W = packed.shape
     if W % bits:
-        raise UsageError(f"{W} words do not hold whole runs of 32 {bits}-bit values")
+        raise ModelLoadError(f"{W} words do not hold whole runs of 32 {bits}-bit values")
     w = (packed.to(torch.int64) & 0xFFFFFFFF).reshape(R, W // bits, bits)
     w = torch.cat([w, torch.zeros_like(w[:, :, :1])], dim=-1)  # [R, runs, bits + 1]
     out = torch.empty(R, W // bits, 32, dtype=torch.int64)
