@@ -33,7 +33,7 @@ from llmctl.commands._options import (
 )
 from llmctl.compress.args import QuantizeArgs
 
-HELP = """Quantize MODEL's linear layers to 4 or 8 bits (weights only) with AWQ, GPTQ or RTN.
+HELP = """Quantize MODEL's linear layers to 2, 3, 4 or 8 bits (weights only) with AWQ, GPTQ or RTN.
 
 \b
 Examples (on the embedded demo model; use your own model folder or hub id):
@@ -69,7 +69,7 @@ def _opt(name: str, *decls: str, help: str, **kw):
     return option(*decls, help=help + default_of(QuantizeArgs, name) + ".", **kw)
 
 
-BitsOpt = Annotated[Optional[int], _opt("bits", "--bits", help="4 or 8")]
+BitsOpt = Annotated[Optional[int], _opt("bits", "--bits", help="2, 3, 4 or 8 (--format awq: 4)")]
 GroupSizeOpt = Annotated[
     Optional[str],
     _opt(

@@ -60,7 +60,12 @@ class QuantizeArgs:
         """Every check that needs no model; raises UsageError naming the flag."""
         from llmctl.compress.job_common import check_common_options
         from llmctl.runtime.formats import FORMATS
-        from llmctl.runtime.formats.spec import BITS, parse_group_size, resolve_group_size
+        from llmctl.runtime.formats.spec import (
+            BITS,
+            BITS_TEXT,
+            parse_group_size,
+            resolve_group_size,
+        )
 
         if self.method not in QUANT_METHODS:
             raise UsageError(f"unknown method {self.method!r}; use --awq, --gptq or --rtn")
@@ -69,7 +74,7 @@ class QuantizeArgs:
                 f"unknown --format {self.format!r}; choose one of {', '.join(FORMATS)}"
             )
         if self.bits not in BITS or isinstance(self.bits, bool):
-            raise UsageError(f"--bits must be 4 or 8, got {self.bits!r}")
+            raise UsageError(f"--bits must be {BITS_TEXT}, got {self.bits!r}")
         if self.format == "awq" and self.bits != 4:
             raise UsageError(
                 "--format awq stores 4-bit weights only; "

@@ -27,7 +27,7 @@ from llmctl.compress.args import OBSERVERS, PRUNE_METHODS, QUANT_METHODS, Sparsi
 from llmctl.compress.sparse.masks import parse_pattern
 from llmctl.errors import UsageError
 from llmctl.runtime.formats import FORMATS
-from llmctl.runtime.formats.spec import BITS, parse_group_size
+from llmctl.runtime.formats.spec import BITS, BITS_TEXT, parse_group_size
 
 SECTIONS = ("calibration", "sparsify", "quantize")
 DEPRECATED = {"block_size": "column_block"}  # old key -> new key (sparsify section)
@@ -115,7 +115,7 @@ class QuantizeSection(_Section):
     @classmethod
     def _bits(cls, v):
         if v is not None and v not in BITS:
-            raise ValueError(f"must be {' or '.join(map(str, BITS))}, got {v}")
+            raise ValueError(f"must be {BITS_TEXT}, got {v}")
         return v
 
     @field_validator("format")

@@ -1,13 +1,16 @@
 """A linear layer that keeps its weight quantized (packed) in memory.
 
-Owns: `QuantLinear`. On CPU, 4-bit weights whose output width is a multiple of 64 are stored in
+Owns: `QuantLinear`. Codes of 2, 3 and 4 bits are all held as 4-bit codes (values below 16, the
+zero point and scale unchanged), so they share the 4-bit storage and kernels; only how a checkpoint
+packs them differs. On CPU, such weights whose output width is a multiple of 64 are stored in
 the layout of PyTorch's int4 kernel (`aten._convert_weight_to_int4pack_for_cpu`) and multiplied
 with `aten._weight_int4pack_mm_for_cpu` for small batches (decode); above `SMALL_BATCH_TOKENS`
 tokens (prefill), the weight is dequantized to the compute dtype for that call and a dense
-matmul runs, which is faster there. Other weights (8-bit, odd widths, CUDA) are kept as packed
-codes (two 4-bit codes per byte, or one int8) and dequantized per call, except on CUDA at or below
-`TRITON_MAX_TOKENS` rows, where the Triton dequantize-GEMM in `llmctl/kernels/triton_quant.py`
-reads the packed codes directly (see `_use_triton`).
+matmul runs, which is faster there. Other weights (8-bit, odd widths, CUDA) are kept as codes
+(two 4-bit codes per byte, or one 8-bit code per byte, the layouts the Triton kernel reads) and
+dequantized per call, except on CUDA at or below `TRITON_MAX_TOKENS` rows, where the
+Triton dequantize-GEMM in `llmctl/kernels/triton_quant.py` reads the stored codes directly (see
+`_use_triton`).
 
 The int4 kernel computes w = (q - 8) * scale + zero_f per group, so our (q - z) * s is passed as
 scale = s, zero_f = (8 - z) * s. Its packed layout depends on the CPU build PyTorch dispatches to
@@ -127,7 +130,7 @@ class QuantLinear(nn.Module):
         device = torch.device(device)
         self.use_int4_kernel = (
             device.type == "cpu"
-            and u.bits == 4
+            and u.bits <= 4
             and out_f % 64 == 0
             and u.group_size in INT4_GROUP_SIZES
             and in_f % u.group_size == 0
@@ -140,13 +143,14 @@ class QuantLinear(nn.Module):
             "zeros", u.zeros.to(device, torch.uint8 if u.bits <= 8 else torch.int32)
         )
         if self.use_int4_kernel:
+            c = self.int4_shift
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                codes.to(torch.int32).contiguous(), 1
+                (codes + c).to(torch.int32).contiguous(), 1
             )
             self.register_buffer("qweight", packed)
-            sz = torch.stack([s.t(), ((8 - z) * s).t()], dim=-1)  # [groups, out, 2]
+            sz = torch.stack([s.t(), ((8 - z - c) * s).t()], dim=-1)  # [groups, out, 2]
             self.register_buffer("scale_zeros", sz.to(_int4_activation_dtype(dtype)).contiguous())
-        elif u.bits == 4:
+        elif u.bits <= 4:
             self.register_buffer("qweight", _pack_nibbles(codes).to(device))
         else:
             self.register_buffer("qweight", codes.to(torch.uint8).to(device))
@@ -155,14 +159,27 @@ class QuantLinear(nn.Module):
         return self
 
     @property
+    def int4_shift(self) -> int:
+        """What the int4 kernel's copy adds to codes and zero points (8 - 2^(bits-1)): it centres
+        2- and 3-bit codes on the kernel's fixed 8, so the zero term it rounds to bf16,
+        (8 - z) * s, stays near 0 as for 4-bit codes instead of near 6 or 4 scales."""
+        return 8 - (1 << (self.bits - 1)) if self.bits <= 4 else 0
+
+    @property
+    def storage_bits(self) -> int:
+        """Bits per stored code: 2- and 3-bit codes are held as 4-bit ones."""
+        return 4 if self.bits <= 4 else self.bits
+
+    @property
     def weight_dtype(self) -> torch.dtype:
         return self.scales.dtype
 
     def codes(self) -> torch.Tensor:
         """Integer codes [out, in] (in the stored, possibly regrouped, column order)."""
         if self.use_int4_kernel:
-            return _unpack_int4_cpu(self.qweight, self.out_features, self.in_features)
-        if self.bits == 4:
+            q = _unpack_int4_cpu(self.qweight, self.out_features, self.in_features)
+            return q - self.int4_shift
+        if self.bits <= 4:
             return _unpack_nibbles(self.qweight)
         return self.qweight
 
@@ -189,7 +206,7 @@ class QuantLinear(nn.Module):
             from llmctl.kernels.triton_quant import quant_matmul_triton
 
             y = quant_matmul_triton(
-                x2, self.qweight, self.scales, self.zeros, self.bits, self.group_size
+                x2, self.qweight, self.scales, self.zeros, self.storage_bits, self.group_size
             )
         else:
             y = F.linear(x2, self.dequantize(x2.dtype))

@@ -16,6 +16,7 @@ import torch
 from llmctl.compress.args import QuantizeArgs
 from llmctl.compress.driver import DriverResult, calibrate_layers, make_ignore
 from llmctl.errors import UsageError
+from llmctl.runtime.formats.gptq import check_shape as gptq_check_shape
 from llmctl.runtime.formats.spec import QuantSpec, resolve_group_size
 from llmctl.runtime.output_dir import copy_side_files, output_config
 
@@ -29,7 +30,7 @@ def check_layers(args: QuantizeArgs, linears: list[tuple[str, int, int]]) -> str
     widths = [(n, k) for n, _, k in linears]
     group, note = resolve_group_size(args.group_size, widths, channel_format=channel_format)
     args.group_size = "channel" if group is None else group
-    if args.format in ("awq", "gptq"):
+    if args.format == "awq":
         per = 32 // args.bits
         for n, out_f, _ in linears:
             if out_f % per:
@@ -37,6 +38,9 @@ def check_layers(args: QuantizeArgs, linears: list[tuple[str, int, int]]) -> str
                     f"{n}: {out_f} output features are not a multiple of {per}, "
                     f"which --format {args.format} needs"
                 )
+    if args.format == "gptq":
+        for n, out_f, in_f in linears:
+            gptq_check_shape(n, out_f, in_f, args.bits)
     return note
 
 

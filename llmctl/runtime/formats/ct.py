@@ -1,8 +1,9 @@
 """compressed-tensors `pack-quantized` layout, written and read with the `compressed-tensors`
 package (vLLM and transformers load it).
 
-Per linear `name` [out, in]: name.weight_packed int32 [out, in * b / 32] (signed codes q - 2^(b-1)
-offset back to unsigned and packed densely), name.weight_scale [out, groups] in the model dtype
+Per linear `name` [out, in], b in 2, 3, 4 or 8: name.weight_packed int32 [out, ceil(in * b / 32)]
+(signed codes q - 2^(b-1) offset back to unsigned and packed densely, value j of a row at bit j * b,
+3-bit values straddling words), name.weight_scale [out, groups] in the model dtype
 (strategy `group`; `channel` has one group spanning the row),
 name.weight_shape int [2], and for asymmetric runs name.weight_zero_point packed along dim 0.
 The packing itself is the package's `PackedQuantizationCompressor.compress`, fed the dequantized
@@ -19,7 +20,7 @@ import torch
 
 from llmctl.errors import ModelLoadError
 from llmctl.runtime.formats.packing import UnpackedLinear
-from llmctl.runtime.formats.spec import QuantResult, QuantSpec
+from llmctl.runtime.formats.spec import BITS, BITS_TEXT, QuantResult, QuantSpec
 
 MIN_VERSION = "0.15"  # the first release with compressors.pack_quantized (pyproject's lower bound)
 
@@ -95,10 +96,10 @@ def unpack_ct(tensors: dict[str, torch.Tensor], qcfg: dict):
             "only)"
         )
     w = groups[0].weights
-    if w.type != "int" or w.strategy not in ("group", "channel") or w.num_bits not in (4, 8):
+    if w.type != "int" or w.strategy not in ("group", "channel") or w.num_bits not in BITS:
         raise ModelLoadError(
             f"compressed-tensors weights {w.type} {w.num_bits}-bit {w.strategy} are not supported "
-            "(int 4/8-bit group or channel)"
+            f"(int {BITS_TEXT} bits, group or channel)"
         )
     b, offset = w.num_bits, 1 << (w.num_bits - 1)
     names = [k[: -len(".weight_packed")] for k in tensors if k.endswith(".weight_packed")]

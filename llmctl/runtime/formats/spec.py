@@ -21,7 +21,8 @@ CANDIDATE_GROUP_SIZES = (16, 32, 64, 128, 256)
 DEFAULT_GROUP_SIZE = 128
 AUTO_GROUP_SIZES = (128, 64, 32)  # what auto tries, in order (all run on vLLM's Marlin kernels)
 MIN_GROUP_SIZE = 16
-BITS = (4, 8)
+BITS = (2, 3, 4, 8)
+BITS_TEXT = "2, 3, 4 or 8"  # for messages
 GROUP_SIZE_RULE = "auto, channel, or a power of two of at least 16 (32, 64, 128, ...)"
 
 
@@ -36,7 +37,7 @@ class QuantSpec:
 
     def __post_init__(self) -> None:
         if self.bits not in BITS:
-            raise UsageError(f"--bits must be 4 or 8, not {self.bits}")
+            raise UsageError(f"--bits must be {BITS_TEXT}, not {self.bits}")
         if self.group_size is not None and self.group_size <= 0:
             raise UsageError(f"--group-size must be positive, not {self.group_size}")
 
