@@ -300,5 +300,7 @@ def _advise(models: list[str], a: SimpleNamespace) -> None:
         title = f"profile advise: {state.ctx.runtime.model_name}, objective {req.objective}"
         print_table(title, rep.table_rows(state), rep.COLUMNS, min_width=150, left=rep.LEFT)
         print_lines(rep.notes(state), min_width=150)
+        for line in rep.commands(state):  # unwrapped, to copy
+            typer.echo(line)
     if state.interrupted:
         raise typer.Exit(130)

@@ -169,19 +169,21 @@ def _drive(engine: Any, work: Workload, concurrency: int) -> tuple[list[RequestO
     return outputs, time.perf_counter() - start
 
 
-def warm_up(engine: Any, vocab_size: int, seed: int) -> None:
-    """One short random prompt: first-call costs out of the measured pass, nothing shared with
-    the workload's prefixes."""
+def warm_up(engine: Any, work: Workload, seed: int) -> None:
+    """One random prompt as long as the workload's median, through prefill and a few decode
+    steps: first-call costs out of the measured pass, nothing shared with the workload's
+    prefixes."""
     rng = random.Random(seed)
-    prompt = [rng.randrange(vocab_size) for _ in range(24)]
-    engine.add_request("advise-warmup", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    length = sorted(len(p) for p in work.prompts)[len(work.prompts) // 2]
+    prompt = [rng.randrange(engine.model_config.vocab_size) for _ in range(length)]
+    engine.add_request("advise-warmup", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
 
 
 def measure(engine: Any, work: Workload, concurrency: int, device: str) -> Measurement:
     """The sample through `engine` once (after a warm-up); engine refusals are one-line errors."""
-    warm_up(engine, engine.model_config.vocab_size, 0)
+    warm_up(engine, work, 0)
     reset_peak_memory(device)
     try:
         outputs, wall = _drive(engine, work, concurrency)

@@ -122,7 +122,7 @@ def table_rows(state: AdviseState) -> list[list[str]]:
 
 
 def notes(state: AdviseState) -> list[str]:
-    """The lines under the table: noise, the shared prefix, the advice and its commands."""
+    """The lines under the table: the workload, the noise, the advice and the memory fit."""
     rec = state.record()
     w = rec["workload"]
     lines = [
@@ -136,7 +136,6 @@ def notes(state: AdviseState) -> list[str]:
         lines.append("interrupted: the trials measured so far")
     if not state.chosen and not state.interrupted:
         lines.append("no trial beat the baseline beyond the noise: keep the baseline")
-    lines += rec["commands"]
     fit = rec["memory_fit"]
     if fit.get("max_sequences") is not None:
         lines.append(f"memory: {fit['max_sequences']} sequences of {fit['seq_len']} tokens fit "
@@ -199,4 +198,6 @@ def markdown(state: AdviseState) -> str:
     rows = table_rows(state)
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines + [""] + [f"- {n}" for n in notes(state)]) + "\n"
+    lines += [""] + [f"- {n}" for n in notes(state)]
+    lines += ["", "```sh"] + commands(state) + ["```"]
+    return "\n".join(lines) + "\n"
