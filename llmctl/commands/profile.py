@@ -267,7 +267,6 @@ def _advise(models: list[str], a: SimpleNamespace) -> None:
     from llmctl.profiling import advise_report as rep
     from llmctl.profiling.advise import AdviseRequest
     from llmctl.profiling.advise_job import run_advise
-    from llmctl.runtime.loader import load_runtime
 
     if len(models) > 1:
         raise UsageError(f"profile advise takes one MODEL, got {len(models)}: {' '.join(models)}")
@@ -292,7 +291,8 @@ def _advise(models: list[str], a: SimpleNamespace) -> None:
     )
     req.check()
     stderr = json_to_stdout(a.report_json)
-    state = run_advise(req, models[0] if models else None, load_runtime, lambda m: info(m, a.quiet))
+    target = models[0] if models else None
+    state = run_advise(req, target, _advise_tools(), lambda m: info(m, a.quiet))
     emit_json(a.report_json, state.record())
     if a.markdown:
         typer.echo(rep.markdown(state), nl=False)
@@ -304,3 +304,19 @@ def _advise(models: list[str], a: SimpleNamespace) -> None:
             typer.echo(line)
     if state.interrupted:
         raise typer.Exit(130)
+
+
+def _advise_tools():
+    """run-batch's input parsing and quantize's RTN pipeline, lent to profiling (its peers)."""
+    from llmctl.batch.inputs import open_input
+    from llmctl.profiling.advise import AdviseTools
+    from llmctl.runtime.loader import load_runtime
+
+    def rtn(model: str, folder: str, bits: int) -> None:
+        from llmctl.compress.args import QuantizeArgs
+        from llmctl.compress.quantize_job import run_quantize
+
+        args = QuantizeArgs(model=model, output=folder, method="rtn", bits=bits, overwrite=True)
+        run_quantize(args.resolve())
+
+    return AdviseTools(open_input, rtn, lambda *a, **k: load_runtime(*a, **k))

@@ -1,8 +1,8 @@
 """`profile advise`: the user's workload, and one measured pass of it through the engine.
 
-Owns: `AdviseRequest` (every advise option and its default), reading a sample of the workload with
-run-batch's parsing (`batch.inputs.open_input`, rows tokenized as run-batch does), the share of
-prompt tokens a shared prefix covers, and `measure` (the sample through one engine at the
+Owns: `AdviseRequest` (every advise option and its default), `AdviseTools`, reading a sample of
+the workload with run-batch's parsing (its `open_input`, rows tokenized as run-batch does), the
+share of prompt tokens a shared prefix covers, and `measure` (the sample through one engine at the
 workload's concurrency, greedy with `ignore_eos` so every trial produces the same token count).
 Which trials run and how they rank is in `advise_trials`; the record and table in
 `advise_report`.
@@ -14,7 +14,7 @@ import random
 import re
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from llmctl.engine.params import RequestOutput, SamplingParams
 from llmctl.errors import RequestError, UsageError
@@ -79,11 +79,20 @@ class Workload:
         return sum(len(p) for p in self.prompts)
 
 
-def read_rows(path: str, sample: int) -> tuple[list[Any], int]:
+@dataclass(frozen=True)
+class AdviseTools:
+    """What advise borrows from its peers, passed in by the command (profiling imports neither
+    batch nor compress): run-batch's `open_input(path)` (a row source), quantize's one-shot RTN
+    `quantize(model_path, output_folder, bits)`, and `load_runtime`."""
+
+    open_input: Callable[[str], Any]
+    quantize: Callable[[str, str, int], None]
+    load_runtime: Callable[..., Any]
+
+
+def read_rows(open_input: Callable[[str], Any], path: str, sample: int) -> tuple[list[Any], int]:
     """The first `sample` servable rows of the workload (run-batch's parsing) and the count of
     refused rows; a missing, unreadable or empty workload is a UsageError."""
-    from llmctl.batch.inputs import open_input
-
     source = open_input(path)
     rows, refused = [], 0
     try:

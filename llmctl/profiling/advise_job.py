@@ -18,7 +18,7 @@ from llmctl.engine.config import EngineConfig
 from llmctl.errors import UsageError
 from llmctl.profiling import advise_report as rep
 from llmctl.profiling import advise_trials as t
-from llmctl.profiling.advise import AdviseRequest, parse_duration, read_rows, tokenize
+from llmctl.profiling.advise import AdviseRequest, AdviseTools, parse_duration, read_rows, tokenize
 from llmctl.profiling.dtypes import canonical_dtype
 from llmctl.profiling.estimate import kv_bytes_per_sequence
 
@@ -27,12 +27,14 @@ QUALITY_TOKENS = 4096  # tokens of quality data the KL is measured on, at most
 NOISE_FLOOR = 0.02  # a gain within 2% of the baseline is never advised
 
 
-def quality_tokens(req: AdviseRequest, runtime: Any, prompts: list[list[int]]) -> list[int]:
+def quality_tokens(
+    req: AdviseRequest, runtime: Any, prompts: list[list[int]], tools: AdviseTools
+) -> list[int]:
     """--quality-data (text, or rows in the workload formats) or the workload's own prompts."""
     if req.quality_data is None:
         ids = [i for p in prompts for i in p]
     elif Path(req.quality_data).suffix.lower() in (".jsonl", ".parquet", ".json"):
-        rows, _ = read_rows(req.quality_data, 10**6)
+        rows, _ = read_rows(tools.open_input, req.quality_data, 10**6)
         ids = [i for p in tokenize(rows, runtime, 1).prompts for i in p]
     else:
         try:
@@ -49,9 +51,11 @@ def _noise(objective: str, a: Any, b: Any) -> float:
     return max(NOISE_FLOOR, abs(g - 1) if g is not None else 0.0)
 
 
-def _context(req: AdviseRequest, target: str | None, load_runtime: Callable[..., Any]):
-    rows, refused = read_rows(req.workload, req.sample)  # before loading: bad input fails fast
-    runtime = load_runtime(target, dtype=req.dtype, device=req.device)
+def _context(req: AdviseRequest, target: str | None, tools: AdviseTools):
+    rows, refused = read_rows(
+        tools.open_input, req.workload, req.sample
+    )  # before loading: bad input fails fast
+    runtime = tools.load_runtime(target, dtype=req.dtype, device=req.device)
     work = tokenize(rows, runtime, req.max_tokens)
     work.rows_refused = refused
     longest = max(len(p) + n for p, n in zip(work.prompts, work.max_tokens))
@@ -70,14 +74,14 @@ def _context(req: AdviseRequest, target: str | None, load_runtime: Callable[...,
         max_num_seqs=max(concurrency, EngineConfig().max_num_seqs),
         seed=req.seed,
     )
-    ids = quality_tokens(req, runtime, work.prompts)
-    return t.TrialContext(runtime, work, concurrency, base, ids, load_runtime)
+    ids = quality_tokens(req, runtime, work.prompts, tools)
+    return t.TrialContext(runtime, work, concurrency, base, ids, tools)
 
 
 def run_advise(
     req: AdviseRequest,
     target: str | None,
-    load_runtime: Callable[..., Any],
+    tools: AdviseTools,
     progress: Progress = lambda line: None,
 ) -> rep.AdviseState:
     """Baseline, trials, the combination: the state whose `record()` is the JSON (interrupted:
@@ -85,7 +89,7 @@ def run_advise(
     req.check()
     started = time.monotonic()
     deadline = started + parse_duration(req.budget)
-    ctx = _context(req, target, load_runtime)
+    ctx = _context(req, target, tools)
     state = rep.AdviseState(req, ctx)
     try:
         progress("baseline (prefix caching off, no speculation), twice")

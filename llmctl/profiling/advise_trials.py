@@ -16,7 +16,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from llmctl.engine.config import AUTO_SPEC_MAX_BATCH, EngineConfig
-from llmctl.profiling.advise import Measurement, Workload, measure, shared_prefix_tokens
+from llmctl.profiling.advise import (
+    AdviseTools,
+    Measurement,
+    Workload,
+    measure,
+    shared_prefix_tokens,
+)
 
 DEFAULT = EngineConfig()
 # Below this share of the prompt tokens a prefix cache has too little to reuse to pay.
@@ -110,17 +116,11 @@ def objective_value(objective: str, m: Measurement) -> float | None:
     return None if summary is None else summary["p50"]
 
 
-def quantized_runtime(runtime: Any, bits: int, folder: str, load_runtime: Callable[..., Any]):
+def quantized_runtime(runtime: Any, bits: int, folder: str, tools: AdviseTools):
     """RTN-quantize the runtime's model into `folder` (quantize's one-shot pipeline) and load
     it."""
-    from llmctl.compress.args import QuantizeArgs
-    from llmctl.compress.quantize_job import run_quantize
-
-    args = QuantizeArgs(
-        model=str(runtime.model_path), output=folder, method="rtn", bits=bits, overwrite=True
-    )
-    run_quantize(args.resolve())
-    return load_runtime(folder, dtype="auto", device=runtime.device)
+    tools.quantize(str(runtime.model_path), folder, bits)
+    return tools.load_runtime(folder, dtype="auto", device=runtime.device)
 
 
 def mean_kl(base: Any, model: Any, quality_ids: list[int], max_len: int) -> float:
@@ -140,7 +140,7 @@ class TrialContext:
     concurrency: int
     base_config: EngineConfig
     quality_ids: list[int]
-    load_runtime: Callable[..., Any]
+    tools: AdviseTools
 
 
 def run_trial(ctx: TrialContext, trial: Trial) -> TrialResult:
@@ -150,7 +150,7 @@ def run_trial(ctx: TrialContext, trial: Trial) -> TrialResult:
         engine = ctx.runtime.start_engine(config)
         return TrialResult(trial, measure(engine, ctx.work, ctx.concurrency, ctx.runtime.device))
     with tempfile.TemporaryDirectory(prefix="llmctl-advise-") as folder:
-        quant = quantized_runtime(ctx.runtime, trial.bits, folder, ctx.load_runtime)
+        quant = quantized_runtime(ctx.runtime, trial.bits, folder, ctx.tools)
         max_len = ctx.runtime.config.max_position_embeddings
         kl = mean_kl(ctx.runtime.model, quant.model, ctx.quality_ids, max_len)
         m = measure(quant.start_engine(config), ctx.work, ctx.concurrency, ctx.runtime.device)
