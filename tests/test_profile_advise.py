@@ -41,6 +41,7 @@ FAKE = {
     "budget_8192": (_m(ttft=0.2), None),
     "int8": (_m(tps=130.0, mem=800, tpot=0.008), 0.001),
     "int4": (_m(tps=300.0, mem=500, tpot=0.003), 0.2),
+    "combined": (_m(ttft=0.015, tpot=0.002, tps=400.0, mem=500), None),
 }
 
 
@@ -51,7 +52,7 @@ def fake_trials(monkeypatch):
 
     def run_trial(ctx, trial):
         calls.append(trial.key)
-        m, kl = FAKE.get(trial.key, (_m(ttft=0.015, tps=140.0), None))
+        m, kl = FAKE[trial.key]
         return t.TrialResult(trial, m, kl)
 
     monkeypatch.setattr(t, "run_trial", run_trial)
@@ -118,6 +119,15 @@ def test_max_kl_raised_lets_int4_in_and_commands_apply_it(tmp_path, fake_trials)
     assert quantize.startswith("llmctl quantize ") and "--rtn --bits 4" in quantize
     assert run_batch.startswith("llmctl run-batch ") and "-rtn-w4" in run_batch
     assert "--no-prefix-caching" not in run_batch  # prefix caching is recommended
+
+
+def test_a_combination_worse_than_its_best_trial_is_not_advised(tmp_path, monkeypatch):
+    worse = dict(FAKE, combined=(_m(tps=110.0), None))
+    monkeypatch.setattr(t, "run_trial", lambda ctx, trial: t.TrialResult(trial, *worse[trial.key]))
+    rc, record = _advise(tmp_path, "--objective", "throughput", "--max-kl", "0.5")
+    assert rc == 0 and record["recommended"] == ["int4"]
+    assert "advising it alone" in record["combined_skipped"]
+    assert "--no-prefix-caching" in record["commands"][-1]
 
 
 def test_json_record_shape(tmp_path, fake_trials):

@@ -122,4 +122,13 @@ def _combination(state: Any, deadline: float, estimate_s: float, progress: Progr
         state.combined_skipped = "over the --budget"
         return
     progress(f"recommended combination: {trial.name}")
-    state.combined = t.run_trial(state.ctx, replace(trial))
+    combined = t.run_trial(state.ctx, replace(trial))
+    g_best = t.gain(req.objective, base, state.chosen[0].measurement) or 0.0
+    g_all = t.gain(req.objective, base, combined.measurement) or 0.0
+    state.combined = combined
+    if g_all < g_best:  # together they do worse than the best alone: advise that one
+        state.combined_skipped = (
+            f"{trial.name} measured together: {g_all:.2f}x, below "
+            f"{state.chosen[0].trial.name} alone ({g_best:.2f}x): advising it alone"
+        )
+        state.chosen = state.chosen[:1]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shlex
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from llmctl.engine.config import EngineConfig, format_bytes
@@ -116,8 +117,9 @@ def table_rows(state: AdviseState) -> list[list[str]]:
             n += 1
             rows.append(_row(str(n), r.trial.name, obj, base, r, max_kl))
     if state.combined is not None and state.combined.measurement is not None:
-        rows.append(_row("*", "recommended: " + state.combined.trial.name, obj, base,
-                         state.combined, max_kl))  # fmt: skip
+        label = "together, not advised: " if state.combined_skipped else "recommended: "
+        rows.append(_row("*", label + state.combined.trial.name, obj, base, state.combined,
+                         max_kl))  # fmt: skip
     return rows
 
 
@@ -134,6 +136,8 @@ def notes(state: AdviseState) -> list[str]:
                      "not advised")  # fmt: skip
     if state.interrupted:
         lines.append("interrupted: the trials measured so far")
+    if state.combined_skipped:
+        lines.append(state.combined_skipped)
     if not state.chosen and not state.interrupted:
         lines.append("no trial beat the baseline beyond the noise: keep the baseline")
     fit = rec["memory_fit"]
@@ -151,7 +155,7 @@ def commands(state: AdviseState) -> list[str]:
     trial = t.combine(state.chosen)
     lines = []
     if trial.bits:
-        out = f"{model.rstrip('/')}-rtn-w{trial.bits}"
+        out = f"{Path(model).name}-rtn-w{trial.bits}"
         lines.append(f"llmctl quantize {shlex.quote(model)} -o {shlex.quote(out)} --rtn --bits "
                      f"{trial.bits}")  # fmt: skip
         model = out
