@@ -50,7 +50,6 @@ Examples:
     "  llmctl profile --estimate llmctl/data/demo-model/config.json --dtype int4 --seq-len 256"
     " --batch 8 --memory 24GiB --bandwidth 1000\n"
     "  llmctl profile compare run.json run.json --threshold 10%\n"
-    "  llmctl profile advise --workload examples/prompts.jsonl --objective ttft --budget 2m\n"
     "\n"
     "MODEL is a local folder or hub id (default: the embedded demo model); --estimate also takes "
     "a config.json file. --report-json - writes the JSON record to standard output instead of "
