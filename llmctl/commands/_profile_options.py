@@ -13,6 +13,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmctl.commands._options import MODEL_HELP, default_of
+from llmctl.profiling.advise import AdviseRequest
 from llmctl.profiling.compare import DEFAULT_STAT, DEFAULT_THRESHOLD
 from llmctl.profiling.estimate_job import EstimateRequest
 from llmctl.profiling.sweep_job import SweepRequest
@@ -223,4 +224,80 @@ MeasureOpt = Annotated[
 QuietOpt = Annotated[
     bool,
     typer.Option("--quiet", "-q", help="No progress output on stderr.", rich_help_panel=COMMON),
+]
+
+ADVISE = "Advise (profile advise MODEL --workload FILE)"
+
+
+def _adv(name: str) -> str:
+    return default_of(AdviseRequest, name)
+
+
+WorkloadOpt = Annotated[
+    Optional[str],
+    _opt(
+        "--workload",
+        panel=ADVISE,
+        help="The user's prompts, in run-batch's input formats (.jsonl or .parquet).",
+    ),
+]
+ObjectiveOpt = Annotated[
+    Optional[str],
+    _opt(
+        "--objective",
+        panel=ADVISE,
+        help="What the ranking optimises: throughput, ttft, tpot or memory" + _adv("objective"),
+    ),
+]
+SampleOpt = Annotated[
+    Optional[int],
+    _opt("--sample", min=1, panel=ADVISE, help="Workload rows measured" + _adv("sample")),
+]
+BudgetOpt = Annotated[
+    Optional[str],
+    _opt(
+        "--budget",
+        panel=ADVISE,
+        help="Time for all trials, e.g. 10m, 90s (a trial that would exceed it is skipped)"
+        + _adv("budget"),
+    ),
+]
+MaxTokensAdviseOpt = Annotated[
+    Optional[int],
+    _opt(
+        "--max-tokens",
+        min=1,
+        panel=ADVISE,
+        help="Output tokens per request unless its row says max_tokens" + _adv("max_tokens"),
+    ),
+]
+ConcurrencyOpt = Annotated[
+    Optional[int],
+    _opt(
+        "--concurrency",
+        min=1,
+        panel=ADVISE,
+        help="Requests in flight at once (default: the whole sample, as run-batch sends it).",
+    ),
+]
+DraftOpt = Annotated[
+    Optional[str],
+    _opt("--draft", panel=ADVISE, help="Draft model folder: also try speculative draft."),
+]
+QualityDataOpt = Annotated[
+    Optional[str],
+    _opt(
+        "--quality-data",
+        panel=ADVISE,
+        help="Text file (or .jsonl/.parquet rows) the quantization KL is measured on "
+        "(default: the workload's prompts).",
+    ),
+]
+MaxKlOpt = Annotated[
+    Optional[float],
+    _opt(
+        "--max-kl",
+        panel=ADVISE,
+        help="Quantization costing more mean KL (nats/token) is not advised" + _adv("max_kl"),
+    ),
 ]

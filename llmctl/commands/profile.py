@@ -1,12 +1,13 @@
 """`llmctl profile`: measured sweeps, config-only estimates, machine peaks and CI comparisons.
 
-One command with three forms (the first word decides):
+One command with four forms (the first word decides):
   llmctl profile MODEL [sweep options]            measured sweep through the serving engine
   llmctl profile --estimate MODEL_OR_CONFIG ...   memory / speed estimate from config.json alone
   llmctl profile compare A.json B.json            side-by-side table; exit 1 when B regresses
+  llmctl profile advise [MODEL] --workload FILE    each optimisation measured on the workload
 Owns: the options (None defaults: `SweepRequest` and `EstimateRequest` own them) and what is
 printed, through `_output`. The work is in llmctl.profiling (`sweep_job`, `estimate_job`,
-`compare`, `machine`); its cells in `profiling.tables`.
+`compare`, `machine`, `advise_job`); its cells in `profiling.tables` and `advise_report`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ HELP = (
   llmctl profile --estimate MODEL_OR_CONFIG [--dtype int4] [--memory 24GiB]
   llmctl profile compare A.json B.json [--threshold 5%]  (1: B regressed)
   llmctl profile --measure-machine           (cache peaks for MBU and MFU)
+  llmctl profile advise MODEL --workload PROMPTS.jsonl [--objective ttft] [--budget 10m]
 
 \b
 Examples:
@@ -85,6 +87,15 @@ def register(app: typer.Typer) -> None:
         json_path: o.OldJsonOpt = None,
         measure_machine: o.MeasureOpt = False,
         quiet: o.QuietOpt = False,
+        workload: o.WorkloadOpt = None,
+        objective: o.ObjectiveOpt = None,
+        sample: o.SampleOpt = None,
+        budget: o.BudgetOpt = None,
+        max_tokens: o.MaxTokensAdviseOpt = None,
+        concurrency: o.ConcurrencyOpt = None,
+        draft: o.DraftOpt = None,
+        quality_data: o.QualityDataOpt = None,
+        max_kl: o.MaxKlOpt = None,
     ) -> None:
         _profile(SimpleNamespace(**locals()))
 
@@ -96,6 +107,9 @@ def _profile(a: SimpleNamespace) -> None:
     _check_outputs(a)
     if targets and targets[0] == "compare":
         _compare(targets[1:], a)
+        return
+    if targets and targets[0] == "advise":
+        _advise(targets[1:], a)
         return
     if len(targets) > 1:
         raise UsageError(
@@ -244,3 +258,64 @@ def _compare(files: list[str], a: SimpleNamespace) -> None:
     if n:
         raise LlmctlError(f"{n} regression(s) of B beyond {result.threshold:.1%} ({stat})")
     info(f"no regression beyond {result.threshold:.1%} ({stat})")
+
+
+def _advise(models: list[str], a: SimpleNamespace) -> None:
+    """Measure the trials on the workload; print (or write) what was measured, even when
+    interrupted (then exit 130)."""
+    from llmctl.profiling import advise_report as rep
+    from llmctl.profiling.advise import AdviseRequest
+    from llmctl.profiling.advise_job import run_advise
+
+    if len(models) > 1:
+        raise UsageError(f"profile advise takes one MODEL, got {len(models)}: {' '.join(models)}")
+    if not a.workload:
+        raise UsageError("profile advise needs --workload PROMPTS.jsonl|.parquet")
+    fields = given(
+        objective=a.objective,
+        sample=a.sample,
+        budget=a.budget,
+        max_tokens=a.max_tokens,
+        max_kl=a.max_kl,
+        dtype=a.dtype,
+        seed=a.seed,
+    )
+    req = AdviseRequest(
+        workload=a.workload,
+        **fields,
+        concurrency=a.concurrency,
+        draft=a.draft,
+        quality_data=a.quality_data,
+        device=_device(a.device),
+    )
+    req.check()
+    stderr = json_to_stdout(a.report_json)
+    target = models[0] if models else None
+    state = run_advise(req, target, _advise_tools(), lambda m: info(m, a.quiet))
+    emit_json(a.report_json, state.record())
+    if a.markdown:
+        typer.echo(rep.markdown(state), nl=False)
+    elif not stderr:
+        title = f"profile advise: {state.ctx.runtime.model_name}, objective {req.objective}"
+        print_table(title, rep.table_rows(state), rep.COLUMNS, min_width=150, left=rep.LEFT)
+        print_lines(rep.notes(state), min_width=150)
+        for line in rep.commands(state):  # unwrapped, to copy
+            typer.echo(line)
+    if state.interrupted:
+        raise typer.Exit(130)
+
+
+def _advise_tools():
+    """run-batch's input parsing and quantize's RTN pipeline, lent to profiling (its peers)."""
+    from llmctl.batch.inputs import open_input
+    from llmctl.profiling.advise import AdviseTools
+    from llmctl.runtime.loader import load_runtime
+
+    def rtn(model: str, folder: str, bits: int) -> None:
+        from llmctl.compress.args import QuantizeArgs
+        from llmctl.compress.quantize_job import run_quantize
+
+        args = QuantizeArgs(model=model, output=folder, method="rtn", bits=bits, overwrite=True)
+        run_quantize(args.resolve())
+
+    return AdviseTools(open_input, rtn, lambda *a, **k: load_runtime(*a, **k))

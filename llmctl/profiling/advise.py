@@ -1,0 +1,208 @@
+"""`profile advise`: the user's workload, and one measured pass of it through the engine.
+
+Owns: `AdviseRequest` (every advise option and its default), `AdviseTools`, reading a sample of
+the workload with run-batch's parsing (its `open_input`, rows tokenized as run-batch does), the
+share of prompt tokens a shared prefix covers, and `measure` (the sample through one engine at the
+workload's concurrency, greedy with `ignore_eos` so every trial produces the same token count).
+Which trials run and how they rank is in `advise_trials`; the record and table in
+`advise_report`.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from llmctl.engine.params import RequestOutput, SamplingParams
+from llmctl.errors import RequestError, UsageError
+from llmctl.profiling.environment import peak_memory, reset_peak_memory
+from llmctl.profiling.sweep import summarize
+
+OBJECTIVES = ("throughput", "ttft", "tpot", "memory")
+
+
+@dataclass(frozen=True)
+class AdviseRequest:
+    """The options of one advise run (the command passes the ones a user set)."""
+
+    workload: str
+    objective: str = "throughput"
+    sample: int = 64
+    budget: str = "10m"
+    max_tokens: int = 64  # per request, unless its row says max_tokens
+    concurrency: int | None = None  # requests in flight at once; None: the whole sample
+    draft: str | None = None
+    quality_data: str | None = None
+    max_kl: float = 0.05
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+
+    def check(self) -> None:
+        """Every check that needs no model: one-line errors before any work."""
+        if self.objective not in OBJECTIVES:
+            raise UsageError(
+                f"unknown --objective {self.objective!r}; use one of {', '.join(OBJECTIVES)}"
+            )
+        if self.sample < 1 or self.max_tokens < 1:
+            raise UsageError("--sample and --max-tokens must be >= 1")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise UsageError(f"--concurrency must be >= 1, got {self.concurrency}")
+        if self.max_kl < 0:
+            raise UsageError(f"--max-kl must be >= 0, got {self.max_kl}")
+        parse_duration(self.budget)
+
+
+def parse_duration(text: str) -> float:
+    """'10m' -> 600.0; '90s', '1h', '1.5m' and plain seconds are read too."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|m|min|h)?\s*", str(text))
+    if not m or float(m.group(1)) <= 0:
+        raise UsageError(f"cannot read --budget {text!r}; use a duration such as 10m, 90s or 1h")
+    scale = {None: 1, "s": 1, "m": 60, "min": 60, "h": 3600}[m.group(2)]
+    return float(m.group(1)) * scale
+
+
+@dataclass
+class Workload:
+    """The tokenized sample: prompts [n][len] and each request's output length."""
+
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    rows_read: int
+    rows_refused: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+@dataclass(frozen=True)
+class AdviseTools:
+    """What advise borrows from its peers, passed in by the command (profiling imports neither
+    batch nor compress): run-batch's `open_input(path)` (a row source), quantize's one-shot RTN
+    `quantize(model_path, output_folder, bits)`, and `load_runtime`."""
+
+    open_input: Callable[[str], Any]
+    quantize: Callable[[str, str, int], None]
+    load_runtime: Callable[..., Any]
+
+
+def read_rows(open_input: Callable[[str], Any], path: str, sample: int) -> tuple[list[Any], int]:
+    """The first `sample` servable rows of the workload (run-batch's parsing) and the count of
+    refused rows; a missing, unreadable or empty workload is a UsageError."""
+    source = open_input(path)
+    rows, refused = [], 0
+    try:
+        for row in source.rows():
+            if row.error is not None:
+                refused += 1
+                continue
+            rows.append(row)
+            if len(rows) == sample:
+                break
+    finally:
+        source.close()
+    if not rows:
+        why = f" ({refused} row(s) refused)" if refused else ""
+        raise UsageError(f"the workload {path} has no servable prompt{why}")
+    return rows, refused
+
+
+def tokenize(rows: list[Any], runtime: Any, default_max_tokens: int) -> Workload:
+    """Rows -> token ids as run-batch tokenizes them (token ids, chat messages or text)."""
+    prompts, lengths = [], []
+    for row in rows:
+        if row.prompt_token_ids is not None:
+            ids = list(row.prompt_token_ids)
+        elif row.messages is not None:
+            ids = list(runtime.apply_chat_template(row.messages))
+        else:
+            ids = list(runtime.encode(row.prompt))
+        if ids:
+            prompts.append(ids)
+            lengths.append(int(row.overrides.get("max_tokens") or default_max_tokens))
+    if not prompts:
+        raise UsageError("every sampled workload prompt encodes to no tokens")
+    return Workload(prompts, lengths, len(rows), 0)
+
+
+def shared_prefix_tokens(prompts: list[list[int]], block_size: int) -> int:
+    """Prompt tokens a prefix cache could reuse: for each prompt, its longest common prefix with
+    an earlier prompt, rounded down to whole KV blocks (the cache shares full blocks only)."""
+    total = 0
+    for i, p in enumerate(prompts):
+        best = 0
+        for q in prompts[:i]:
+            n = 0
+            for a, b in zip(p, q):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        total += min(best, len(p) - 1) // block_size * block_size
+    return total
+
+
+@dataclass
+class Measurement:
+    """One pass of the sample: per-request metric summaries, throughput, peak memory, wall."""
+
+    ttft_s: dict | None
+    tpot_s: dict | None
+    output_tokens_per_s: float | None
+    peak_memory_bytes: int | None
+    wall_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _drive(engine: Any, work: Workload, concurrency: int) -> tuple[list[RequestOutput], float]:
+    """Keep `concurrency` requests in flight (a closed-loop client) until all finish."""
+    pending = list(range(len(work.prompts)))[::-1]
+    outputs: list[RequestOutput] = []
+    in_flight = 0
+    start = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        while pending and in_flight < concurrency:
+            i = pending.pop()
+            params = SamplingParams(max_tokens=work.max_tokens[i], temperature=0.0, ignore_eos=True)
+            engine.add_request(f"advise-{i}", work.prompts[i], params)
+            in_flight += 1
+        finished = engine.step()
+        in_flight -= len(finished)
+        outputs.extend(finished)
+    return outputs, time.perf_counter() - start
+
+
+def warm_up(engine: Any, work: Workload, seed: int) -> None:
+    """One random prompt as long as the workload's median, through prefill and a few decode
+    steps: first-call costs out of the measured pass, nothing shared with the workload's
+    prefixes."""
+    rng = random.Random(seed)
+    length = sorted(len(p) for p in work.prompts)[len(work.prompts) // 2]
+    prompt = [rng.randrange(engine.model_config.vocab_size) for _ in range(length)]
+    engine.add_request("advise-warmup", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def measure(engine: Any, work: Workload, concurrency: int, device: str) -> Measurement:
+    """The sample through `engine` once (after a warm-up); engine refusals are one-line errors."""
+    warm_up(engine, work, 0)
+    reset_peak_memory(device)
+    try:
+        outputs, wall = _drive(engine, work, concurrency)
+    except RequestError as e:
+        raise UsageError(f"the engine refused a workload request: {e.message}") from None
+    n_out = sum(len(o.output_token_ids) for o in outputs)
+    return Measurement(
+        ttft_s=summarize([o.ttft for o in outputs]),
+        tpot_s=summarize([o.tpot for o in outputs]),
+        output_tokens_per_s=n_out / wall if wall > 0 else None,
+        peak_memory_bytes=peak_memory(device)[0],
+        wall_s=wall,
+    )

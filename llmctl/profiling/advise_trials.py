@@ -1,0 +1,200 @@
+"""`profile advise`: which trials apply to a workload, running them under the time budget, and
+ranking them by the objective.
+
+Owns: `Trial` (one change to the baseline: engine settings or RTN weight bits), the skip rules
+(trials that cannot pay on this workload, with the reason), the quality cost of quantized
+weights (mean KL to the base model, `runtime.evaluate.perplexity`), `gain` (ratio to the baseline,
+above 1 is better for every objective) and the recommended combination. The measured pass itself
+is `advise.measure`.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from llmctl.engine.config import AUTO_SPEC_MAX_BATCH, EngineConfig
+from llmctl.profiling.advise import (
+    AdviseTools,
+    Measurement,
+    Workload,
+    measure,
+    shared_prefix_tokens,
+)
+
+DEFAULT = EngineConfig()
+# Below this share of the prompt tokens a prefix cache has too little to reuse to pay.
+MIN_PREFIX_SHARE = 0.05
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One change to the baseline (prefix caching off, no speculation, the loaded weights)."""
+
+    key: str
+    name: str
+    group: str  # one trial per group joins the recommended combination
+    engine: dict = field(default_factory=dict)  # EngineConfig fields set on top of the baseline
+    bits: int | None = None  # RTN weight bits; None: the loaded weights
+
+
+@dataclass
+class TrialResult:
+    trial: Trial
+    measurement: Measurement | None = None
+    kl: float | None = None
+    skipped: str | None = None  # why the trial did not run
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.trial.key,
+            "name": self.trial.name,
+            "group": self.trial.group,
+            "engine": self.trial.engine,
+            "bits": self.trial.bits,
+            "measurement": None if self.measurement is None else self.measurement.to_dict(),
+            "mean_kl": self.kl,
+            "skipped": self.skipped,
+        }
+
+
+def candidate_trials(draft: str | None) -> list[Trial]:
+    trials = [
+        Trial("prefix_caching", "prefix caching", "prefix", {"enable_prefix_caching": True}),
+        Trial("ngram", "speculative n-gram", "speculative", {"speculative": "ngram"}),
+    ]
+    if draft:
+        engine = {"speculative": "draft", "draft_model": draft}
+        trials.append(Trial("draft", "speculative draft", "speculative", engine))
+    trials += [
+        Trial("budget_512", "token budget 512", "budget", {"max_num_batched_tokens": 512}),
+        Trial("budget_8192", "token budget 8192", "budget", {"max_num_batched_tokens": 8192}),
+        Trial("int8", "int8 RTN weights", "quantization", bits=8),
+        Trial("int4", "int4 RTN weights", "quantization", bits=4),
+    ]
+    return trials
+
+
+def skip_reason(trial: Trial, work: Workload, concurrency: int) -> str | None:
+    """Why `trial` cannot pay on this workload, or None when it is worth measuring."""
+    if trial.group == "prefix":
+        share = shared_prefix_tokens(work.prompts, DEFAULT.block_size) / work.prompt_tokens
+        if share < MIN_PREFIX_SHARE:
+            return f"no shared prefixes: {share:.1%} of the prompt tokens are reusable"
+    if trial.group == "speculative" and concurrency > AUTO_SPEC_MAX_BATCH:
+        return (
+            f"batch already large for speculation: {concurrency} requests at once "
+            f"(pays at <= {AUTO_SPEC_MAX_BATCH})"
+        )
+    in_flight = sum(sorted((len(p) for p in work.prompts), reverse=True)[:concurrency])
+    budget = trial.engine.get("max_num_batched_tokens")
+    if budget is not None and budget > DEFAULT.max_num_batched_tokens:
+        if in_flight <= DEFAULT.max_num_batched_tokens:
+            return f"every step's prefill ({in_flight} tokens) already fits the default budget"
+    if budget is not None and budget < DEFAULT.max_num_batched_tokens and concurrency == 1:
+        return "one request at a time: a smaller budget only splits its prefill"
+    return None
+
+
+def gain(objective: str, base: Measurement, m: Measurement) -> float | None:
+    """How many times better than the baseline (> 1: better), on the objective's value."""
+    b, v = objective_value(objective, base), objective_value(objective, m)
+    if b is None or v is None or b <= 0 or v <= 0:
+        return None
+    return v / b if objective == "throughput" else b / v
+
+
+def objective_value(objective: str, m: Measurement) -> float | None:
+    """throughput: output tokens/s; ttft/tpot: p50 seconds; memory: peak bytes."""
+    if objective == "throughput":
+        return m.output_tokens_per_s
+    if objective == "memory":
+        return m.peak_memory_bytes
+    summary = m.ttft_s if objective == "ttft" else m.tpot_s
+    return None if summary is None else summary["p50"]
+
+
+def quantized_runtime(runtime: Any, bits: int, folder: str, tools: AdviseTools):
+    """RTN-quantize the runtime's model into `folder` (quantize's one-shot pipeline) and load
+    it."""
+    tools.quantize(str(runtime.model_path), folder, bits)
+    return tools.load_runtime(folder, dtype="auto", device=runtime.device)
+
+
+def mean_kl(base: Any, model: Any, quality_ids: list[int], max_len: int) -> float:
+    """Mean per-token KL(base || model) in nats over the quality tokens."""
+    from llmctl.runtime.evaluate import perplexity
+
+    seq_len = max(2, min(256, max_len, len(quality_ids)))
+    return perplexity(model, quality_ids, seq_len, seq_len, reference=base).mean_kl
+
+
+@dataclass
+class TrialContext:
+    """What every trial needs: the loaded model, the sample and the baseline engine settings."""
+
+    runtime: Any
+    work: Workload
+    concurrency: int
+    base_config: EngineConfig
+    quality_ids: list[int]
+    tools: AdviseTools
+
+
+def run_trial(ctx: TrialContext, trial: Trial) -> TrialResult:
+    """Measure one trial (quantized ones in a temporary folder, removed afterwards)."""
+    config = replace(ctx.base_config, **trial.engine)
+    if trial.bits is None:
+        engine = ctx.runtime.start_engine(config)
+        return TrialResult(trial, measure(engine, ctx.work, ctx.concurrency, ctx.runtime.device))
+    with tempfile.TemporaryDirectory(prefix="llmctl-advise-") as folder:
+        quant = quantized_runtime(ctx.runtime, trial.bits, folder, ctx.tools)
+        max_len = ctx.runtime.config.max_position_embeddings
+        kl = mean_kl(ctx.runtime.model, quant.model, ctx.quality_ids, max_len)
+        m = measure(quant.start_engine(config), ctx.work, ctx.concurrency, ctx.runtime.device)
+        return TrialResult(trial, m, kl)
+
+
+def run_trials(
+    ctx: TrialContext,
+    trials: list[Trial],
+    deadline: float,
+    estimate_s: float,
+    done: Callable[[TrialResult], None],
+) -> None:
+    """Each trial that applies, unless it would end past the deadline; `done` gets each result
+    (measured or skipped) as it comes, so an interrupted run keeps what was measured."""
+    for trial in trials:
+        reason = skip_reason(trial, ctx.work, ctx.concurrency)
+        cost = estimate_s * (3 if trial.bits else 1.2)  # quantizing and the KL pass cost more
+        if reason is None and time.monotonic() + cost > deadline:
+            reason = f"over the --budget: it would take about {cost:.0f} s more"
+        done(TrialResult(trial, skipped=reason) if reason else run_trial(ctx, trial))
+
+
+def recommended(
+    results: list[TrialResult], objective: str, base: Measurement, noise: float, max_kl: float
+) -> list[TrialResult]:
+    """The best trial of each group whose gain beats the noise (and, for quantization, whose KL
+    is within --max-kl)."""
+    best: dict[str, tuple[float, TrialResult]] = {}
+    for r in results:
+        if r.measurement is None or (r.kl is not None and r.kl > max_kl):
+            continue
+        g = gain(objective, base, r.measurement)
+        if g is not None and g > 1 + noise and g > best.get(r.trial.group, (0.0, r))[0]:
+            best[r.trial.group] = (g, r)
+    return [r for _, r in sorted(best.values(), key=lambda x: -x[0])]
+
+
+def combine(chosen: list[TrialResult]) -> Trial:
+    """The chosen trials as one trial (their engine settings together, the weights' bits)."""
+    engine: dict = {}
+    bits = None
+    for r in chosen:
+        engine.update(r.trial.engine)
+        bits = r.trial.bits if r.trial.bits is not None else bits
+    name = " + ".join(r.trial.name for r in chosen)
+    return Trial("combined", name, "combined", engine, bits)

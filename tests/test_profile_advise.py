@@ -1,0 +1,198 @@
+"""`llmctl profile advise`: skip rules, ranking by objective, --max-kl, --budget, the JSON record,
+one-line errors before any work, and an interrupted run keeping its trials (fake trial
+measurements on the demo model; one real run end to end)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmctl.cli import main
+from llmctl.errors import UsageError
+from llmctl.profiling import advise_trials as t
+from llmctl.profiling.advise import Measurement, Workload, parse_duration, shared_prefix_tokens
+
+
+def _workload(tmp_path, n=6, shared=True):
+    path = tmp_path / "w.jsonl"
+    system = "You are a helpful assistant. " * 12 if shared else ""
+    rows = [{"prompt": system + f"Question {i}: item {i * 7919} please"} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _m(ttft=0.1, tpot=0.01, tps=100.0, mem=1000, wall=1.0):
+    return Measurement(
+        ttft_s={"p50": ttft, "mean": ttft},
+        tpot_s={"p50": tpot, "mean": tpot},
+        output_tokens_per_s=tps,
+        peak_memory_bytes=mem,
+        wall_s=wall,
+    )
+
+
+# per trial key: (measurement, KL); int4 is the fastest but costs too much KL
+FAKE = {
+    "baseline": (_m(), None),
+    "prefix_caching": (_m(ttft=0.02, tps=120.0), None),
+    "ngram": (_m(tpot=0.004, tps=150.0), None),
+    "budget_512": (_m(ttft=0.09, tpot=0.009), None),
+    "budget_8192": (_m(ttft=0.2), None),
+    "int8": (_m(tps=130.0, mem=800, tpot=0.008), 0.001),
+    "int4": (_m(tps=300.0, mem=500, tpot=0.003), 0.2),
+    "combined": (_m(ttft=0.015, tpot=0.002, tps=400.0, mem=500), None),
+}
+
+
+@pytest.fixture
+def fake_trials(monkeypatch):
+    """Trials return FAKE's numbers instead of driving the engine; the calls are recorded."""
+    calls = []
+
+    def run_trial(ctx, trial):
+        calls.append(trial.key)
+        m, kl = FAKE[trial.key]
+        return t.TrialResult(trial, m, kl)
+
+    monkeypatch.setattr(t, "run_trial", run_trial)
+    return calls
+
+
+def _advise(tmp_path, *extra):
+    out = tmp_path / "r.json"
+    args = ["profile", "advise", "--workload", str(_workload(tmp_path)), "--report-json"]
+    rc = main(args + [str(out), "-q", "--device", "cpu", *extra])
+    return rc, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_parse_duration_and_shared_prefix():
+    assert parse_duration("10m") == 600 and parse_duration("90s") == 90
+    assert parse_duration("1h") == 3600 and parse_duration("2.5") == 2.5
+    with pytest.raises(UsageError, match="--budget"):
+        parse_duration("soon")
+    # 40 shared tokens: the second and third prompt reuse 32 (two whole blocks of 16) each
+    prompts = [list(range(40)) + [100 + i] * 5 for i in range(3)]
+    assert shared_prefix_tokens(prompts, 16) == 64
+    assert shared_prefix_tokens([[1, 2, 3], [4, 5, 6]], 1) == 0
+
+
+def test_trials_that_cannot_pay_are_skipped_with_the_reason():
+    unshared = Workload([[i, i + 1, i + 2] * 10 for i in range(8)], [8] * 8, 8, 0)
+    trials = {tr.key: tr for tr in t.candidate_trials(draft=None)}
+    assert "draft" not in trials and "draft" in {tr.key for tr in t.candidate_trials("d")}
+    assert "no shared prefixes" in t.skip_reason(trials["prefix_caching"], unshared, 8)
+    assert "batch already large" in t.skip_reason(trials["ngram"], unshared, 8)
+    assert t.skip_reason(trials["ngram"], unshared, 1) is None
+    assert "already fits" in t.skip_reason(trials["budget_8192"], unshared, 8)
+    assert "one request at a time" in t.skip_reason(trials["budget_512"], unshared, 1)
+    assert t.skip_reason(trials["int4"], unshared, 8) is None
+    shared = Workload([list(range(64)) + [100 + i] for i in range(4)], [8] * 4, 4, 0)
+    assert t.skip_reason(trials["prefix_caching"], shared, 4) is None
+
+
+def test_gain_is_above_one_when_better_for_every_objective():
+    base, better = _m(), _m(ttft=0.05, tpot=0.005, tps=200.0, mem=500)
+    for objective in ("throughput", "ttft", "tpot", "memory"):
+        assert t.gain(objective, base, better) == pytest.approx(2.0)
+        assert t.gain(objective, better, base) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    "objective, first", [("ttft", "prefix_caching"), ("throughput", "int4"), ("memory", "int4")]
+)
+def test_ranked_by_objective_and_max_kl_refuses_int4(tmp_path, fake_trials, objective, first):
+    rc, record = _advise(tmp_path, "--objective", objective, "--concurrency", "6")
+    assert rc == 0
+    measured = [tr for tr in record["trials"] if tr["measurement"]]
+    assert measured[0]["key"] == first
+    assert "int4" not in record["recommended"]  # KL 0.2 > --max-kl 0.05
+    skipped = {tr["key"]: tr["skipped"] for tr in record["trials"] if tr["skipped"]}
+    assert "batch already large" in skipped["ngram"]
+
+
+def test_max_kl_raised_lets_int4_in_and_commands_apply_it(tmp_path, fake_trials):
+    rc, record = _advise(tmp_path, "--objective", "throughput", "--max-kl", "0.5")
+    assert rc == 0 and record["recommended"][0] == "int4"
+    assert record["combined"]["bits"] == 4 and fake_trials[-1] == "combined"
+    quantize, run_batch = record["commands"]
+    assert quantize.startswith("llmctl quantize ") and "--rtn --bits 4" in quantize
+    assert run_batch.startswith("llmctl run-batch ") and "-rtn-w4" in run_batch
+    assert "--no-prefix-caching" not in run_batch  # prefix caching is recommended
+
+
+def test_a_combination_worse_than_its_best_trial_is_not_advised(tmp_path, monkeypatch):
+    worse = dict(FAKE, combined=(_m(tps=110.0), None))
+    monkeypatch.setattr(t, "run_trial", lambda ctx, trial: t.TrialResult(trial, *worse[trial.key]))
+    rc, record = _advise(tmp_path, "--objective", "throughput", "--max-kl", "0.5")
+    assert rc == 0 and record["recommended"] == ["int4"]
+    assert "advising it alone" in record["combined_skipped"]
+    assert "--no-prefix-caching" in record["commands"][-1]
+
+
+def test_json_record_shape(tmp_path, fake_trials):
+    rc, record = _advise(tmp_path, "--objective", "ttft")
+    assert rc == 0
+    assert record["schema"] == "llmctl.profile.advise" and record["schema_version"] == 1
+    assert record["settings"]["objective"] == "ttft" and record["interrupted"] is False
+    w = record["workload"]
+    assert w["requests"] == 6 and w["concurrency"] == 6 and 0.5 < w["shared_prefix_share"] < 1
+    assert set(record["baseline"]) >= {"ttft_s", "tpot_s", "output_tokens_per_s", "wall_s"}
+    assert record["noise"] >= 0.02 and record["memory_fit"]["max_sequences"] > 0
+    keys = [tr["key"] for tr in record["trials"]]
+    assert sorted(keys) == sorted(tr.key for tr in t.candidate_trials(None))
+
+
+def test_budget_skips_trials_that_would_exceed_it(tmp_path, fake_trials, monkeypatch):
+    slow = dict(FAKE, baseline=(_m(wall=100.0), None))
+    monkeypatch.setattr(
+        t, "run_trial", lambda ctx, trial: t.TrialResult(trial, *slow.get(trial.key))
+    )
+    rc, record = _advise(tmp_path, "--budget", "60s")
+    assert rc == 0
+    assert all(tr["measurement"] is None for tr in record["trials"])
+    assert any("over the --budget" in (tr["skipped"] or "") for tr in record["trials"])
+
+
+def test_interrupted_run_keeps_the_trials_measured(tmp_path, fake_trials, monkeypatch, capsys):
+    def run_trial(ctx, trial):
+        if trial.key == "int8":
+            raise KeyboardInterrupt
+        return t.TrialResult(trial, *FAKE[trial.key])
+
+    monkeypatch.setattr(t, "run_trial", run_trial)
+    rc, record = _advise(tmp_path, "--objective", "ttft")
+    assert rc == 130 and record["interrupted"] is True
+    measured = {tr["key"] for tr in record["trials"] if tr["measurement"]}
+    assert measured == {"prefix_caching", "budget_512"}
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--workload", "missing.jsonl"], "not found"),
+        (["--workload", "EMPTY"], "no servable prompt"),
+        (["--workload", "W", "--objective", "speed"], "unknown --objective"),
+        (["--workload", "W", "--budget", "later"], "--budget"),
+        ([], "needs --workload"),
+    ],
+)
+def test_errors_are_one_line_before_any_work(tmp_path, monkeypatch, capsys, args, message):
+    import llmctl.runtime.loader as loader
+
+    monkeypatch.setattr(loader, "load_runtime", lambda *a, **k: pytest.fail("model loaded"))
+    (tmp_path / "empty.jsonl").write_text("")
+    names = {"EMPTY": str(tmp_path / "empty.jsonl"), "W": str(_workload(tmp_path))}
+    assert main(["profile", "advise", *[names.get(a, a) for a in args], "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_real_run_on_the_demo_model(tmp_path, capsys):
+    """Every measured trial through the engine (and the int8/int4 KL) on two tiny requests."""
+    path = _workload(tmp_path, n=2)
+    args = ["profile", "advise", "--workload", str(path), "--max-tokens", "4", "--markdown"]
+    assert main(args + ["--concurrency", "1", "--device", "cpu", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "| baseline |" in out and "speculative n-gram" in out and "llmctl run-batch" in out
+    assert "int4 RTN weights" in out and "skipped: one request at a time" in out

@@ -1,0 +1,59 @@
+"""`profile advise` acceptance on ../shared/models/tinyshakespeare-5m (skipped with a message when
+../shared is absent): a shared 400-token system prompt makes prefix caching the best TTFT trial;
+long prompts the outputs copy from, one request at a time, make n-gram speculation pay on TPOT."""
+
+from __future__ import annotations
+
+import json
+
+from llmctl.cli import main
+from tests.conftest import shared_path
+
+
+def _text() -> str:
+    return shared_path("data/tinyshakespeare.txt").read_text()
+
+
+def _advise(model, workload, out, *args):
+    cmd = ["profile", "advise", str(model), "--workload", str(workload), "--report-json", str(out)]
+    assert main(cmd + ["--device", "cpu", "-q", *args]) == 0
+    record = json.loads(out.read_text())
+    base = record["baseline"]
+    gains = {}
+    for tr in record["trials"]:
+        if tr["measurement"]:
+            key = "ttft_s" if record["settings"]["objective"] == "ttft" else "tpot_s"
+            gains[tr["key"]] = base[key]["p50"] / tr["measurement"][key]["p50"]
+    return record, gains
+
+
+def test_shared_system_prompt_ranks_prefix_caching_first_on_ttft(shakespeare_model, tmp_path):
+    text = _text()
+    system = text[:1160]  # 405 tokens of this model's tokenizer
+    rows = [{"prompt": system + text[5000 + 300 * i : 5040 + 300 * i]} for i in range(8)]
+    workload = tmp_path / "prefix.jsonl"
+    workload.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    record, gains = _advise(
+        shakespeare_model, workload, tmp_path / "r.json", "--objective", "ttft", "--max-tokens", "4"
+    )
+    assert record["workload"]["shared_prefix_share"] > 0.8
+    first = next(tr for tr in record["trials"] if tr["measurement"])
+    assert first["key"] == "prefix_caching" and gains["prefix_caching"] > 1.3
+    assert "prefix_caching" in record["recommended"]
+    assert "--no-prefix-caching" not in record["commands"][-1]
+
+
+def test_copying_outputs_one_at_a_time_find_ngram_gain_on_tpot(shakespeare_model, tmp_path):
+    text = _text()
+    rows = []
+    for i in range(2):
+        passage = text[20000 + 2000 * i : 20300 + 2000 * i]
+        rows.append({"prompt": f"{passage}\n\n{passage}\n\n{passage[:40]}"})
+    workload = tmp_path / "copy.jsonl"
+    workload.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ("--objective", "tpot", "--concurrency", "1", "--max-tokens", "64")
+    record, gains = _advise(shakespeare_model, workload, tmp_path / "r.json", *args)
+    assert gains["ngram"] > 1.2 and "ngram" in record["recommended"]
+    assert "--speculative ngram" in record["commands"][-1]
+    skipped = {tr["key"]: tr["skipped"] for tr in record["trials"] if tr["skipped"]}
+    assert "no shared prefixes" in skipped["prefix_caching"]
