@@ -52,7 +52,7 @@ def run_once(inp: Path, out: Path, dtype: str, invariant: bool) -> dict:
     try:
         cpu0 = time.process_time()
         args = ["run-batch", str(inp), "-o", str(out), "--overwrite", "--dtype", dtype]
-        args += ["--device", "cpu", "--max-num-seqs", "16", "--summary-json", str(summary), "-q"]
+        args += ["--device", "cpu", "--max-num-seqs", "16", "--report-json", str(summary), "-q"]
         if main(args) != 0:
             raise SystemExit(f"run-batch failed ({dtype}, invariant={invariant})")
         cpu = time.process_time() - cpu0
