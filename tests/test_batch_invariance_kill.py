@@ -13,23 +13,11 @@ import subprocess
 import sys
 
 from llmctl.batch.journal import state_path
-from tests.test_run_batch_kill import ROOT, wait_for_commits
+from tests.test_run_batch_kill import COMMIT_EVERY_8_AND_RUN, ROOT, wait_for_commits
 
 # The child runs the real command (with --batch-invariant) on the embedded demo model; it only
 # makes it commit every 8 rows, so that the kill lands between commits.
-CHILD = """
-import sys
-import llmctl.batch.runner as runner
-_run = runner.run_batch
-
-def run_batch(opts, *a, **k):
-    opts.commit_rows = 8
-    return _run(opts, *a, **k)
-
-runner.run_batch = run_batch
-from llmctl.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
+CHILD = COMMIT_EVERY_8_AND_RUN
 ARGS = [
     "--batch-invariant",
     "--dtype",

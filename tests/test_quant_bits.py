@@ -18,7 +18,7 @@ from llmctl.runtime.formats import read_quantized, write_quantized
 from llmctl.runtime.formats.packing import UnpackedLinear, pack_rows, unpack_rows
 from llmctl.runtime.formats.spec import QuantSpec
 from llmctl.runtime.weights import load_model
-from tests.test_quant_engine import TINY
+from tests.test_quant_engine import write_tiny_dir
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -141,26 +141,7 @@ def test_cli_refuses_unsupported_bits(tmp_path, capsys, extra, needle):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from safetensors.torch import save_file
-
-    from llmctl.models.config import ModelConfig
-    from llmctl.models.llama import LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("tiny-bits")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(ModelConfig.from_dict(TINY))
-    state = {
-        k: (1 + 0.1 * torch.rand_like(v)) if "norm" in k else torch.randn_like(v) * 0.08
-        for k, v in model.state_dict().items()
-    }
-    save_file({k: v.contiguous() for k, v in state.items()}, str(d / "model.safetensors"))
-    (d / "config.json").write_text(json.dumps(TINY))
-    g = torch.Generator().manual_seed(1)
-    rows = [
-        {"prompt_token_ids": torch.randint(3, 97, (40,), generator=g).tolist()} for _ in range(8)
-    ]
-    (d / "calib.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return d
+    return write_tiny_dir(tmp_path_factory.mktemp("tiny-bits"), calib_rows=8)
 
 
 def _quantize(tiny_dir, out, *extra) -> dict:

@@ -83,14 +83,13 @@ TINY = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
+def write_tiny_dir(d, calib_rows: int):
+    """The TINY model with fixed random weights in folder `d`, plus `calib_rows` token-id rows."""
     from safetensors.torch import save_file
 
     from llmctl.models.config import ModelConfig
     from llmctl.models.llama import LlamaForCausalLM
 
-    d = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)
     model = LlamaForCausalLM(ModelConfig.from_dict(TINY))
     state = {
@@ -101,10 +100,16 @@ def tiny_dir(tmp_path_factory):
     (d / "config.json").write_text(json.dumps(TINY))
     g = torch.Generator().manual_seed(1)
     rows = [
-        {"prompt_token_ids": torch.randint(3, 97, (40,), generator=g).tolist()} for _ in range(40)
+        {"prompt_token_ids": torch.randint(3, 97, (40,), generator=g).tolist()}
+        for _ in range(calib_rows)
     ]
     (d / "calib.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return d
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_dir(tmp_path_factory.mktemp("tiny"), calib_rows=40)
 
 
 def _quantize(tiny_dir, out, *extra):

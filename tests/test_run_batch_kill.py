@@ -15,10 +15,23 @@ import pytest
 
 from llmctl.batch.journal import state_path
 
-# The child serves a FakeEngine (each step sleeps FAKE_STEP_DELAY s) and commits every 8 rows. Its
-# sink pushes every row to the file in two flushed halves, so a kill usually leaves uncommitted rows
-# and sometimes a torn line on disk, which the resume must cut away.
-CHILD = """
+# The end of a child script: commit every 8 rows (a kill lands between commits), run the CLI.
+COMMIT_EVERY_8_AND_RUN = """
+import sys
+import llmctl.batch.runner as runner
+_run = runner.run_batch
+
+def run_batch(opts, *a, **k):
+    opts.commit_rows = 8
+    return _run(opts, *a, **k)
+
+runner.run_batch = run_batch
+from llmctl.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+CHILD = (
+    """
 import os, sys
 import llmctl.batch.runner as runner
 import llmctl.commands.run_batch as rb
@@ -37,16 +50,9 @@ outputs.FileSink.write = write
 
 delay = float(os.environ.get("FAKE_STEP_DELAY", "0"))
 rb._load_runtime = lambda *a, **k: FakeRuntime(FakeEngine(max_num_seqs=4, step_delay_s=delay))
-_run = runner.run_batch
-
-def run_batch(opts, *a, **k):
-    opts.commit_rows = 8
-    return _run(opts, *a, **k)
-
-runner.run_batch = run_batch
-from llmctl.cli import main
-sys.exit(main(sys.argv[1:]))
 """
+    + COMMIT_EVERY_8_AND_RUN
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
