@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_distill_resume import DATA, args
+from test_distill_resume import DATA, N, args
 
 from llmctl.errors import UsageError
 from llmctl.runtime.resolve import DEMO_MODEL_DIR
@@ -105,3 +105,26 @@ def test_cache_options_refused_before_training(tmp_path):
         args(tmp_path / "e", cache_teacher=str(tmp_path / "t.json"), alpha_ce=1.0).resolve()
     with pytest.raises(UsageError, match="--cache-top-k must be at least 1"):
         args(tmp_path / "d", cache_top_k=0).resolve()
+
+
+def test_an_existing_cache_stands_in_for_the_teacher_whose_weights_are_not_loaded(
+    tmp_path, monkeypatch
+):
+    """A teacher too big to sit beside the student: once the cache exists, training reads it and
+    never loads the teacher's weights; the losses equal the run that built it, and evaluation
+    reports the student's perplexity without a teacher-student KL."""
+    import llmctl.runtime.weights as weights
+
+    index = tmp_path / "cache" / "teacher.json"
+    index.parent.mkdir()
+    kw = dict(cache_teacher=str(index), cache_top_k=V, eval_every=N)
+    built = run_distill(args(tmp_path / "a", **kw))
+    loads: list = []
+    real = weights.load_model
+    monkeypatch.setattr(weights, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
+    reused = run_distill(args(tmp_path / "b", **kw))
+    assert loads == []  # neither the teacher nor (taken from its layers) a student via load_model
+    assert [h["loss"] for h in reused["history"]] == [h["loss"] for h in built["history"]]
+    evals = reused["evals"]
+    assert evals and all(e["kl_teacher_student"] is None for e in evals)
+    assert all(e["perplexity"] > 1 for e in evals)

@@ -55,7 +55,9 @@ class TrainingInterrupted(LlmctlError):
 class _Setup:
     teacher_path: Path
     out: OutputFolder
-    teacher: Any
+    teacher: Any  # None when an existing --cache-teacher file stands in for it
+    teacher_config: Any  # ModelConfig
+    teacher_dtype: torch.dtype
     tokenizer: Any
     student: Any
     student_raw: dict
@@ -123,11 +125,10 @@ def _load_student(args: DistillArgs, teacher_path: Path, raw: dict, tok, device:
 def _setup(args: DistillArgs, device: str) -> _Setup:
     from llmctl.runtime.resolve import resolve_model_path
     from llmctl.runtime.tokenizer import load_tokenizer
-    from llmctl.runtime.weights import load_model
 
     teacher_path = resolve_model_path(args.teacher)
     out = _plan_output(args, teacher_path)
-    teacher, tconfig = load_model(teacher_path, args.dtype, device)
+    teacher, tconfig, tdtype = _load_teacher(args, teacher_path, device)
     tok = load_tokenizer(teacher_path)
     if tok is None:
         raise UsageError(f"the teacher {args.teacher} has no tokenizer; distill needs one")
@@ -143,7 +144,22 @@ def _setup(args: DistillArgs, device: str) -> _Setup:
         num_layers=student.config.num_layers,
         parameters=sum(p.numel() for p in student.parameters()),
     )
-    return _Setup(teacher_path, out, teacher, tok, student, sraw, info, device)
+    return _Setup(teacher_path, out, teacher, tconfig, tdtype, tok, student, sraw, info, device)
+
+
+def _load_teacher(args: DistillArgs, teacher_path: Path, device: str):
+    """(model or None, ModelConfig, dtype). An existing --cache-teacher file serves every
+    training step, so the teacher's weights are not loaded at all (a teacher too big to sit
+    beside the student); held-out evaluation then reports no teacher-student KL."""
+    from llmctl.models.config import ModelConfig
+    from llmctl.runtime.resolve import resolve_dtype
+    from llmctl.runtime.weights import load_model
+
+    if args.cache_teacher is not None and Path(args.cache_teacher).exists():
+        config = ModelConfig.from_file(teacher_path / "config.json")
+        return None, config, resolve_dtype(args.dtype, config, device)
+    teacher, config = load_model(teacher_path, args.dtype, device)
+    return teacher, config, next(teacher.parameters()).dtype
 
 
 def _data(args: DistillArgs, tokenize: Tokenize) -> tuple[int | None, torch.Tensor | None]:
@@ -191,7 +207,7 @@ def _teacher_cache(args: DistillArgs, s: _Setup, tokenize: Tokenize, limit, worl
     if args.cache_teacher is None:
         return None
     index = Path(os.path.abspath(args.cache_teacher))
-    fp = tc.fingerprint(s.teacher_path, args, next(s.teacher.parameters()).dtype, limit)
+    fp = tc.fingerprint(s.teacher_path, args, s.teacher_dtype, limit)
     needed = args.steps * args.batch_size * args.grad_accum * world.size
     if not index.exists() and world.is_main:
         seqs = itertools.islice(packed(Path(args.data), tokenize, args.seq_len), limit)
@@ -201,8 +217,7 @@ def _teacher_cache(args: DistillArgs, s: _Setup, tokenize: Tokenize, limit, worl
     return tc.TeacherCache.open(index, fp, needed)
 
 
-def _autocast(device: str, teacher) -> Any:
-    dtype = next(teacher.parameters()).dtype
+def _autocast(device: str, dtype: torch.dtype) -> Any:
     return dtype if device.startswith("cuda") and dtype in (torch.bfloat16, torch.float16) else None
 
 
@@ -220,7 +235,7 @@ def run_distill(
     try:
         t0 = time.perf_counter()
         s = _setup(args, device)
-        eos = read_generation_eos(s.teacher_path, s.teacher.config)
+        eos = read_generation_eos(s.teacher_path, s.teacher_config)
         tokenize = Tokenize(s.tokenizer, eos[0] if eos else s.tokenizer.eos_token_id)
         limit, heldout = _data(args, tokenize)
         stream = SequenceStream(
@@ -231,7 +246,7 @@ def run_distill(
         cache_s = time.perf_counter() - t_cache
         trainer = Trainer(
             args, s.student, s.teacher, stream, world, device,
-            s.out.work / "checkpoint", heldout, _autocast(device, s.teacher), eos_ids=eos,
+            s.out.work / "checkpoint", heldout, _autocast(device, s.teacher_dtype), eos_ids=eos,
             cache=cache,
         )  # fmt: skip
         if args.resume:
