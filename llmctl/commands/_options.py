@@ -78,9 +78,3 @@ EvalDataOpt = Annotated[
         "--eval-data", help="Held-out data for perplexity (same formats).", show_default=False
     ),
 ]
-
-# Old-style Option objects, until every command uses the aliases above.
-Model = typer.Option(None, "--model", "-m", help=MODEL_HELP, show_default=False)
-Dtype = typer.Option("auto", "--dtype", help=DTYPE_HELP)
-Device = typer.Option("auto", "--device", help="auto (cuda when present, else cpu), cpu or cuda.")
-Quiet = typer.Option(False, "--quiet", "-q", help="No progress output on stderr.")

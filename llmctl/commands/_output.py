@@ -59,6 +59,11 @@ def json_to_stdout(report_json: str | Path | None) -> bool:
     return report_json is not None and str(report_json) == "-"
 
 
+def fmt_ppl(value: float | None) -> str:
+    """A perplexity for a report table ('-' when not measured)."""
+    return "-" if value is None else f"{value:.3f}"
+
+
 def console(min_width: int = 80, stderr: bool = False):
     """A Rich console at least `min_width` wide, so wide tables stay whole in CI logs and pipes."""
     from rich.console import Console
@@ -141,7 +146,7 @@ def emit_json(path: str | Path | None, doc: dict, flag: str = "--report-json") -
     if path is None:
         return
     text = json.dumps(doc, indent=2) + "\n"
-    if str(path) == "-":
+    if json_to_stdout(path):
         sys.stdout.write(text)
         sys.stdout.flush()
         return

@@ -31,6 +31,7 @@ from llmctl.commands._options import (
     given,
     path_str,
 )
+from llmctl.commands._output import fmt_ppl
 from llmctl.compress.args import QuantizeArgs
 
 HELP = """Quantize MODEL's linear layers to 2, 3, 4 or 8 bits (weights only) with AWQ, GPTQ or RTN.
@@ -177,12 +178,11 @@ def _one_method(**flags: bool) -> str:
 
 def _run(args: QuantizeArgs, quiet: bool) -> None:
     """Run the job with progress on stderr; the report as JSON (--report-json) and a table."""
-    from llmctl.commands._output import emit_json
-    from llmctl.compress.job_common import STDOUT
+    from llmctl.commands._output import emit_json, json_to_stdout
 
     report = _run_with_progress(args, quiet)
     emit_json(args.report_json, report.to_dict())
-    if not quiet and args.report_json != STDOUT:
+    if not quiet and not json_to_stdout(args.report_json):
         _print_report(report)
 
 
@@ -205,10 +205,6 @@ def _fmt_size(n: int) -> str:
     return format_bytes(n)
 
 
-def _ppl(v: float | None) -> str:
-    return "-" if v is None else f"{v:.3f}"
-
-
 def _summary_rows(r) -> list[tuple[str, str]]:
     kind = "symmetric" if r.symmetric else "asymmetric"
     calib = r.calibration
@@ -219,7 +215,7 @@ def _summary_rows(r) -> list[tuple[str, str]]:
         ("size", f"{_fmt_size(r.size_before_bytes)} -> {_fmt_size(r.size_after_bytes)}"),
         (
             "perplexity",
-            f"{_ppl(r.perplexity_before)} -> {_ppl(r.perplexity_after)} "
+            f"{fmt_ppl(r.perplexity_before)} -> {fmt_ppl(r.perplexity_after)} "
             f"({r.eval_tokens} held-out tokens)",
         ),
         (

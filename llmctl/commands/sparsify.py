@@ -32,6 +32,7 @@ from llmctl.commands._options import (
     given,
     path_str,
 )
+from llmctl.commands._output import fmt_ppl
 from llmctl.compress.args import SparsifyArgs
 
 HELP = """Prune MODEL's decoder linears; write a dense checkpoint storing the zeros.
@@ -152,8 +153,7 @@ def register(app: typer.Typer) -> None:
 
 def _run(recipe, args: SparsifyArgs, notes: list[str], quiet: bool) -> None:
     """Run the job with progress on stderr; the report as JSON (--report-json) and a table."""
-    from llmctl.commands._output import emit_json, stage_progress
-    from llmctl.compress.job_common import STDOUT
+    from llmctl.commands._output import emit_json, json_to_stdout, stage_progress
     from llmctl.compress.recipe_run import run_recipe
 
     with stage_progress(quiet) as (progress, warn):
@@ -168,18 +168,14 @@ def _run(recipe, args: SparsifyArgs, notes: list[str], quiet: bool) -> None:
 
         report = run_recipe(recipe, args, progress=by_stage, warn=warn)
     emit_json(args.report_json, report.to_dict())
-    if not quiet and args.report_json != STDOUT:
+    if not quiet and not json_to_stdout(args.report_json):
         _print_report(report)
-
-
-def _ppl(v: float | None) -> str:
-    return "-" if v is None else f"{v:.3f}"
 
 
 def _summary_rows(report) -> list[tuple[str, str]]:
     r = report.sparsify
     measured = (
-        f"{_ppl(r.perplexity_before)} -> {_ppl(r.perplexity_after)} "
+        f"{fmt_ppl(r.perplexity_before)} -> {fmt_ppl(r.perplexity_after)} "
         f"({r.eval_tokens} held-out tokens)"
     )
     rows = [
@@ -198,8 +194,8 @@ def _summary_rows(report) -> list[tuple[str, str]]:
             ("then quantized", f"{q.method} {q.bits}-bit, group {q.group_size}, {q.format}"),
             (
                 "perplexity",
-                f"{_ppl(q.perplexity_before)} (sparse) -> "
-                f"{_ppl(q.perplexity_after)} (sparse + quantized)",
+                f"{fmt_ppl(q.perplexity_before)} (sparse) -> "
+                f"{fmt_ppl(q.perplexity_after)} (sparse + quantized)",
             ),
             ("zeros kept", "yes, every pruned weight is exactly zero after quantization"),
         ]

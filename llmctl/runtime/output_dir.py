@@ -12,7 +12,7 @@ Owns, for every job that writes a model folder (written once):
   folder holding anything llmctl does not write is refused, never emptied.
 - `output_config` (the
   config.json of a derived model: no `auto_map`, whose custom code is not copied),
-  `copy_side_files`, `check_output_file` / `check_input_file`, `write_report`, and `writing`,
+  `copy_side_files`, `check_output_file` / `check_input_file`, and `writing`,
   which turns OS errors while writing (disk full, read-only folder, no permission) into one line.
 """
 
@@ -258,14 +258,6 @@ def writing(what: str) -> Iterator[None]:
         raise LlmctlError(
             f"cannot write {what}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
         ) from None
-
-
-def write_report(path: str | Path, doc: dict, flag: str = "--report-json") -> None:
-    """A JSON report the run promised (its path checked before the run); OS errors are one line."""
-    import json
-
-    with writing(f"{flag} {path}"):
-        Path(path).write_text(json.dumps(doc, indent=2) + "\n")
 
 
 def output_config(raw: dict, extra: dict) -> dict:
