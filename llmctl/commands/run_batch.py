@@ -141,11 +141,16 @@ def register(app: typer.Typer) -> None:
         verbose: v.VerboseOpt = 0,
     ) -> None:
         """Generate a completion for every row of INPUT and write one output row per input row."""
-        args = SimpleNamespace(**locals())
-        opts = o.batch_options(args)
-        interval = log_interval or v.DEFAULT_LOG_INTERVAL_S
-        with engine_logging(v.log_level(args)):
-            _run(opts, make_ui(quiet, v.progress_mode(args), interval))
+        _command(SimpleNamespace(**locals()))
+
+
+def _command(args: SimpleNamespace) -> None:
+    """The flags read (a bad one: UsageError before anything runs), then the job, with the
+    engine's log lines on stderr at --log-level."""
+    opts = o.batch_options(args)
+    ui = make_ui(args.quiet, v.progress_mode(args), args.log_interval or v.DEFAULT_LOG_INTERVAL_S)
+    with engine_logging(v.log_level(args)):
+        _run(opts, ui)
 
 
 def _load_runtime(model, dtype="auto", device="auto"):
