@@ -230,13 +230,14 @@ class LLMEngine:
 
     def _stats_line(self) -> str:
         st, bm, sch, mark = self.stats, self.block_manager, self.scheduler, self._logged
-        steps = st.steps - mark.steps
+        steps, seconds = st.steps - mark.steps, time.perf_counter() - mark.time
         step_ms = 1000 * (st.model_seconds - mark.model_seconds) / steps if steps else 0.0
         hit = 100 * bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0
         return (
-            f"engine: {steps} steps ({step_ms:.2f} ms each), {len(sch.running)} running, "
-            f"{len(sch.waiting)} waiting, KV blocks {bm.num_used_blocks}/{bm.num_blocks} in use, "
-            f"prefix cache hit rate {hit:.1f}%, {sch.num_preemptions} preemptions"
+            f"engine: {steps} steps in {seconds:.1f} s ({step_ms:.2f} ms each), "
+            f"{len(sch.running)} running, {len(sch.waiting)} waiting, KV blocks "
+            f"{bm.num_used_blocks}/{bm.num_blocks} in use; so far a prefix cache hit rate of "
+            f"{hit:.1f}% and {sch.num_preemptions} preemptions"
         )
 
     def _sample(self, logits, sampling: list[Sequence]) -> list[list[int]]:
