@@ -77,7 +77,7 @@ def test_vllm_byte_sizes_and_speculative_json_read_as_vllm_reads_them():
     assert parse_vllm_bytes("3GiB") == 3 * 1024**3  # our units too
     with pytest.raises(UsageError, match="no decimals"):
         parse_vllm_bytes("1.5G")
-    draft = speculative_from_vllm('{"model": "/d", "num_speculative_tokens": 2}')
+    draft = speculative_from_vllm({"model": "/d", "num_speculative_tokens": 2})  # Python's dict
     assert draft == {"speculative": "draft", "draft_model": "/d", "num_speculative_tokens": 2}
     lookup = speculative_from_vllm('{"model": "[ngram]", "prompt_lookup_max": 4}')
     assert (lookup["speculative"], lookup["prompt_lookup_max"], lookup["prompt_lookup_min"]) == (

@@ -89,10 +89,11 @@ def _lookup_bounds(spec: dict) -> tuple[int, int]:
     return hi, lo
 
 
-def speculative_from_vllm(text: str) -> dict[str, Any]:
-    """`--speculative-config JSON` -> EngineConfig fields (speculative, draft_model, ...)."""
+def speculative_from_vllm(config: str | dict) -> dict[str, Any]:
+    """`--speculative-config JSON` (or vLLM's `speculative_config=` dict) -> EngineConfig fields
+    (speculative, draft_model, ...)."""
     try:
-        spec = json.loads(text)
+        spec = json.loads(config) if isinstance(config, str) else config
     except json.JSONDecodeError as e:
         raise UsageError(f"--speculative-config is not JSON: {e.msg} at column {e.colno}") from None
     if not isinstance(spec, dict):
