@@ -69,8 +69,8 @@ def test_lines_are_printed_in_process_while_rows_finish(tmp_path, engines, capsy
 def test_a_job_with_stderr_in_a_file_shows_progress_lines_while_it_runs(tmp_path):
     """The CLI in a subprocess, stderr to a file, on the demo model: lines appear before the job
     ends, with rows done/total, errors, output tok/s and ETA; -v adds engine statistics."""
-    n = 16
-    rows = [{"prompt": f"ROMEO {i}:", "max_tokens": 24, "ignore_eos": True} for i in range(n)]
+    n = 24  # 12 waves of 32 steps: over a second even on an idle machine
+    rows = [{"prompt": f"ROMEO {i}:", "max_tokens": 32, "ignore_eos": True} for i in range(n)]
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
     err_path = tmp_path / "stderr.txt"
     argv = [sys.executable, "-m", "llmctl.cli", "run-batch", str(inp), "-o", str(tmp_path / "o")]
