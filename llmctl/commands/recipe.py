@@ -69,9 +69,7 @@ def _request(recipe, output, model, calib, eval_data, num_samples, seq_len, sets
         calib=path_str(calib), eval_data=path_str(eval_data), num_samples=num_samples,
         seq_len=seq_len,
     )  # fmt: skip
-    return RecipeRequest(
-        recipe, path_str(output), model, calibration, list(sets or []), device, ow
-    )
+    return RecipeRequest(recipe, path_str(output), model, calibration, list(sets or []), device, ow)
 
 
 @app.command("run", help="Run RECIPE's stages in order into -o (a rerun resumes).")

@@ -114,6 +114,7 @@ def _sparsify(name: str, args: Any, where: str, origins: dict[str, str]) -> dict
     if a.sequential_update is False:
         raise UsageError(f"recipe {where}.sequential_update: llmctl always calibrates in sequence")
     out: dict[str, Any] = {"method": SPARSITY[name], "ignore": _ignore(a.ignore)}
+    origins["stages.sparsify"] = where
     n, _, m = a.mask_structure.partition(":")
     if a.mask_structure not in ("0:0", "") and not (n.isdigit() and m.isdigit()):
         raise UsageError(f"recipe {where}.mask_structure: expected N:M, got {a.mask_structure!r}")
@@ -191,6 +192,7 @@ def _quantize(mods: dict[str, Any], where: str, origins: dict[str, str]) -> dict
     a = parsed[main]
     at = f"{where}.{main}"
     out: dict[str, Any] = {"method": method, **_scheme(a, at)}
+    origins["stages.quantize"] = at
     out["ignore"] = _ignore([p for x in parsed.values() for p in x.ignore])
     for key, value in (("dampening", a.dampening_frac), ("act_order", a.actorder)):
         if value is not None and method != "gptq":
@@ -242,8 +244,7 @@ def translate(doc: dict) -> tuple[dict, dict[str, str]]:
             if name not in SPARSITY and name not in QUANT:
                 supported = ", ".join((*SPARSITY, *QUANT))
                 raise UsageError(
-                    f"recipe {where}.{name}: llmctl does not implement {name}; it reads "
-                    f"{supported}"
+                    f"recipe {where}.{name}: llmctl does not implement {name}; it reads {supported}"
                 )
         sparse = [n for n in mods if n in SPARSITY]
         quant = {n: a for n, a in mods.items() if n in QUANT}
@@ -254,9 +255,10 @@ def translate(doc: dict) -> tuple[dict, dict[str, str]]:
         if sparse and "quantize" in stages:
             raise UsageError(f"recipe {where}: pruning after quantization; prune first")
         if sparse:
-            stages["sparsify"] = _sparsify(sparse[0], mods[sparse[0]], f"{where}.{sparse[0]}", origins)
+            name = sparse[0]
+            stages["sparsify"] = _sparsify(name, mods[name], f"{where}.{name}", origins)
         if quant:
             stages["quantize"] = _quantize(quant, where, origins)
     if not stages:
-        raise UsageError("recipe: no modifier llmctl implements (SparseGPTModifier, GPTQModifier...)")
+        raise UsageError("recipe: no modifier llmctl implements (e.g. GPTQModifier)")
     return {FORMAT_KEY: FORMAT_VERSION, "stages": stages}, origins

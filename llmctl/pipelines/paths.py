@@ -34,7 +34,7 @@ def read_yaml(path: Path) -> Any:
 
 
 def syntax_of(doc: Any, path: Path) -> str:
-    """"llmctl", "llm-compressor" or "legacy" (llmctl sparsify --recipe's)."""
+    """ "llmctl", "llm-compressor" or "legacy" (llmctl sparsify --recipe's)."""
     if not isinstance(doc, dict) or not doc:
         raise UsageError(f"{path}: expected a mapping with `{FORMAT_KEY}: {FORMAT_VERSION}`")
     if FORMAT_KEY in doc:

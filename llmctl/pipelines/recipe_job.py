@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -91,8 +92,6 @@ def _document(req: RecipeRequest) -> tuple[dict, dict[str, str], str]:
 def load_plan(req: RecipeRequest) -> Plan:
     """The validated recipe and every stage's job arguments; raises UsageError, naming the key,
     before any stage runs."""
-    from llmctl.runtime.resolve import DEMO_MODEL_DIR
-
     doc, origins, syntax = _document(req)
     parsed = validate_doc(doc, origins)
     if parsed.model is None:
@@ -110,14 +109,20 @@ def load_plan(req: RecipeRequest) -> Plan:
             calib = calibration if kind in COMPRESS_STAGES else {}
             stage.args = build_args(stage, calib, req.device)
         except UsageError as e:
-            raise UsageError(f"recipe stages.{kind}: {e}") from None
+            where = origins.get(f"stages.{kind}", f"stages.{kind}")
+            raise UsageError(f"recipe {where}: {as_keys(str(e))}") from None
         stages.append(stage)
         model = str(folder) if kind in MODEL_STAGES else model
-    _check_model(stages, parsed.model if parsed.model else str(DEMO_MODEL_DIR))
+    _check_model(stages, parsed.model, origins.get("stages.quantize", "stages.quantize"))
     return Plan(req.recipe, syntax, out, _resolved_doc(parsed.model, stages), stages)
 
 
-def _check_model(stages: list[Stage], source: str) -> None:
+def as_keys(message: str) -> str:
+    """A job's error in recipe words: `--group-size` is the key group_size there."""
+    return re.sub(r"(?<![\w-])--([a-z][a-z-]*)", lambda m: m.group(1).replace("-", "_"), message)
+
+
+def _check_model(stages: list[Stage], source: str, where: str) -> None:
     """The checks the source model's config decides (its layers' shapes, which sparsify keeps),
     before the first stage: quantize's group size and format."""
     from llmctl.compress.driver import make_ignore
@@ -136,7 +141,7 @@ def _check_model(stages: list[Stage], source: str) -> None:
             check_format_available(a.format)
             check_layers(a, linears)
         except UsageError as e:
-            raise UsageError(f"recipe stages.quantize: {e}") from None
+            raise UsageError(f"recipe {where}: {as_keys(str(e))}") from None
 
 
 def _resolved_doc(model: str, stages: list[Stage]) -> dict[str, Any]:

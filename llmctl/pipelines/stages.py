@@ -102,9 +102,7 @@ def _eval_request(stage: Stage, s: dict[str, Any], dev: dict) -> EvalRequest:
 
     check_input_file(s["data"], "data")
     kl = s.pop("kl_to_source", True)
-    return EvalRequest(
-        data=Path(s.pop("data")), reference=stage.source if kl else None, **s, **dev
-    )
+    return EvalRequest(data=Path(s.pop("data")), reference=stage.source if kl else None, **s, **dev)
 
 
 def _batch_options(stage: Stage, s: dict[str, Any], dev: dict) -> BatchOptions:
