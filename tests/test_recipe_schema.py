@@ -274,3 +274,24 @@ def test_sparsify_recipe_points_a_multi_stage_recipe_to_recipe_run(tmp_path, cap
     recipe = ROOT / "recipes" / "w4a16-gptq.yaml"
     assert main(["sparsify", DEMO, "-o", str(tmp_path / "o"), "--recipe", str(recipe)]) == 2
     assert "llmctl recipe run" in capsys.readouterr().err
+
+
+def test_pipelines_sit_between_the_commands_and_the_four_peers():
+    """Only commands/ imports llmctl.pipelines, which imports neither typer nor rich."""
+    import ast
+
+    def imports(path: Path) -> set[str]:
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        return names
+
+    package = ROOT / "llmctl"
+    for path in (package / "pipelines").glob("*.py"):
+        assert not {n.split(".")[0] for n in imports(path)} & {"typer", "rich"}, path
+    for peer in ("batch", "compress", "profiling", "train", "runtime", "engine", "models"):
+        for path in (package / peer).rglob("*.py"):
+            assert not any(n.startswith("llmctl.pipelines") for n in imports(path)), path

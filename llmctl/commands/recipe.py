@@ -33,11 +33,11 @@ HELP = """Run or check a multi-stage recipe: sparsify, quantize, distill, eval, 
 
 \b
 Examples (from the project folder, on the embedded demo model):
-  llmctl recipe validate recipes/w4a16-gptq.yaml --model llmctl/data/demo-model
-  llmctl recipe run recipes/w4a16-gptq.yaml --model llmctl/data/demo-model \\
+  llmctl recipe validate recipes/w4a16-gptq.yaml -m llmctl/data/demo-model
+  llmctl recipe run recipes/w4a16-gptq.yaml -m llmctl/data/demo-model \\
       -o demo-recipe --num-samples 4 --seq-len 64
   llmctl recipe run recipes/llmcompressor-w4a16-gptq.yaml \\
-      --model llmctl/data/demo-model -o demo-lc --num-samples 4 --seq-len 64
+      -m llmctl/data/demo-model -o demo-lc --num-samples 4 --seq-len 64
 
 \b
 A recipe starts with `llmctl_recipe: 1` and lists `stages` in the order
