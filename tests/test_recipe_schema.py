@@ -78,6 +78,8 @@ def test_a_file_that_is_no_recipe_is_refused(tmp_path):
     assert "expected a mapping" in error(write(tmp_path, "- 1\n"))
     doc = {"llmctl_recipe": 1, "stages": {"eval": {"data": "x"}}}
     assert "no model: give --model" in error(write(tmp_path, doc))
+    missing = str(tmp_path / "no-such-model")
+    assert error(write(tmp_path, doc), model=missing).startswith("recipe model: model folder")
 
 
 def test_relative_paths_are_read_beside_the_recipe_and_flags_from_here(tmp_path, monkeypatch):

@@ -89,7 +89,10 @@ def run(
 ) -> None:
     from llmctl.commands._output import emit_json, info, json_to_stdout
     from llmctl.pipelines.recipe_job import run_recipe_file
+    from llmctl.runtime.output_dir import check_output_file
 
+    if report_json is not None and not json_to_stdout(report_json):
+        check_output_file(report_json, "--report-json", inputs=(recipe,))
     req = _request(
         recipe, output, model, calib, eval_data, num_samples, seq_len, sets, device, overwrite
     )

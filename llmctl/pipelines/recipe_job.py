@@ -96,6 +96,7 @@ def load_plan(req: RecipeRequest) -> Plan:
     parsed = validate_doc(doc, origins)
     if parsed.model is None:
         raise UsageError("recipe: no model: give --model M (or `model:` in the recipe)")
+    _check_source(parsed.model)
     out = Path(os.path.abspath(req.output)) if req.output else Path(".llmctl-recipe-check")
     calibration = parsed.calibration.model_dump(exclude_none=True) if parsed.calibration else {}
     given = parsed.stages.model_dump(by_alias=True, exclude_none=True)
@@ -120,6 +121,18 @@ def load_plan(req: RecipeRequest) -> Plan:
 def as_keys(message: str) -> str:
     """A job's error in recipe words: `--group-size` is the key group_size there."""
     return re.sub(r"(?<![\w-])--([a-z][a-z-]*)", lambda m: m.group(1).replace("-", "_"), message)
+
+
+def _check_source(model: str) -> None:
+    """A local model folder must be one now; a hub id (org/name) is fetched by the first stage."""
+    from llmctl.runtime.resolve import resolve_model_path
+
+    text = str(model)
+    if Path(text).expanduser().exists() or text.count("/") != 1 or text.startswith((".", "~")):
+        try:
+            resolve_model_path(text)
+        except UsageError as e:
+            raise UsageError(f"recipe model: {e}") from None
 
 
 def _check_model(stages: list[Stage], source: str, where: str) -> None:
