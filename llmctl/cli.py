@@ -12,7 +12,7 @@ import sys
 import typer
 
 from llmctl import __version__
-from llmctl.commands import distill, profile, quantize, run_batch, sparsify
+from llmctl.commands import distill, profile, quantize, recipe, run_batch, sparsify
 from llmctl.commands import eval as eval_cmd
 
 app = typer.Typer(
@@ -38,10 +38,10 @@ def _root(
     ),
 ) -> None:
     """llmctl: quantize, sparsify, distill, batch-serve, profile and evaluate Llama-family
-    models."""
+    models, alone or as the stages of a recipe."""
 
 
-for module in (quantize, sparsify, distill, run_batch, profile, eval_cmd):
+for module in (quantize, sparsify, distill, run_batch, profile, eval_cmd, recipe):
     module.register(app)
 
 

@@ -211,6 +211,9 @@ def load_recipe(path: Path) -> Recipe:
         raise UsageError(
             f"{path}: expected a mapping with `sparsify` (and optionally `quantize`, `calibration`)"
         )
+    multi = "llmctl_recipe" in doc or any(str(k).endswith("_stage") for k in doc)
+    if multi:  # a multi-stage (llmctl.pipelines) or llm-compressor recipe
+        raise UsageError(f"{path} is a multi-stage recipe: run it with `llmctl recipe run`")
     try:
         parsed = RecipeDoc.model_validate(doc)
     except ValidationError as e:
