@@ -14,6 +14,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmctl.batch.options import BatchOptions, sampling_default
+from llmctl.commands._options import NoAutotuneOpt as NoAutotuneOpt  # run-batch's, shared
 from llmctl.commands._options import default_of, given
 from llmctl.commands._output import report_json_of
 from llmctl.engine.config import (
@@ -291,6 +292,7 @@ def _engine_fields(a: SimpleNamespace) -> dict[str, Any]:
         max_model_len=a.max_model_len,
         cuda_graphs=False if a.enforce_eager else None,
         batch_invariant=a.batch_invariant or None,
+        autotune=False if a.no_autotune else None,
         **speculative_settings(
             a.speculative or "off", a.draft, a.num_speculative_tokens, a.speculative_max_batch
         ),

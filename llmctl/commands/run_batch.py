@@ -112,6 +112,7 @@ def register(app: typer.Typer) -> None:
         speculative_max_batch: o.SpecBatchOpt = None,
         enforce_eager: o.EagerOpt = False,
         batch_invariant: o.BatchInvariantOpt = False,
+        no_autotune: o.NoAutotuneOpt = False,
         max_in_flight: o.InFlightOpt = None,
     ) -> None:
         """Generate a completion for every row of INPUT and write one output row per input row."""

@@ -106,6 +106,9 @@ class EngineConfig:
     # Every row's tokens independent of its batch-mates and of prompt chunking (issue 20): fixed
     # reduction orders in the linear, attention and norm kernels (engine/model_runner.py).
     batch_invariant: bool = False
+    # CPU: time the linear kernels at model load and use the fastest per row count (cached per CPU
+    # and shape; kernels/autotune.py); off: the static rules. Started by Runtime.start_engine.
+    autotune: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
