@@ -30,7 +30,7 @@ from llmctl.kernels import cpu_bf16, cpu_dpbf16, cpu_native, onednn_linear
 
 BUCKETS = (1, 8, 32, 128)  # and the caller's largest row count (the token budget)
 BUDGET_S = 3.0  # wall seconds of timing per model at most
-DROP_RATIO = 3.0  # a candidate this many times slower than a bucket's best is not timed above it
+DROP_RATIO = 3.0  # a few-rows kernel this much slower than a bucket's best: not timed above it
 MEMORY_MARGIN = 1.1  # a packed copy (more memory) must beat the best plain kernel by this much
 CACHE_VERSION = 1
 MAX_CALLS, MIN_SECONDS = 8, 0.004  # timed calls per measurement: at most, and enough to stop
@@ -49,6 +49,10 @@ class Candidate:
     run: Kernel
     applies: Callable[[torch.Tensor], bool]  # for this weight [N, K] on this CPU
     packs: bool = False  # needs a oneDNN-packed copy of the weight
+    # A kernel for few rows (a register tile per call): against the BLAS it only falls further
+    # behind as rows grow, so once far behind it is not timed at larger buckets. The BLAS-backed
+    # ones gain with rows and are timed at every bucket.
+    few_rows: bool = False
 
 
 def _native_applies(w: torch.Tensor) -> bool:
@@ -59,11 +63,14 @@ def _native_applies(w: torch.Tensor) -> bool:
 
 CANDIDATES = (
     Candidate("torch", lambda x, w, b, p: F.linear(x, w, b), lambda w: True),
-    Candidate("native", lambda x, w, b, p: cpu_native.linear(x, w, b), _native_applies),
+    Candidate(
+        "native", lambda x, w, b, p: cpu_native.linear(x, w, b), _native_applies, few_rows=True
+    ),
     Candidate(
         "dpbf16",
         lambda x, w, b, p: cpu_dpbf16.linear(x, w, b),
         lambda w: w.dtype is torch.bfloat16 and cpu_dpbf16.library() is not None,
+        few_rows=True,
     ),
     Candidate(
         "upcast",
@@ -100,19 +107,20 @@ def choose(times: dict[str, float]) -> str | None:
 
 @dataclass
 class Plan:
-    """The chosen kernel per row count for one shape: `kernel(rows)` is None where no bucket near
-    it was measured (the caller's static rule serves)."""
+    """The chosen kernel per row count for one shape: rows use their nearest bucket's choice, and
+    `kernel(rows)` is None where that bucket was not measured (the caller's static rule serves)."""
 
     choices: dict[int, str]  # bucket -> candidate name
     max_rows: int
     table: list[Kernel | None] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        measured = sorted(self.choices)
+        planned = buckets(self.max_rows)
         # One entry per row count up to max_rows, so a call costs one list index.
         self.table = [None] * (self.max_rows + 1)
-        for rows in range(1, self.max_rows + 1) if measured else ():
-            self.table[rows] = BY_NAME[self.choices[nearest(rows, measured)]].run
+        for rows in range(1, self.max_rows + 1):
+            name = self.choices.get(nearest(rows, planned))
+            self.table[rows] = None if name is None else BY_NAME[name].run
         self.packs = any(BY_NAME[n].packs for n in self.choices.values())
 
     def kernel(self, rows: int) -> Kernel | None:
@@ -279,7 +287,11 @@ def tune(
             g.timed[rows] = times
             fresh.setdefault(g.key, {})[rows] = best
             fastest = min(times.values())
-            g.alive = [c for c in g.alive if times.get(c.name, 0.0) <= DROP_RATIO * fastest]
+            g.alive = [
+                c
+                for c in g.alive
+                if not c.few_rows or times.get(c.name, 0.0) <= DROP_RATIO * fastest
+            ]
     if fresh:
         save_cache(path, fresh)
     plans = [None] * len(layers)
