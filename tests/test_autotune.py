@@ -77,6 +77,13 @@ def test_packed_copy_needs_a_clear_win():
     assert autotune.choose({}) is None
 
 
+def test_large_models_get_no_packed_copies(cache, monkeypatch):
+    monkeypatch.setattr(autotune, "PACK_MAX_BYTES", 24 * 16 * 4 - 1)  # below one layer's bytes
+    fake = FakeTimer({("packed", 1): 0.01})
+    plans = autotune.tune([layer(24, 16)], [1], measure=fake)
+    assert "packed" not in {name for _, name, _ in fake.calls} and not plans[0].packs
+
+
 def test_a_few_rows_kernel_far_behind_is_not_timed_at_larger_buckets(cache):
     if cpu_native.library() is None:
         pytest.skip("needs the native kernels (a C compiler)")

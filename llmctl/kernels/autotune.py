@@ -32,6 +32,9 @@ BUCKETS = (1, 8, 32, 128)  # and the caller's largest row count (the token budge
 BUDGET_S = 3.0  # wall seconds of timing per model at most
 DROP_RATIO = 3.0  # a few-rows kernel this much slower than a bucket's best: not timed above it
 MEMORY_MARGIN = 1.1  # a packed copy (more memory) must beat the best plain kernel by this much
+# Packed copies double the memory of the linears they serve: only where all the tuned weights
+# together are at most this large (a model of a few hundred million parameters).
+PACK_MAX_BYTES = 1 << 30
 CACHE_VERSION = 1
 MAX_CALLS, MIN_SECONDS = 8, 0.004  # timed calls per measurement: at most, and enough to stop
 
@@ -221,12 +224,14 @@ TIMED_LAYERS = 8  # distinct weights a measurement cycles over
 
 def _groups(layers: Sequence[Any], max_rows: Sequence[int], cache: dict) -> list[_Group]:
     groups: dict[tuple[str, int], _Group] = {}
+    total = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+    allowed = [c for c in CANDIDATES if total <= PACK_MAX_BYTES or not c.packs]
     for i, (layer, rows) in enumerate(zip(layers, max_rows)):
         w = layer.weight
         key = shape_key(*w.shape, w.dtype, layer.bias is not None)
         g = groups.get((key, rows))
         if g is None:
-            alive = [c for c in CANDIDATES if c.applies(w)]
+            alive = [c for c in allowed if c.applies(w)]
             names = {c.name for c in alive}
             cached = {b: c for b, c in cache.get(key, {}).items() if c in names}
             g = groups[key, rows] = _Group(key, rows, [], alive, cached)
