@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.common import SHARED, environment  # noqa: E402
-from llmctl.kernels import autotune, cpu_dpbf16, onednn_linear  # noqa: E402
+from llmctl.kernels import autotune, cpu_bf16, cpu_dpbf16, cpu_native, onednn_linear  # noqa: E402
 from llmctl.kernels.cpu_native import _cpu_fingerprint  # noqa: E402
 
 KEY_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
@@ -64,6 +64,13 @@ def time_candidate(cand, x, weights, packs, reps: int) -> float:
     return best
 
 
+def static_choice(x: torch.Tensor, w: torch.Tensor) -> str:
+    """What models/llama.Linear runs without a plan (--no-autotune): the "before" column."""
+    if cpu_native.use_linear(x, w):
+        return "native"
+    return "upcast" if cpu_bf16.use_upcast(x, w) else "torch"
+
+
 def bench_shape(n: int, k: int, dtype, rows: list[int], reps: int) -> list[dict]:
     copies = max(1, min(16, (64 << 20) // (n * k * dtype.itemsize)))
     g = torch.Generator().manual_seed(0)
@@ -79,7 +86,8 @@ def bench_shape(n: int, k: int, dtype, rows: list[int], reps: int) -> list[dict]
                 continue
             times[c.name] = time_candidate(c, x, weights, packs if c.packs else None, reps)
         gflops = {name: 2 * m * n * k / t / 1e9 for name, t in times.items()}
-        results.append({"rows": m, "gflops": gflops, "choice": autotune.choose(times)})
+        choice, static = autotune.choose(times), static_choice(x, weights[0])
+        results.append({"rows": m, "gflops": gflops, "choice": choice, "static": static})
     return results
 
 
@@ -92,12 +100,15 @@ def table(model: str, dtype: str, name: str, n: int, k: int, results: list[dict]
     names = [c.name for c in autotune.CANDIDATES if any(c.name in r["gflops"] for r in results)]
     lines = [
         f"\n{model} {name} [{n} x {k}] {dtype}: GFLOP/s",
-        "| rows | " + " | ".join(names) + " | choice |",
-        "| ---: |" + " ---: |" * len(names) + " --- |",
+        "| rows | " + " | ".join(names) + " | static rule | autotune | gain |",
+        "| ---: |" + " ---: |" * len(names) + " --- | --- | ---: |",
     ]
     for r in results:
         cells = [f"{r['gflops'][c]:.1f}" if c in r["gflops"] else "-" for c in names]
-        lines.append(f"| {r['rows']} | " + " | ".join(cells) + f" | {r['choice']} |")
+        g = r["gflops"]
+        gain = g[r["choice"]] / g[r["static"]] if r["static"] in g else float("nan")
+        tail = f" | {r['static']} | {r['choice']} | {gain:.2f}x |"
+        lines.append(f"| {r['rows']} | " + " | ".join(cells) + tail)
     return "\n".join(lines)
 
 
