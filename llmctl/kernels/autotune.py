@@ -31,7 +31,7 @@ from llmctl.kernels import cpu_bf16, cpu_dpbf16, cpu_native, onednn_linear
 BUCKETS = (1, 8, 32, 128)  # and the caller's largest row count (the token budget)
 BUDGET_S = 3.0  # wall seconds of timing per model at most
 DROP_RATIO = 3.0  # a few-rows kernel this much slower than a bucket's best: not timed above it
-MEMORY_MARGIN = 1.1  # a packed copy (more memory) must beat the best plain kernel by this much
+MEMORY_MARGIN = 1.2  # a packed copy (more memory) must beat the best plain kernel by this much
 # Packed copies double the memory of the linears they serve: only where all the tuned weights
 # together are at most this large (a model of a few hundred million parameters).
 PACK_MAX_BYTES = 1 << 30
