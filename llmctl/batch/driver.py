@@ -137,7 +137,12 @@ class JobSession:
 
     def drive(self, sink, runtime, engine) -> BatchStats:
         state = self.state
-        model_name = getattr(runtime, "model_name", None) or self.opts.model or "llmctl-demo"
+        model_name = (
+            self.opts.served_model_name
+            or getattr(runtime, "model_name", None)
+            or self.opts.model
+            or "llmctl-demo"
+        )
         stats = BatchStats.from_state(state.stats)
         stats.input_format = self.source.format  # said in the summary: detection may have chosen it
         rows_total = self.source.count_rows()

@@ -197,6 +197,8 @@ class ParquetSource:
                 raise UsageError(
                     f"{path}: {flag} {col!r} is not a column; columns: {', '.join(sorted(names))}"
                 )
+        if messages_column is None and prompt_column not in names and "messages" in names:
+            messages_column = "messages"  # Ray Data LLM's column, found without --messages-column
         self._map = {
             "prompt": prompt_column if prompt_column in names else None,
             "messages": messages_column,
@@ -208,7 +210,7 @@ class ParquetSource:
                 f"{path}: no prompt column {prompt_column!r} (see --prompt-column, "
                 f"--messages-column); columns: {', '.join(sorted(names))}"
             )
-        self.row_overrides = [k for k in OVERRIDE_KEYS if k in names]
+        self.row_overrides = [k for k in (*OVERRIDE_KEYS, "sampling_params") if k in names]
         self._columns = sorted({c for c in self._map.values() if c} | set(self.row_overrides))
         self._batch_rows = batch_rows
 
@@ -274,13 +276,12 @@ class ParquetSource:
                 raise request_error(
                     "invalid_utf8", f"prompt is not valid UTF-8 (byte {e.start})"
                 ) from None
-        if isinstance(obj.get("messages"), (str, bytes)):
-            raw = obj["messages"]
-            obj["messages"], error = decode_json_line(
-                raw if isinstance(raw, bytes) else raw.encode("utf-8")
-            )
-            if error is not None:
-                raise request_error(error.code, f"{self._map['messages']}: {error.message}")
+        for key in ("messages", "sampling_params"):  # list or struct columns, or JSON text
+            raw = obj.get(key)
+            if isinstance(raw, (str, bytes)):
+                obj[key], error = decode_json_line(raw.encode() if isinstance(raw, str) else raw)
+                if error is not None:
+                    raise request_error(error.code, f"{self._map.get(key, key)}: {error.message}")
         if isinstance(obj.get("stop"), tuple):
             obj["stop"] = list(obj["stop"])
         for key in self._INTEGER_FIELDS:  # a float column (pandas' int with nulls) of whole numbers

@@ -148,6 +148,7 @@ class BatchJob:
                     for out in self.engine.step():
                         self._finish(out)
                     self._maybe_commit()
+                    self._progress()  # also while no row finishes (a timed progress line)
                 elif self._exhausted and not self._in_flight:
                     break
                 elif not admitted:

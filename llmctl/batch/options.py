@@ -43,6 +43,9 @@ class BatchOptions:
     commit_rows: int = 256
     commit_interval_s: float = 2.0
     report_json: str | None = None  # checked before the job, written by the command ('-': stdout)
+    served_model_name: str | None = None  # the `model` of OpenAI output rows (default: the model's)
+    # sampling defaults under the flags: none (run-batch's), vllm, auto (the model's file), a folder
+    generation_config: str = "none"
 
 
 def sampling_default(name: str) -> Any:
@@ -52,12 +55,16 @@ def sampling_default(name: str) -> Any:
     return {f.name: f for f in dataclasses.fields(SamplingParams)}[name].default
 
 
-def default_sampling(opts: BatchOptions) -> SamplingParams:
-    """The job's sampling: what the user set over run-batch's defaults; a bad value: UsageError."""
+def default_sampling(
+    opts: BatchOptions, generation: dict[str, Any] | None = None
+) -> SamplingParams:
+    """The job's sampling: what the user set over the `--generation-config` values
+    (`generation`), over run-batch's defaults; a bad value: UsageError."""
     try:
-        return SamplingParams(**{**BATCH_SAMPLING_DEFAULTS, **opts.sampling})
+        return SamplingParams(**{**BATCH_SAMPLING_DEFAULTS, **(generation or {}), **opts.sampling})
     except RequestError as e:
-        raise UsageError(f"bad sampling option: {e.message}") from None
+        where = "" if not generation else f" (with --generation-config {opts.generation_config})"
+        raise UsageError(f"bad sampling option{where}: {e.message}") from None
 
 
 def fingerprint(opts: BatchOptions, source_format: str, defaults: SamplingParams) -> dict:
@@ -85,4 +92,5 @@ def fingerprint(opts: BatchOptions, source_format: str, defaults: SamplingParams
         **{f"sampling.{k}": v for k, v in sampling.items()},
         # only when on, so that states written before the switch existed still resume
         **({"batch_invariant": True} if opts.engine.get("batch_invariant") else {}),
+        **({"served_model_name": opts.served_model_name} if opts.served_model_name else {}),
     }

@@ -153,13 +153,15 @@ def _is_neutral(value: object, neutral: tuple) -> bool:
     return any(type(value) is type(n) and value == n for n in neutral)
 
 
-def _refuse_unsupported(obj: dict, allowed: tuple | None, where: str) -> None:
+def _refuse_unsupported(
+    obj: dict, allowed: tuple | None, where: str, neutral_values: dict = NEUTRAL_VALUES
+) -> None:
     """A generation feature we do not implement is an error, never silently ignored. With
-    `allowed` (an OpenAI body) every field not in it is such a feature."""
+    `allowed` (an OpenAI body, sampling_params) every field not in it is such a feature."""
     for key, value in obj.items():
         if value is None or (allowed is not None and key in allowed):
             continue
-        neutral = NEUTRAL_VALUES.get(key)
+        neutral = neutral_values.get(key)
         if neutral is None and allowed is None:
             continue  # a simple row's own columns (metadata) are passed over
         if neutral is None or not _is_neutral(value, neutral):
@@ -169,6 +171,59 @@ def _refuse_unsupported(obj: dict, allowed: tuple | None, where: str) -> None:
                 f"request with one plain-text completion; remove the field",
                 param=key,
             )
+
+
+# vLLM SamplingParams fields a row's `sampling_params` may hold besides OVERRIDE_KEYS and
+# stop_token_ids, with the values that change nothing here (other values are refused).
+VLLM_NEUTRAL_VALUES: dict[str, tuple] = {
+    "min_tokens": (0,),
+    "detokenize": (True,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
+    "bad_words": ([],),
+    "flat_logprobs": (False,),
+    "extra_args": ({},),
+}
+
+
+def sampling_params_overrides(obj: dict, overrides: dict) -> dict:
+    """`overrides` with the row's `sampling_params` object (Ray Data LLM and vLLM rows: the
+    SamplingParams fields by vLLM's names) merged in; a field given both there and in the row
+    with another value, or one llmctl does not implement, is the row's error."""
+    sp = obj.get("sampling_params")
+    if sp is None:
+        return overrides
+    if not isinstance(sp, dict):
+        raise request_error(
+            "invalid_parameter",
+            f"sampling_params must be an object, got {json_type(sp)}",
+            param="sampling_params",
+        )
+    sp = {k: v for k, v in sp.items() if v is not None}
+    known = (*OVERRIDE_KEYS, "stop_token_ids")
+    _refuse_unsupported(sp, known, "sampling_params.", {**NEUTRAL_VALUES, **VLLM_NEUTRAL_VALUES})
+    merged = dict(overrides)
+    found = row_overrides(sp, "sampling_params.")
+    ids = sp.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+            raise request_error(
+                "invalid_parameter",
+                "sampling_params.stop_token_ids must be an array of integers",
+                param="stop_token_ids",
+            )
+        found["stop_token_ids"] = ids
+    for key, value in found.items():
+        if key in merged and merged[key] != value:
+            raise request_error(
+                "invalid_parameter",
+                f"{key} is given in the row ({show(merged[key])}) and in sampling_params "
+                f"({show(value)}); give it once",
+                param=key,
+            )
+        merged[key] = value
+    return merged
 
 
 def parse_simple(obj: object, index: int, position: int, end_position: int) -> InputRow:
@@ -186,7 +241,7 @@ def parse_simple(obj: object, index: int, position: int, end_position: int) -> I
             row.id = rid  # a lone surrogate in it is echoed back as the same JSON escape
         _fill_prompt(row, obj)
         _refuse_unsupported(obj, None, "")
-        row.overrides = row_overrides(obj)
+        row.overrides = sampling_params_overrides(obj, row_overrides(obj))
     except RequestError as e:
         row.error = e
     return row

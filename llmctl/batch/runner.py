@@ -73,7 +73,7 @@ def run_batch(
 ) -> BatchResult:
     """Serve every row of opts.input into the output, resuming a previous run of the same job."""
     ui = ui or SilentUI()
-    defaults = default_sampling(opts)
+    defaults = default_sampling(opts, _generation_defaults(opts, ui))
     engine_config = EngineConfig(**opts.engine)  # raises UsageError for a bad value
     to_file = opts.output != "-" and not (opts.output is None and opts.input == "-")
     stream = None
@@ -110,11 +110,33 @@ def run_batch(
         source.close()
 
 
+def _generation_defaults(opts: BatchOptions, ui: BatchUI) -> dict[str, Any]:
+    """The sampling defaults --generation-config sets (said on stderr, as vLLM warns)."""
+    from llmctl.runtime.generation_config import generation_defaults
+    from llmctl.runtime.resolve import resolve_model_path
+
+    mode = opts.generation_config
+    path = resolve_model_path(opts.model) if mode == "auto" else None
+    values = generation_defaults(mode, path)
+    if values:
+        given = ", ".join(f"{k}={v}" for k, v in values.items() if k not in opts.sampling)
+        ui.info(f"--generation-config {mode}: sampling defaults {given or '(all set by flags)'}")
+    return values
+
+
 def _load_model(
     opts: BatchOptions, engine_config: EngineConfig, load_runtime: Callable[..., Any], ui: BatchUI
 ):
     runtime = load_runtime(opts.model, dtype=opts.dtype, device=opts.device)
     engine = runtime.start_engine(engine_config)
+    if engine_config.gpu_memory_utilization is not None:
+        if not str(getattr(runtime, "device", "cpu")).startswith("cuda"):
+            ui.info(
+                "--gpu-memory-utilization is for CUDA and ignored on the CPU; the KV cache is "
+                "sized by --kv-cache-memory"
+            )
+        elif engine_config.kv_cache_memory is not None:
+            ui.info("--gpu-memory-utilization is ignored: --kv-cache-memory sets the KV cache")
     asked, got = engine_config.max_model_len, getattr(engine, "max_model_len", None)
     if asked is not None and isinstance(got, int) and got < asked:
         ui.info(f"--max-model-len {asked} is above the model's context length; capped to {got}")

@@ -14,15 +14,11 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmctl.batch.options import BatchOptions, sampling_default
+from llmctl.commands import _batch_vllm_options as vllm
 from llmctl.commands._options import NoAutotuneOpt as NoAutotuneOpt  # run-batch's, shared
 from llmctl.commands._options import default_of, given
 from llmctl.commands._output import report_json_of
-from llmctl.engine.config import (
-    AUTO_SPEC_MAX_BATCH,
-    EngineConfig,
-    parse_bytes,
-    speculative_settings,
-)
+from llmctl.engine.config import AUTO_SPEC_MAX_BATCH, EngineConfig
 
 
 def _opt(*names: str, help: str, **kw: Any) -> Any:
@@ -39,9 +35,11 @@ def _engine(text: str, name: str) -> str:
 
 
 InputArg = Annotated[
-    str,
+    Optional[str],
     typer.Argument(
-        metavar="INPUT", help="JSONL or Parquet file of prompts; - reads stdin.", show_default=False
+        metavar="INPUT",
+        help="JSONL or Parquet file of prompts; - reads stdin (or -i/--input-file INPUT).",
+        show_default=False,
     ),
 ]
 OutputOpt = Annotated[
@@ -49,6 +47,7 @@ OutputOpt = Annotated[
     _opt(
         "--output",
         "-o",
+        "--output-file",
         help="Output JSONL (Parquet when it ends in .parquet); - writes stdout (no resume). "
         "Default: beside INPUT, its name with .out.jsonl (.out.parquet for Parquet input); "
         "stdout when INPUT is -.",
@@ -113,7 +112,10 @@ TemperatureOpt = Annotated[
     ),
 ]
 TopPOpt = Annotated[Optional[float], _opt("--top-p", help=_sampling("Nucleus mass", "top_p"))]
-TopKOpt = Annotated[Optional[int], _opt("--top-k", min=1, help="Keep the K likeliest tokens.")]
+TopKOpt = Annotated[
+    Optional[int],
+    _opt("--top-k", min=-1, help="Keep the K likeliest tokens; -1 or 0: all (vLLM's convention)."),
+]
 MinPOpt = Annotated[
     Optional[float], _opt("--min-p", help=_sampling("Minimum probability", "min_p"))
 ]
@@ -148,11 +150,13 @@ KvMemoryOpt = Annotated[
         "full-length sequences need, at most 2GiB).",
     ),
 ]
-NoPrefixCachingOpt = Annotated[
-    bool,
-    typer.Option(
-        "--no-prefix-caching",
-        help="Do not share KV blocks between prompts with a common prefix.",
+PrefixCachingOpt = Annotated[
+    Optional[bool],
+    _opt(
+        "--prefix-caching/--no-prefix-caching",
+        "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="Share KV blocks between prompts with a common prefix (default: on; vLLM's "
+        "spelling: --enable-prefix-caching/--no-enable-prefix-caching).",
     ),
 ]
 BatchedTokensOpt = Annotated[
@@ -256,7 +260,7 @@ def batch_options(a: SimpleNamespace) -> BatchOptions:
         ignore_eos=a.ignore_eos or None,
     )
     return BatchOptions(
-        input=a.input,
+        input=vllm.input_of(a),
         **given(
             output=a.output,
             model=a.model,
@@ -277,23 +281,22 @@ def batch_options(a: SimpleNamespace) -> BatchOptions:
         report_json=report_json_of(
             a.report_json, a.summary_json, "--summary-json", "--report-json"
         ),
+        **vllm.vllm_fields(a),
     )
 
 
 def _engine_fields(a: SimpleNamespace) -> dict[str, Any]:
     """The EngineConfig fields the user set (--kv-cache-memory auto is EngineConfig's None)."""
-    kv = a.kv_cache_memory
     return given(
         block_size=a.block_size,
-        kv_cache_memory=None if kv is None or kv == "auto" else parse_bytes(kv),
-        enable_prefix_caching=False if a.no_prefix_caching else None,
+        kv_cache_memory=vllm.kv_cache_memory(a),
+        enable_prefix_caching=a.prefix_caching,
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=a.max_num_seqs,
         max_model_len=a.max_model_len,
         cuda_graphs=False if a.enforce_eager else None,
         batch_invariant=a.batch_invariant or None,
         autotune=False if a.no_autotune else None,
-        **speculative_settings(
-            a.speculative or "off", a.draft, a.num_speculative_tokens, a.speculative_max_batch
-        ),
+        **vllm.speculative_fields(a),
+        **vllm.vllm_engine_fields(a),
     )

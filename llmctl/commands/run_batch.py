@@ -15,7 +15,8 @@ import typer
 
 from llmctl.batch.options import BatchOptions
 from llmctl.commands import _batch_options as o
-from llmctl.commands._batch_ui import RichUI
+from llmctl.commands import _batch_vllm_options as v
+from llmctl.commands._batch_ui import RichUI, engine_logging, make_ui
 from llmctl.commands._options import DeviceOpt, DtypeOpt, ModelOpt, QuietOpt, ReportJsonOpt
 from llmctl.commands._output import emit_json
 
@@ -63,6 +64,20 @@ time, not a large batch: auto stops speculating while more than --speculative-ma
 summary reports the acceptance rate.
 
 \b
+vLLM spellings (same meaning): -i/--input-file (INPUT), --output-file (-o), --model (-m),
+--enable-prefix-caching/--no-enable-prefix-caching, --kv-cache-memory-bytes (4G = 4 GiB),
+--gpu-memory-utilization (CUDA; ignored on the CPU), --speculative-config JSON (method ngram or
+draft_model), --served-model-name, --generation-config. A top_k of -1 or 0 means no cut. A row's
+sampling_params object (Ray Data LLM, vLLM) is read like the row's own fields; a Parquet
+messages column is used when there is no prompt column. Our default stays greedy
+(--generation-config none): --generation-config auto samples as vLLM would.
+
+\b
+Progress: a bar on a terminal; otherwise (Slurm, Kubernetes, CI logs) a line every
+--log-interval seconds with rows done/total, errors, output tok/s and ETA (--progress).
+-v / --log-level info adds engine statistics lines, -vv every engine step.
+
+\b
 Exit codes: 0 done; 1 write failure such as a full disk (committed rows are kept: rerun);
 2 usage or input error; 3 aborted by --max-errors (written rows are kept); 130 interrupted
 (resumable: rerun the same command); 141 stdout closed by its reader (`| head`), quietly, as
@@ -73,7 +88,7 @@ other Unix filters end.
 def register(app: typer.Typer) -> None:
     @app.command("run-batch", epilog=EPILOG, no_args_is_help=True)
     def run_batch(
-        input: o.InputArg,
+        input: o.InputArg = None,
         output: o.OutputOpt = None,
         model: ModelOpt = None,
         dtype: DtypeOpt = None,
@@ -102,7 +117,7 @@ def register(app: typer.Typer) -> None:
         ignore_eos: o.IgnoreEosOpt = False,
         block_size: o.BlockSizeOpt = None,
         kv_cache_memory: o.KvMemoryOpt = None,
-        no_prefix_caching: o.NoPrefixCachingOpt = False,
+        prefix_caching: o.PrefixCachingOpt = None,
         max_num_batched_tokens: o.BatchedTokensOpt = None,
         max_num_seqs: o.MaxSeqsOpt = None,
         max_model_len: o.MaxModelLenOpt = None,
@@ -114,10 +129,29 @@ def register(app: typer.Typer) -> None:
         batch_invariant: o.BatchInvariantOpt = False,
         no_autotune: o.NoAutotuneOpt = False,
         max_in_flight: o.InFlightOpt = None,
+        # vLLM's spellings, progress and logging (_batch_vllm_options)
+        input_file: v.InputFileOpt = None,
+        served_model_name: v.ServedNameOpt = None,
+        generation_config: v.GenerationConfigOpt = None,
+        kv_cache_memory_bytes: v.KvBytesOpt = None,
+        gpu_memory_utilization: v.GpuUtilOpt = None,
+        speculative_config: v.SpecConfigOpt = None,
+        progress: v.ProgressOpt = None,
+        log_interval: v.LogIntervalOpt = None,
+        log_level: v.LogLevelOpt = None,
+        verbose: v.VerboseOpt = 0,
     ) -> None:
         """Generate a completion for every row of INPUT and write one output row per input row."""
-        args = SimpleNamespace(**locals())
-        _run(o.batch_options(args), quiet)
+        _command(SimpleNamespace(**locals()))
+
+
+def _command(args: SimpleNamespace) -> None:
+    """The flags read (a bad one: UsageError before anything runs), then the job, with the
+    engine's log lines on stderr at --log-level."""
+    opts = o.batch_options(args)
+    ui = make_ui(args.quiet, v.progress_mode(args), args.log_interval or v.DEFAULT_LOG_INTERVAL_S)
+    with engine_logging(v.log_level(args)):
+        _run(opts, ui)
 
 
 def _load_runtime(model, dtype="auto", device="auto"):
@@ -139,13 +173,12 @@ def _sigterm_as_interrupt():
         return None
 
 
-def _run(opts: BatchOptions, quiet: bool) -> None:
+def _run(opts: BatchOptions, ui: RichUI) -> None:
     """Run the job with SIGTERM treated as Ctrl-C; then the summary (stderr, --report-json)."""
     from llmctl.batch.runner import BatchInterrupted
     from llmctl.batch.runner import run_batch as run
     from llmctl.errors import AbortedError
 
-    ui = RichUI(quiet)
     previous = _sigterm_as_interrupt()
     try:
         try:

@@ -97,6 +97,8 @@ class EngineConfig:
     speculative: str | None = None  # None, "ngram" (prompt lookup) or "draft" (needs draft_model)
     draft_model: str | None = None  # folder of a smaller model with the same tokenizer
     num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 3  # n-gram proposer: longest and shortest suffix looked up
+    prompt_lookup_min: int = 1
     speculative_max_batch: int | None = (
         None  # speculate only while at most this many run; None: always
     )
@@ -106,6 +108,10 @@ class EngineConfig:
     # Every row's tokens independent of its batch-mates and of prompt chunking (issue 20): fixed
     # reduction orders in the linear, attention and norm kernels (engine/model_runner.py).
     batch_invariant: bool = False
+    # CUDA, without kv_cache_memory: the KV cache takes what this fraction of the GPU's memory
+    # leaves after the weights and an activation reserve (vLLM's --gpu-memory-utilization).
+    gpu_memory_utilization: float | None = None
+    log_stats_interval_s: float = 10.0  # the engine's INFO statistics line, at most this often
     # CPU: time the linear kernels at model load and use the fastest per row count (cached per CPU
     # and shape; kernels/autotune.py); off: the static rules. Started by Runtime.start_engine.
     autotune: bool = True
@@ -129,3 +135,11 @@ class EngineConfig:
             )
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise UsageError("--kv-cache-memory must be positive")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise UsageError(
+                f"n-gram lookup needs 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        util = self.gpu_memory_utilization
+        if util is not None and not 0 < util <= 1:
+            raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {util}")

@@ -59,6 +59,39 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     )
 
 
+def activation_reserve(config: ModelConfig, cfg: EngineConfig, dtype: torch.dtype) -> int:
+    """An upper estimate of one step's activation memory, kept free when the KV cache is sized
+    from --gpu-memory-utilization: hidden states, q/k/v and the MLP of max_num_batched_tokens
+    tokens, and float32 logits [num_seqs, vocab] for sampling (with a copy)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    per_token = 6 * config.hidden_size + 3 * config.intermediate_size
+    logits = 2 * 4 * config.vocab_size * min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+    return cfg.max_num_batched_tokens * per_token * size + logits
+
+
+def utilization_budget(util: float, total: int, free: int, in_use: int, reserve: int) -> int:
+    """KV-cache bytes under vLLM's rule: this process may use `util` of the device's `total`
+    memory (weights `in_use` and an activation `reserve` included), and never more than is
+    `free` now."""
+    return max(0, min(int(util * total) - in_use, free) - reserve)
+
+
+def _kv_budget(config: ModelConfig, cfg: EngineConfig, device: str, bytes_per_block: int) -> int:
+    if cfg.kv_cache_memory is not None:
+        return cfg.kv_cache_memory
+    if cfg.gpu_memory_utilization is not None and str(device).startswith("cuda"):
+        free, total = torch.cuda.mem_get_info(device)
+        reserve = activation_reserve(config, cfg, torch.float32)
+        in_use = torch.cuda.memory_allocated(device)
+        return utilization_budget(cfg.gpu_memory_utilization, total, free, in_use, reserve)
+    # enough for max_num_seqs sequences of full length, capped
+    max_len = min(
+        cfg.max_model_len or config.max_position_embeddings, config.max_position_embeddings
+    )
+    per_seq = -(-max_len // cfg.block_size) * bytes_per_block
+    return min(DEFAULT_KV_CAP, cfg.max_num_seqs * per_seq)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -84,14 +117,7 @@ class ModelRunner:
             model.pack_lm_head()
         self.block_size = engine_config.block_size
         self.bytes_per_block = kv_bytes_per_token(config, dtype) * self.block_size
-        budget = engine_config.kv_cache_memory
-        if budget is None:  # enough for max_num_seqs sequences of full length, capped
-            max_len = min(
-                engine_config.max_model_len or config.max_position_embeddings,
-                config.max_position_embeddings,
-            )
-            per_seq = -(-max_len // self.block_size) * self.bytes_per_block
-            budget = min(DEFAULT_KV_CAP, engine_config.max_num_seqs * per_seq)
+        budget = _kv_budget(config, engine_config, device, self.bytes_per_block)
         self.num_blocks = budget // self.bytes_per_block
         # One block more than the block manager hands out: padded rows of a captured decode step
         # (cuda_graphs.py) write there.

@@ -21,7 +21,7 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int | None = None  # None: no top-k cut
+    top_k: int | None = None  # None: no top-k cut (-1 and 0 mean the same: vLLM's convention)
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -34,6 +34,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if type(self.top_k) is int and self.top_k in (-1, 0):
+            self.top_k = None
         self.validate()
 
     @property
@@ -68,7 +70,7 @@ class SamplingParams:
         if self.top_k is not None and (
             isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1
         ):
-            raise bad(f"top_k must be a positive integer or absent, got {show(self.top_k)}")
+            raise bad(f"top_k must be a positive integer, -1 or 0 (no cut), got {show(self.top_k)}")
         if not 0 <= self.min_p <= 1:
             raise bad(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:

@@ -70,7 +70,7 @@ class Runtime:
 
         mode = getattr(engine_config, "speculative", None)
         if mode == "ngram":
-            return NgramProposer()
+            return NgramProposer(engine_config.prompt_lookup_max, engine_config.prompt_lookup_min)
         if mode != "draft":
             return None
         dtype = str(self.dtype).replace("torch.", "")
