@@ -116,9 +116,11 @@ def test_engine_greedy_output_same_with_native_and_reference(shakespeare_model, 
     monkeypatch.setattr(
         cpu_native, "linear", lambda *a: linears.append(a[0].shape[0]) or native_linear(*a)
     )
-    with_native = [
+    with_native = [  # the static rules (without autotune): few rows through the native kernel
         o.output_token_ids
-        for o in LLM(str(shakespeare_model), dtype="float32").generate(prompts, params)
+        for o in LLM(str(shakespeare_model), dtype="float32", autotune=False).generate(
+            prompts, params
+        )
     ]
     assert calls, "the engine did not use the native attention kernel"
     assert linears and max(linears) <= len(prompts), (
@@ -148,7 +150,7 @@ def test_packed_lm_head_gives_the_same_logits(tmp_path):
     plain = hidden @ model.lm_head.weight.T
     torch.testing.assert_close(model.compute_logits(hidden), plain, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(model.compute_logits(hidden[:1]), plain[:1], rtol=1e-4, atol=1e-4)
-    assert pack_weight(model.lm_head.weight.to(torch.bfloat16)) is None  # float32 only
+    assert pack_weight(model.lm_head.weight.half()) is None  # float32 and bfloat16 only
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

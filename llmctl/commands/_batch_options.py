@@ -15,6 +15,7 @@ import typer
 
 from llmctl.batch.options import BatchOptions, sampling_default
 from llmctl.commands import _batch_vllm_options as vllm
+from llmctl.commands._options import NoAutotuneOpt as NoAutotuneOpt  # run-batch's, shared
 from llmctl.commands._options import default_of, given
 from llmctl.commands._output import report_json_of
 from llmctl.engine.config import AUTO_SPEC_MAX_BATCH, EngineConfig
@@ -295,6 +296,7 @@ def _engine_fields(a: SimpleNamespace) -> dict[str, Any]:
         max_model_len=a.max_model_len,
         cuda_graphs=False if a.enforce_eager else None,
         batch_invariant=a.batch_invariant or None,
+        autotune=False if a.no_autotune else None,
         **vllm.speculative_fields(a),
         **vllm.vllm_engine_fields(a),
     )

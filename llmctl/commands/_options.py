@@ -22,6 +22,10 @@ DTYPE_HELP = (
     "on a CPU, bfloat16 for half precision, or float32 when the CPU has no native bf16 (AVX2 "
     "only), where it is several times faster."
 )
+NO_AUTOTUNE_HELP = (
+    "CPU: skip timing the linear kernels when the engine starts (the choices are cached per CPU "
+    "and shape) and use the built-in rules."
+)
 REPORT_JSON_HELP = "Also write the report as JSON to this file ('-': standard output)."
 
 
@@ -62,6 +66,7 @@ DeviceOpt = Annotated[
     ),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output on stderr.")]
+NoAutotuneOpt = Annotated[bool, typer.Option("--no-autotune", help=NO_AUTOTUNE_HELP)]
 ReportJsonOpt = Annotated[
     Optional[Path], typer.Option("--report-json", help=REPORT_JSON_HELP, show_default=False)
 ]

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from llmctl.commands._options import MODEL_HELP, default_of
+from llmctl.commands._options import MODEL_HELP, NO_AUTOTUNE_HELP, default_of
 from llmctl.profiling.advise import AdviseRequest
 from llmctl.profiling.compare import DEFAULT_STAT, DEFAULT_THRESHOLD
 from llmctl.profiling.estimate_job import EstimateRequest
@@ -92,6 +92,7 @@ CsvOpt = Annotated[Optional[Path], _opt("--csv", panel=SWEEP, help="Write one CS
 MarkdownOpt = Annotated[
     bool, _switch("--markdown", SWEEP, "Print a Markdown table instead of the rich table.")
 ]
+NoAutotuneOpt = Annotated[bool, _switch("--no-autotune", SWEEP, NO_AUTOTUNE_HELP)]
 PlotOpt = Annotated[
     Optional[Path],
     _opt(

@@ -96,6 +96,7 @@ def register(app: typer.Typer) -> None:
         draft: o.DraftOpt = None,
         quality_data: o.QualityDataOpt = None,
         max_kl: o.MaxKlOpt = None,
+        no_autotune: o.NoAutotuneOpt = False,
     ) -> None:
         _profile(SimpleNamespace(**locals()))
 
@@ -201,6 +202,7 @@ def _sweep_request(a: SimpleNamespace):
         device=_device(a.device),
         kv_cache_memory=a.kv_cache_memory,
         plot=a.plot_path is not None,
+        autotune=not a.no_autotune,
     )
 
 

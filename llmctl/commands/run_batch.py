@@ -127,6 +127,7 @@ def register(app: typer.Typer) -> None:
         speculative_max_batch: o.SpecBatchOpt = None,
         enforce_eager: o.EagerOpt = False,
         batch_invariant: o.BatchInvariantOpt = False,
+        no_autotune: o.NoAutotuneOpt = False,
         max_in_flight: o.InFlightOpt = None,
         # vLLM's spellings, progress and logging (_batch_vllm_options)
         input_file: v.InputFileOpt = None,

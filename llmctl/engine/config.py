@@ -112,6 +112,9 @@ class EngineConfig:
     # leaves after the weights and an activation reserve (vLLM's --gpu-memory-utilization).
     gpu_memory_utilization: float | None = None
     log_stats_interval_s: float = 10.0  # the engine's INFO statistics line, at most this often
+    # CPU: time the linear kernels at model load and use the fastest per row count (cached per CPU
+    # and shape; kernels/autotune.py); off: the static rules. Started by Runtime.start_engine.
+    autotune: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

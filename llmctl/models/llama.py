@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmctl.kernels import cpu_bf16, cpu_native, invariant
+from llmctl.kernels import autotune, cpu_bf16, cpu_native, invariant
 from llmctl.kernels.attention import PagedAttentionMetadata, paged_attention
 from llmctl.kernels.onednn_linear import pack_weight, packed_linear
 from llmctl.models.config import ModelConfig
@@ -22,13 +22,23 @@ from llmctl.models.rope import RotaryEmbedding
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose CPU inference goes where it measured faster than F.linear: few rows through
-    the native kernel (kernels/cpu_linear.c), and on CPUs without native bf16 many bf16 rows through
-    the float32 BLAS on widened weight slabs (kernels/cpu_bf16.py); everything else, and anything
-    with gradients, is plain F.linear. A subclass, so hooks and isinstance checks still see an
-    nn.Linear and checkpoints keep their names."""
+    """nn.Linear whose CPU inference goes where it measured faster than F.linear: with a `plan`
+    (kernels/autotune.py, set when an engine starts), the kernel timed fastest for the call's row
+    count; without one, or for a row count the plan did not measure, the static rules: few rows
+    through the native kernel (kernels/cpu_linear.c), and on CPUs without native bf16 many bf16
+    rows through the float32 BLAS on widened weight slabs (kernels/cpu_bf16.py); everything else,
+    and anything with gradients, is plain F.linear. A subclass, so hooks and isinstance checks
+    still see an nn.Linear and checkpoints keep their names."""
+
+    plan: autotune.Plan | None = None
+    packed: torch.Tensor | None = None  # the oneDNN-packed weight, where the plan uses it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        plan = self.plan
+        if plan is not None and x.dtype is self.weight.dtype and not torch.is_grad_enabled():
+            kernel = plan.kernel(x.numel() // self.in_features if self.in_features else 0)
+            if kernel is not None:
+                return kernel(x, self.weight, self.bias, self.packed)
         if cpu_native.use_linear(x, self.weight):
             return cpu_native.linear(x, self.weight, self.bias)
         if cpu_bf16.use_upcast(x, self.weight):
@@ -218,11 +228,34 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_lm_head(self) -> bool:
         """Keep a oneDNN-packed copy of the vocabulary projection for batched logits (inference on
-        the CPU in float32). Costs one more vocab x hidden matrix of memory; returns whether it was
-        made."""
+        the CPU in float32). Costs one more vocab x hidden matrix of memory (none more where the
+        autotuner packed it already); returns whether it was made."""
         if self._plain_head():
-            self.packed_head = pack_weight(self.lm_head.weight)
+            head = self.lm_head
+            self.packed_head = head.packed if head.packed is not None else pack_weight(head.weight)
         return self.packed_head is not None
+
+    def tune_linears(self, max_rows: int, logit_rows: int, enabled: bool = True) -> None:
+        """Choose each plain CPU linear's kernels by measurement (kernels/autotune.py): decoder
+        linears see at most `max_rows` rows a call (the token budget), the vocabulary projection
+        `logit_rows`. Not `enabled`: drop the plans (the static rules serve)."""
+        layers = [
+            m
+            for m in self.modules()
+            if type(m) is Linear
+            and type(m.weight.data) is torch.Tensor
+            and m.weight.device.type == "cpu"
+            and m.weight.dtype in (torch.float32, torch.bfloat16)
+        ]
+        for m in layers:
+            m.plan = m.packed = None
+        if not enabled or not layers:
+            return
+        rows = [logit_rows if m is self.lm_head else max_rows for m in layers]
+        for m, plan in zip(layers, autotune.tune(layers, rows)):
+            packed = pack_weight(m.weight) if plan.packs else None
+            if not plan.packs or packed is not None:
+                m.plan, m.packed = plan, packed
 
     def compute_logits(self, hidden: torch.Tensor, fixed_order: bool = False) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]; `fixed_order`: batch-invariant."""
@@ -236,6 +269,7 @@ class LlamaForCausalLM(nn.Module):
             and hidden.dtype == torch.float32
             and hidden.device.type == "cpu"
             and self._plain_head()
+            and self.lm_head.plan is None
             and not cpu_native.use_linear(hidden, self.lm_head.weight)
         ):
             return packed_linear(hidden, self.packed_head)

@@ -38,6 +38,7 @@ class SweepRequest:
     kv_cache_memory: str | None = None  # e.g. "4GiB"; None: what the largest point needs
     seed: int = 0
     plot: bool = False  # a PNG will be drawn: matplotlib must be there before the sweep
+    autotune: bool = True  # EngineConfig.autotune: the CPU linear kernels chosen by timing
 
 
 def int_list(text: str, option: str) -> tuple[int, ...]:
@@ -52,7 +53,13 @@ def int_list(text: str, option: str) -> tuple[int, ...]:
 
 
 def sweep_engine_config(
-    config, kv_dtype: str, max_batch: int, longest: int, kv_cache_memory: str | None, seed: int
+    config,
+    kv_dtype: str,
+    max_batch: int,
+    longest: int,
+    kv_cache_memory: str | None,
+    seed: int,
+    autotune: bool = True,
 ) -> EngineConfig:
     """Engine settings for a sweep: every sequence of the largest batch fits in the KV cache at once
     (unless --kv-cache-memory says otherwise) and may run concurrently."""
@@ -62,6 +69,7 @@ def sweep_engine_config(
         kv_cache_memory=parse_bytes(kv_cache_memory) if kv_cache_memory else need,
         max_num_seqs=max(max_batch, EngineConfig().max_num_seqs),
         seed=seed,
+        autotune=autotune,
     )
 
 
@@ -92,7 +100,13 @@ def _started_engine(req: SweepRequest, target: str | None, load_runtime: Callabl
         )
     kv_dtype = canonical_dtype(runtime.dtype)
     config = sweep_engine_config(
-        runtime.config, kv_dtype, max(req.batch_sizes), longest, req.kv_cache_memory, req.seed
+        runtime.config,
+        kv_dtype,
+        max(req.batch_sizes),
+        longest,
+        req.kv_cache_memory,
+        req.seed,
+        req.autotune,
     )
     return runtime, runtime.start_engine(config), kv_dtype
 

@@ -1,0 +1,307 @@
+"""Linear kernels chosen by measurement: at model load, each distinct linear shape is timed at a
+few row counts over every kernel that can serve it on this CPU, and the fastest is used per count.
+
+Owns: the candidates (`CANDIDATES`: F.linear in the weight's dtype, the C kernel of cpu_linear.c,
+the bf16 dot-product kernel of cpu_linear_dpbf16.c, float32 widening of cpu_bf16.py, oneDNN-packed
+weights), the row buckets, the choice rule (`choose`), the time budget and early stop (`tune`), the
+per-shape plan a layer consults per call (`Plan`), and the JSON cache of the choices, one file per
+CPU model (cpu_native's fingerprint) under $LLMCTL_CACHE_DIR or ~/.cache/llmctl/autotune. Rows
+between buckets use the nearest bucket's choice (in ratio); a bucket left unmeasured (budget spent)
+has no choice, and the caller's static rules serve it. The batch-invariant paths (invariant.py)
+never consult a plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from llmctl.kernels import cpu_bf16, cpu_dpbf16, cpu_native, onednn_linear
+
+BUCKETS = (1, 8, 32, 128)  # and the caller's largest row count (the token budget)
+BUDGET_S = 3.0  # wall seconds of timing per model at most
+DROP_RATIO = 3.0  # a few-rows kernel this much slower than a bucket's best: not timed above it
+MEMORY_MARGIN = 1.2  # a packed copy (more memory) must beat the best plain kernel by this much
+# Packed copies double the memory of the linears they serve: only where all the tuned weights
+# together are at most this large (a model of a few hundred million parameters).
+PACK_MAX_BYTES = 1 << 30
+CACHE_VERSION = 1
+MAX_CALLS, MIN_SECONDS = 8, 0.004  # timed calls per measurement: at most, and enough to stop
+
+Kernel = Callable[[torch.Tensor, torch.Tensor, Any, Any], torch.Tensor]  # (x, weight, bias, packed)
+
+
+def _packed(x: torch.Tensor, w: torch.Tensor, b: Any, packed: Any) -> torch.Tensor:
+    y = onednn_linear.packed_linear(x.reshape(-1, x.shape[-1]), packed, b)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    run: Kernel
+    applies: Callable[[torch.Tensor], bool]  # for this weight [N, K] on this CPU
+    packs: bool = False  # needs a oneDNN-packed copy of the weight
+    # A kernel for few rows (a register tile per call): against the BLAS it only falls further
+    # behind as rows grow, so once far behind it is not timed at larger buckets. The BLAS-backed
+    # ones gain with rows and are timed at every bucket.
+    few_rows: bool = False
+
+
+def _native_applies(w: torch.Tensor) -> bool:
+    probe = torch.empty(1, w.shape[1], dtype=w.dtype)
+    with torch.no_grad():
+        return cpu_native.linear_applies(probe, w)
+
+
+CANDIDATES = (
+    Candidate("torch", lambda x, w, b, p: F.linear(x, w, b), lambda w: True),
+    Candidate(
+        "native", lambda x, w, b, p: cpu_native.linear(x, w, b), _native_applies, few_rows=True
+    ),
+    Candidate(
+        "dpbf16",
+        lambda x, w, b, p: cpu_dpbf16.linear(x, w, b),
+        lambda w: w.dtype is torch.bfloat16 and cpu_dpbf16.library() is not None,
+        few_rows=True,
+    ),
+    Candidate(
+        "upcast",
+        lambda x, w, b, p: cpu_bf16.upcast_linear(x, w, b),
+        lambda w: w.dtype is torch.bfloat16,
+    ),
+    Candidate("packed", _packed, onednn_linear.can_pack, packs=True),
+)
+BY_NAME = {c.name: c for c in CANDIDATES}
+
+
+def buckets(max_rows: int) -> tuple[int, ...]:
+    """The row counts timed for layers that see at most `max_rows` rows."""
+    return tuple(sorted({b for b in BUCKETS if b < max_rows} | {max(1, max_rows)}))
+
+
+def nearest(rows: int, measured: Sequence[int]) -> int:
+    """The bucket nearest `rows` in ratio (ties: the smaller); `measured` non-empty."""
+    return min(measured, key=lambda b: (abs(math.log(rows / b)), b))
+
+
+def choose(times: dict[str, float]) -> str | None:
+    """The fastest candidate of one bucket (seconds per call); a packing one only where it beats
+    the best plain one by MEMORY_MARGIN; None for no times."""
+    plain = {n: t for n, t in times.items() if not BY_NAME[n].packs}
+    best = min(plain, key=plain.get) if plain else None
+    packed = {n: t for n, t in times.items() if BY_NAME[n].packs}
+    if packed:
+        p = min(packed, key=packed.get)
+        if best is None or packed[p] * MEMORY_MARGIN < plain[best]:
+            return p
+    return best
+
+
+@dataclass
+class Plan:
+    """The chosen kernel per row count for one shape: rows use their nearest bucket's choice, and
+    `kernel(rows)` is None where that bucket was not measured (the caller's static rule serves)."""
+
+    choices: dict[int, str]  # bucket -> candidate name
+    max_rows: int
+    table: list[Kernel | None] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        planned = buckets(self.max_rows)
+        # One entry per row count up to max_rows, so a call costs one list index.
+        self.table = [None] * (self.max_rows + 1)
+        for rows in range(1, self.max_rows + 1):
+            name = self.choices.get(nearest(rows, planned))
+            self.table[rows] = None if name is None else BY_NAME[name].run
+        self.packs = any(BY_NAME[n].packs for n in self.choices.values())
+
+    def kernel(self, rows: int) -> Kernel | None:
+        return self.table[rows] if rows <= self.max_rows else self.table[-1]
+
+
+# --- the cache ------------------------------------------------------------------------------
+
+
+def cache_path() -> Path:
+    """One JSON file per CPU model (its flags, as the kernel build keys it)."""
+    root = os.environ.get("LLMCTL_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "llmctl"
+    )
+    cpu = hashlib.sha256(cpu_native._cpu_fingerprint().encode()).hexdigest()[:16]
+    return Path(root) / "autotune" / f"linear-{cpu}.json"
+
+
+def shape_key(n: int, k: int, dtype: torch.dtype, bias: bool) -> str:
+    """The cache key of one shape, with what else decides the timings (threads, torch, kernels)."""
+    sources = [cpu_native.SOURCES[1], cpu_dpbf16.SOURCE, *cpu_native.HEADERS]
+    src = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:8]
+    dt = str(dtype).replace("torch.", "")
+    threads = torch.get_num_threads()
+    with_bias = " bias" if bias else ""
+    return f"{n}x{k} {dt}{with_bias} threads={threads} torch={torch.__version__} c={src}"
+
+
+def load_cache(path: Path) -> dict[str, dict[int, str]]:
+    """shape key -> {bucket: candidate}; a missing file is empty, an unreadable one is ignored with
+    a warning (and rewritten by the next save)."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != CACHE_VERSION:
+            return {}
+        return {
+            key: {int(b): str(c) for b, c in entry.items() if str(c) in BY_NAME}
+            for key, entry in data["entries"].items()
+        }
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        warnings.warn(f"ignoring the unreadable autotune cache {path}: {e}", RuntimeWarning)
+        return {}
+
+
+def save_cache(path: Path, entries: dict[str, dict[int, str]]) -> None:
+    """Merge `entries` into the file (written atomically: other processes may tune at once)."""
+    merged = load_cache(path)
+    for key, entry in entries.items():
+        merged[key] = {**merged.get(key, {}), **entry}
+    body = {"version": CACHE_VERSION, "entries": merged}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(body, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home: the choices still serve this process
+        warnings.warn(f"could not write the autotune cache {path}: {e}", RuntimeWarning)
+
+
+# --- timing -----------------------------------------------------------------------------------
+
+Measure = Callable[[str, str, int, Callable[[int], Any]], float]  # (shape key, name, rows, run)
+
+
+def wall_clock(key: str, name: str, rows: int, run: Callable[[int], Any]) -> float:
+    """Seconds of the fastest call of run(i) (i: which layer's weight) after one warm-up call;
+    calls until MIN_SECONDS have passed, at least 2, at most MAX_CALLS. The fastest, not the mean:
+    on a shared machine a call that lost the CPU says nothing about the kernel."""
+    run(0)
+    best, calls, t0 = math.inf, 0, time.perf_counter()
+    while calls < MAX_CALLS:
+        calls += 1
+        t = time.perf_counter()
+        run(calls)
+        best = min(best, time.perf_counter() - t)
+        if calls >= 2 and time.perf_counter() - t0 >= MIN_SECONDS:
+            break
+    return best
+
+
+@dataclass
+class _Group:
+    """Layers of one shape and row limit, tuned together (timed over several of their weights, so
+    that the weights come from memory as they do in a forward pass)."""
+
+    key: str
+    max_rows: int
+    members: list[int]  # indices into the layers
+    alive: list[Candidate]
+    choices: dict[int, str]
+    timed: dict[int, dict[str, float]] = field(default_factory=dict)
+
+
+TIMED_LAYERS = 8  # distinct weights a measurement cycles over
+
+
+def _groups(layers: Sequence[Any], max_rows: Sequence[int], cache: dict) -> list[_Group]:
+    groups: dict[tuple[str, int], _Group] = {}
+    total = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+    allowed = [c for c in CANDIDATES if total <= PACK_MAX_BYTES or not c.packs]
+    for i, (layer, rows) in enumerate(zip(layers, max_rows)):
+        w = layer.weight
+        key = shape_key(*w.shape, w.dtype, layer.bias is not None)
+        g = groups.get((key, rows))
+        if g is None:
+            alive = [c for c in allowed if c.applies(w)]
+            names = {c.name for c in alive}
+            cached = {b: c for b, c in cache.get(key, {}).items() if c in names}
+            g = groups[key, rows] = _Group(key, rows, [], alive, cached)
+        g.members.append(i)
+    return list(groups.values())
+
+
+def _time_bucket(g: _Group, layers, rows: int, measure: Measure, over: Callable[[], bool]):
+    """Candidate -> seconds per call at `rows` rows; None when the budget ran out first."""
+    picked = [layers[i] for i in g.members[:TIMED_LAYERS]]
+    w0 = picked[0].weight
+    x = torch.randn(rows, w0.shape[1], generator=torch.Generator().manual_seed(0)).to(w0.dtype)
+    times: dict[str, float] = {}
+    for cand in g.alive:
+        if over():
+            return None
+        packs = [onednn_linear.pack_weight(m.weight) for m in picked] if cand.packs else None
+        if cand.packs and any(p is None for p in packs):
+            continue
+
+        def run(i: int, cand=cand, packs=packs) -> Any:
+            m = picked[i % len(picked)]
+            return cand.run(x, m.weight, m.bias, packs[i % len(picked)] if packs else None)
+
+        times[cand.name] = measure(g.key, cand.name, rows, run)
+    return times
+
+
+def tune(
+    layers: Sequence[Any],
+    max_rows: Sequence[int],
+    *,
+    measure: Measure = wall_clock,
+    clock: Callable[[], float] = time.perf_counter,
+    budget_s: float = BUDGET_S,
+    path: Path | None = None,
+) -> list[Plan]:
+    """A plan per layer (objects with `weight` [N, K] and `bias`, plain CPU tensors), layer i seeing
+    at most max_rows[i] rows. Cached choices are reused; the rest are timed, smallest buckets first
+    (decode sizes matter most), until `budget_s` is spent; new choices are saved."""
+    path = path or cache_path()
+    groups = _groups(layers, max_rows, load_cache(path))
+    deadline = clock() + budget_s
+    todo = sorted(
+        ((b, n) for n, g in enumerate(groups) for b in buckets(g.max_rows) if b not in g.choices),
+    )
+    fresh: dict[str, dict[int, str]] = {}
+    with torch.inference_mode():
+        for rows, n in todo:
+            g = groups[n]
+            times = _time_bucket(g, layers, rows, measure, lambda: clock() >= deadline)
+            if times is None:
+                break
+            best = choose(times)
+            if best is None:
+                continue
+            g.choices[rows] = best
+            g.timed[rows] = times
+            fresh.setdefault(g.key, {})[rows] = best
+            fastest = min(times.values())
+            g.alive = [
+                c
+                for c in g.alive
+                if not c.few_rows or times.get(c.name, 0.0) <= DROP_RATIO * fastest
+            ]
+    if fresh:
+        save_cache(path, fresh)
+    plans = [None] * len(layers)
+    for g in groups:
+        plan = Plan(dict(g.choices), g.max_rows)
+        for i in g.members:
+            plans[i] = plan
+    return plans

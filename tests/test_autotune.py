@@ -1,0 +1,277 @@
+"""Linear kernels chosen by measurement (kernels/autotune.py): the choice rule with a fake timer,
+the time budget with a fake clock, the JSON cache (keyed by CPU and shape, a corrupt file ignored
+with a warning), every candidate against F.linear, and the engine and flags that switch it."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmctl.kernels import autotune, cpu_dpbf16, cpu_native, onednn_linear
+
+
+def layer(n: int, k: int, dtype=torch.float32, bias: bool = False, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return SimpleNamespace(weight=w, bias=b)
+
+
+class FakeTimer:
+    """Seconds per call from a table (candidate, rows) -> s, default 1.0; records what it timed."""
+
+    def __init__(self, table: dict[tuple[str, int], float]):
+        self.table, self.calls = table, []
+
+    def __call__(self, key: str, name: str, rows: int, run) -> float:
+        self.calls.append((key.split()[0], name, rows))
+        return self.table.get((name, rows), 1.0)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMCTL_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_buckets_and_nearest():
+    assert autotune.buckets(2048) == (1, 8, 32, 128, 2048)
+    assert autotune.buckets(20) == (1, 8, 20)
+    assert autotune.buckets(1) == (1,)
+    assert [autotune.nearest(r, (1, 8, 32)) for r in (1, 2, 3, 5, 16, 17, 100)] == [
+        1,
+        1,
+        8,
+        8,
+        8,
+        32,
+        32,
+    ]
+
+
+def test_choice_is_the_fastest_per_bucket(cache):
+    layers = [layer(24, 16, seed=i) for i in range(3)] + [layer(40, 16)]
+    fake = FakeTimer({("native", 1): 0.1, ("torch", 8): 0.2, ("packed", 32): 0.1})
+    plans = autotune.tune(layers, [32] * 4, measure=fake)
+    assert plans[0] is plans[1] is plans[2] and plans[3] is not plans[0]  # one plan per shape
+    assert plans[0].choices == {1: "native", 8: "torch", 32: "packed"}
+    run = autotune.BY_NAME
+    assert plans[0].kernel(1) is run["native"].run
+    assert plans[0].kernel(3) is run["torch"].run  # nearest bucket: 8
+    assert plans[0].kernel(20) is run["packed"].run and plans[0].kernel(500) is run["packed"].run
+    assert plans[0].packs
+    assert {c[0] for c in fake.calls} == {"24x16", "40x16"}  # each shape timed once per bucket
+    assert len([c for c in fake.calls if c[2] == 1]) == 2 * len(
+        [c for c in autotune.CANDIDATES if c.applies(layers[0].weight)]
+    )
+
+
+def test_packed_copy_needs_a_clear_win():
+    assert autotune.choose({"torch": 1.0, "packed": 0.95}) == "torch"
+    assert autotune.choose({"torch": 1.0, "packed": 0.8}) == "packed"
+    assert autotune.choose({"torch": 1.0, "native": 0.5}) == "native"
+    assert autotune.choose({}) is None
+
+
+def test_large_models_get_no_packed_copies(cache, monkeypatch):
+    monkeypatch.setattr(autotune, "PACK_MAX_BYTES", 24 * 16 * 4 - 1)  # below one layer's bytes
+    fake = FakeTimer({("packed", 1): 0.01})
+    plans = autotune.tune([layer(24, 16)], [1], measure=fake)
+    assert "packed" not in {name for _, name, _ in fake.calls} and not plans[0].packs
+
+
+def test_a_few_rows_kernel_far_behind_is_not_timed_at_larger_buckets(cache):
+    if cpu_native.library() is None:
+        pytest.skip("needs the native kernels (a C compiler)")
+    fake = FakeTimer({("native", 1): 5.0, ("packed", 1): 5.0})  # 5x the others
+    autotune.tune([layer(24, 16)], [128], measure=fake)
+    timed = {(name, rows) for _, name, rows in fake.calls}
+    assert ("native", 1) in timed and not any(n == "native" and r > 1 for n, r in timed)
+    assert ("torch", 128) in timed and ("packed", 128) in timed  # the BLAS ones gain with rows
+
+
+def test_the_budget_stops_timing_and_leaves_the_static_rule(cache):
+    now = [0.0]
+
+    def clock():
+        return now[0]
+
+    def measure(key, name, rows, run):
+        now[0] += 1.0  # each measurement costs a second
+        return 1.0
+
+    n_cand = len([c for c in autotune.CANDIDATES if c.applies(layer(24, 16).weight)])
+    plans = autotune.tune(
+        [layer(24, 16)], [128], measure=measure, clock=clock, budget_s=n_cand + 0.5
+    )
+    assert sorted(plans[0].choices) == [1]  # bucket 1 complete, bucket 8 cut short
+    assert plans[0].kernel(1) is not None and plans[0].kernel(8) is None  # static rule
+    assert plans[0].kernel(100) is None
+    saved = json.loads(autotune.cache_path().read_text())["entries"]
+    assert [list(e) for e in saved.values()] == [["1"]]  # only what was measured is cached
+
+
+def test_cache_round_trip_keyed_by_cpu_and_shape(cache, monkeypatch):
+    layers = [layer(24, 16), layer(40, 16, bias=True)]
+    fake = FakeTimer({("native", 8): 0.1})
+    first = autotune.tune(layers, [8, 8], measure=fake)
+    path = autotune.cache_path()
+    assert path.parent == cache / "autotune" and path.suffix == ".json"
+    data = json.loads(path.read_text())
+    keys = sorted(data["entries"])
+    assert keys[0].startswith("24x16 float32 threads=") and keys[1].startswith("40x16 float32 bias")
+    assert data["entries"][keys[0]]["8"] == "native"
+
+    def never(*a):
+        raise AssertionError("a cached shape was timed again")
+
+    again = autotune.tune(layers, [8, 8], measure=never)
+    assert [p.choices for p in again] == [p.choices for p in first]
+    monkeypatch.setattr(cpu_native, "_cpu_fingerprint", lambda: "flags : another cpu")
+    assert autotune.cache_path() != path  # another CPU model: its own file, timed afresh
+    fake2 = FakeTimer({})
+    autotune.tune(layers, [8, 8], measure=fake2)
+    assert fake2.calls
+
+
+def test_a_corrupt_cache_is_ignored_with_a_warning(cache):
+    path = autotune.cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    fake = FakeTimer({})
+    with pytest.warns(RuntimeWarning, match="unreadable autotune cache"):
+        autotune.tune([layer(24, 16)], [8], measure=fake)
+    assert fake.calls
+    assert json.loads(path.read_text())["version"] == autotune.CACHE_VERSION  # rewritten
+    path.write_text(json.dumps({"version": 1, "entries": {"x": {"1": "no-such-kernel"}}}))
+    assert autotune.load_cache(path) == {"x": {}}  # unknown kernels are dropped
+
+
+def test_real_timer_runs_every_candidate(cache):
+    plans = autotune.tune([layer(24, 16, seed=i) for i in range(2)], [8])
+    assert set(plans[0].choices) == {1, 8}
+    assert set(plans[0].choices.values()) <= set(autotune.BY_NAME)
+
+
+def _candidates(dtype: torch.dtype, w: torch.Tensor) -> list[autotune.Candidate]:
+    return [c for c in autotune.CANDIDATES if c.applies(w)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 17, 130])
+@pytest.mark.parametrize("n,k", [(13, 24), (70, 40), (130, 72), (5, 33)])
+def test_every_candidate_matches_f_linear(dtype, rows, n, k):
+    g = torch.Generator().manual_seed(rows * n + k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    ref = F.linear(x.float(), w.float(), b.float())
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype is torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    names = []
+    with torch.inference_mode():
+        for c in _candidates(dtype, w):
+            packed = onednn_linear.pack_weight(w) if c.packs else None
+            for bias in (b, None):
+                y = c.run(x, w, bias, packed)
+                assert y.dtype is dtype and y.shape == (rows, n)
+                want = ref if bias is not None else ref - b.float()
+                torch.testing.assert_close(y.float(), want, **tol, msg=c.name)
+            names.append(c.name)
+    assert "torch" in names
+    if cpu_native.library() is not None and k % 8 == 0:
+        assert "native" in names
+    if dtype is torch.bfloat16:
+        assert "upcast" in names
+        if cpu_dpbf16.library() is not None:
+            assert "dpbf16" in names
+
+
+def test_dpbf16_kernel_leading_dims_and_threads():
+    if cpu_dpbf16.library() is None:
+        pytest.skip("no AVX512-BF16 on this CPU (or no C compiler): the kernel is never used here")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(67, 100, generator=g).bfloat16()
+    x = torch.randn(2, 5, 100, generator=g).bfloat16()
+    ref = F.linear(x.float(), w.float()).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            y = cpu_dpbf16.linear(x, w)
+            assert y.shape == (2, 5, 67)
+            torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=5e-2)
+    finally:
+        torch.set_num_threads(threads)
+    x_strided = torch.randn(4, 200, generator=g).bfloat16()[:, ::2]  # rows not contiguous
+    torch.testing.assert_close(
+        cpu_dpbf16.linear(x_strided, w).float(),
+        F.linear(x_strided.float(), w.float()),
+        rtol=1e-2,
+        atol=5e-2,
+    )
+
+
+def test_dpbf16_is_never_used_without_the_cpu_flag(monkeypatch):
+    monkeypatch.setattr(cpu_dpbf16, "_cpu_flags", lambda: {"avx2", "fma"})
+    cpu_dpbf16.cpu_has_dpbf16.cache_clear()
+    cpu_dpbf16.library.cache_clear()
+    try:
+        assert cpu_dpbf16.library() is None
+        w = torch.randn(8, 16).bfloat16()
+        assert not cpu_dpbf16.applies(torch.randn(1, 16).bfloat16(), w)
+        assert "dpbf16" not in [c.name for c in _candidates(torch.bfloat16, w)]
+    finally:
+        cpu_dpbf16.cpu_has_dpbf16.cache_clear()
+        cpu_dpbf16.library.cache_clear()
+
+
+def test_engine_tunes_at_start_and_no_autotune_keeps_the_static_rules(shakespeare_model, cache):
+    from llmctl.engine.params import SamplingParams
+    from llmctl.llm import LLM
+
+    prompts = [[int(t) for t in torch.randint(0, 60, (n,))] for n in (3, 40, 17)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    tuned = LLM(str(shakespeare_model), dtype="float32", max_num_batched_tokens=64)
+    model = tuned.runtime.model
+    from llmctl.models.llama import Linear
+
+    plans = {type(m.plan) for m in model.modules() if type(m) is Linear}
+    assert model.lm_head.plan is not None and model.lm_head.plan.max_rows == 256  # max_num_seqs
+    assert model.layers[0].mlp.down_proj.plan.max_rows == 64 and plans == {autotune.Plan}
+    out = [o.output_token_ids for o in tuned.generate(prompts, params)]
+    assert autotune.cache_path().exists()
+    static = LLM(str(shakespeare_model), dtype="float32", autotune=False)
+    assert all(getattr(m, "plan", None) is None for m in static.runtime.model.modules())
+    assert [o.output_token_ids for o in static.generate(prompts, params)] == out
+    static.runtime.start_engine(tuned.engine.engine_config)  # the same runtime, tuned again
+    assert static.runtime.model.lm_head.plan is not None
+    invariant = LLM(str(shakespeare_model), dtype="float32", batch_invariant=True)
+    assert all(getattr(m, "plan", None) is None for m in invariant.runtime.model.modules())
+
+
+def test_no_autotune_flags_reach_the_engine_config(monkeypatch):
+    import llmctl.commands.run_batch as rb
+    import llmctl.profiling.sweep_job as sj
+    from llmctl.cli import main
+    from llmctl.engine.config import EngineConfig
+
+    seen = []
+    monkeypatch.setattr(rb, "_run", lambda opts, quiet: seen.append(opts))
+    assert main(["run-batch", "in.jsonl", "--no-autotune"]) == 0
+    assert seen[0].engine == {"autotune": False} and EngineConfig().autotune
+    assert main(["run-batch", "in.jsonl"]) == 0 and "autotune" not in seen[1].engine
+
+    def fake_sweep(req, target, load_runtime, progress):
+        seen.append(req)
+        raise KeyboardInterrupt  # stop before any model is loaded (main answers 130)
+
+    monkeypatch.setattr(sj, "profile_sweep", fake_sweep)
+    for argv, want in ((["profile", "--no-autotune"], False), (["profile"], True)):
+        assert main(argv) == 130 and seen[-1].autotune is want
+    monkeypatch.setattr(sj, "kv_bytes_per_sequence", lambda *a: 1)
+    config = sj.sweep_engine_config(SimpleNamespace(), "float32", 1, 8, "1MiB", 0, autotune=False)
+    assert config.autotune is False
