@@ -21,6 +21,17 @@ from llmctl.errors import RequestError, UsageError
 BATCH_SAMPLING_DEFAULTS: dict[str, Any] = {"max_tokens": 128, "temperature": 0.0}
 
 
+@dataclass(frozen=True)
+class RayOptions:
+    """`--ray`: where and how wide to run the job on Ray (llmctl.batch.ray_job)."""
+
+    address: str | None = None  # None: start a local cluster for the job, and stop it after
+    replicas: int = 1  # engines, one per Ray actor, each loading the model once
+    gpus_per_replica: float = 0.0
+    cpus_per_replica: float = 1.0
+    batch_rows: int = 16  # rows handed to a replica at a time
+
+
 @dataclass
 class BatchOptions:
     input: str
@@ -43,6 +54,7 @@ class BatchOptions:
     commit_rows: int = 256
     commit_interval_s: float = 2.0
     report_json: str | None = None  # checked before the job, written by the command ('-': stdout)
+    ray: RayOptions | None = None  # --ray; not in the fingerprint: the rows are the same
 
 
 def sampling_default(name: str) -> Any:

@@ -15,6 +15,7 @@ import typer
 
 from llmctl.batch.options import BatchOptions
 from llmctl.commands import _batch_options as o
+from llmctl.commands import _ray_options as ro
 from llmctl.commands._batch_ui import RichUI
 from llmctl.commands._options import DeviceOpt, DtypeOpt, ModelOpt, QuietOpt, ReportJsonOpt
 from llmctl.commands._output import emit_json
@@ -113,10 +114,18 @@ def register(app: typer.Typer) -> None:
         enforce_eager: o.EagerOpt = False,
         batch_invariant: o.BatchInvariantOpt = False,
         max_in_flight: o.InFlightOpt = None,
+        ray: ro.RayOpt = False,
+        ray_address: ro.RayAddressOpt = None,
+        replicas: ro.ReplicasOpt = None,
+        gpus_per_replica: ro.GpusPerReplicaOpt = None,
+        cpus_per_replica: ro.CpusPerReplicaOpt = None,
+        batch_rows: ro.BatchRowsOpt = None,
     ) -> None:
         """Generate a completion for every row of INPUT and write one output row per input row."""
         args = SimpleNamespace(**locals())
-        _run(o.batch_options(args), quiet)
+        opts = o.batch_options(args)
+        opts.ray = ro.ray_options(args)
+        _run(opts, quiet)
 
 
 def _load_runtime(model, dtype="auto", device="auto"):
