@@ -60,7 +60,7 @@ def row_from_json(text: str) -> InputRow:
     return InputRow(**d, error=error)
 
 
-def _rows_table(rows: list[tuple[InputRow, int, int, bool]]):
+def rows_table(rows: list[tuple[InputRow, int, int, bool]]):
     import pyarrow as pa
 
     return pa.table(
@@ -91,10 +91,10 @@ def read_rows(_seed: Any, spec: ReadSpec) -> Iterator[Any]:
             chunk.append((row, prev[0], prev[1], row.index in done))
             prev = (row.index + 1, row.end_position)
             if len(chunk) >= spec.batch_rows:
-                yield _rows_table(chunk)
+                yield rows_table(chunk)
                 chunk = []
         if chunk:
-            yield _rows_table(chunk)
+            yield rows_table(chunk)
     finally:
         source.close()
 
