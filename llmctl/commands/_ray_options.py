@@ -25,7 +25,7 @@ RayOpt = Annotated[
     typer.Option(
         "--ray",
         help="Run on Ray Data: one engine per replica (an actor loading the model once); "
-        "needs the ray extra (pip install 'llmctl[ray]').",
+        "needs the ray extra (pip install 'llmctl\\[ray]').",
         rich_help_panel="Ray",
     ),
 ]

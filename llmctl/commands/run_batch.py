@@ -64,6 +64,13 @@ time, not a large batch: auto stops speculating while more than --speculative-ma
 summary reports the acceptance rate.
 
 \b
+Ray (pip install 'llmctl\\[ray]'): --ray runs the job on Ray Data, one engine per replica
+(--replicas, each a Ray actor that loads the model once; --gpus-per-replica, --cpus-per-replica),
+--batch-rows rows at a time, on a local cluster started for the job or on --ray-address.
+Replicas return rows and this process alone writes them, so the output, its order, error rows,
+the summary and resume are those of a single-process run (greedy rows are identical).
+
+\b
 Exit codes: 0 done; 1 write failure such as a full disk (committed rows are kept: rerun);
 2 usage or input error; 3 aborted by --max-errors (written rows are kept); 130 interrupted
 (resumable: rerun the same command); 141 stdout closed by its reader (`| head`), quietly, as
