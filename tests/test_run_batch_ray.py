@@ -52,7 +52,7 @@ def _write_input(path: Path, n: int, extras: bool) -> Path:
     return path
 
 
-def _run(inp: Path, out: Path, *extra: str) -> int:
+def _run(inp: Path | str, out: Path, *extra: str) -> int:
     return main(["run-batch", str(inp), "-o", str(out), "-q", "--max-tokens", "12", *extra])
 
 
@@ -84,6 +84,21 @@ def test_ray_refuses_stdin(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b'{"prompt": "a"}\n')))
     assert main(["run-batch", "-", "-o", str(tmp_path / "o.jsonl"), "-q", "--ray"]) == 2
     assert "not stdin" in capsys.readouterr().err
+
+
+def test_uri_input_reads_in_place(tmp_path, capsys):
+    """A pyarrow filesystem URI (file:// here, s3:// alike) is read, hashed and resumed in place."""
+    inp = _write_input(tmp_path / "in.jsonl", 3, extras=True)
+    assert _run(inp, tmp_path / "ref.jsonl") == 0
+    uri = inp.resolve().as_uri()
+    assert _run(uri, tmp_path / "out.jsonl") == 0
+    assert (tmp_path / "out.jsonl").read_bytes() == (tmp_path / "ref.jsonl").read_bytes()
+    assert _run(uri, tmp_path / "out.jsonl") == 0  # finished: checked, not served again
+    capsys.readouterr()
+    assert main(["run-batch", uri, "-q"]) == 2
+    assert main(["run-batch", uri + ".missing", "-o", str(tmp_path / "o.jsonl"), "-q"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert "pass -o" in err[0] and "not found" in err[1] and len(err) == 2
 
 
 # -- on a local cluster ---------------------------------------------------------------------------
@@ -118,6 +133,8 @@ def test_greedy_output_equals_single_process_row_for_row(cluster, job, tmp_path)
     out = tmp_path / "out.jsonl"
     assert _run(inp, out, *RAY, "--report-json", str(tmp_path / "s.json")) == 0
     assert out.read_bytes() == ref
+    uri_out = tmp_path / "uri.jsonl"  # a pyarrow filesystem URI, read by the Ray task
+    assert _run(inp.resolve().as_uri(), uri_out, *RAY) == 0 and uri_out.read_bytes() == ref
     summary = json.loads((tmp_path / "s.json").read_text())
     assert {k: summary[k] for k in SAME} == {k: ref_summary[k] for k in SAME}
     assert summary["errors"] == 2 and summary["rows"] == 17

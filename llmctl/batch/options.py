@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmctl.batch.uris import input_size, is_uri
 from llmctl.engine.params import SamplingParams
 from llmctl.errors import RequestError, UsageError
 
@@ -76,7 +77,9 @@ def fingerprint(opts: BatchOptions, source_format: str, defaults: SamplingParams
     """The settings a resumed job must share with the session that started it."""
     inp = opts.input
     size = None
-    if inp != "-":
+    if is_uri(inp):
+        size = input_size(inp)
+    elif inp != "-":
         inp = str(Path(inp).resolve())
         size = os.path.getsize(inp)
     sampling = dataclasses.asdict(defaults)

@@ -24,6 +24,7 @@ from llmctl.batch.job import Checkpoint, JobSettings
 from llmctl.batch.options import BatchOptions, RayOptions
 from llmctl.batch.ray_processor import ReadSpec, Replica, ReplicaSpec, read_rows
 from llmctl.batch.summary import BatchStats, Progress
+from llmctl.batch.uris import is_uri
 from llmctl.errors import AbortedError, LlmctlError, UsageError
 
 EXTRA = "pip install 'llmctl[ray]'"
@@ -99,9 +100,11 @@ def _data_context(ray, ordered: bool, batch_rows: int) -> Iterator[None]:
 
 
 def pipeline(ray, read: ReadSpec, replica: ReplicaSpec, r: RayOptions):
-    """The job's Dataset: one reading task on this node (it opens a local path), then the rows
-    in blocks of `batch_rows` through an actor pool of `r.replicas` engines."""
-    here = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
+    """The job's Dataset: one reading task (on this node for a local path; anywhere for a URI),
+    then the rows in blocks of `batch_rows` through an actor pool of `r.replicas` engines."""
+    here = (
+        None if is_uri(read.input) else {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
+    )
     ds = ray.data.from_items([{"seed": 0}]).map_batches(
         read_rows, fn_kwargs={"spec": read}, batch_format="pyarrow", num_cpus=0, label_selector=here
     )
