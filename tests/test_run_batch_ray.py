@@ -101,6 +101,71 @@ def test_uri_input_reads_in_place(tmp_path, capsys):
     assert "pass -o" in err[0] and "not found" in err[1] and len(err) == 2
 
 
+class _Batch:
+    def __init__(self, rows):
+        self.rows = rows
+
+    def to_pylist(self):
+        return self.rows
+
+
+def _result(index, index_from, position_from, end, done=False):
+    return {
+        "index": index, "index_from": index_from, "position_from": position_from,
+        "end_position": end, "done": done, "data": b"" if done else f"{index}\n".encode(),
+        "prompt_tokens": 1, "completion_tokens": 2, "error_code": None, "ttft": None,
+        "tpot": None,
+    }  # fmt: skip
+
+
+def test_driver_loop_resume_point_over_rows_back_in_any_order():
+    """Rows 0..4 at byte spans of 10, a blank line (index 2) owned by row 3; row 4 was written
+    by an earlier session (done). Back in the order 3, 4, 1, 0: the resume point stays at row 0
+    until row 0 is written, then jumps past every row; done_after lists what is written ahead."""
+    from llmctl.batch.job import JobSettings
+    from llmctl.batch.ray_job import DriverLoop
+    from llmctl.batch.summary import BatchStats
+
+    class Sink:
+        data = b""
+
+        def write(self, b):
+            self.data += b
+
+        def commit(self):
+            return len(self.data)
+
+    rows = {
+        0: _result(0, 0, 0, 10),
+        1: _result(1, 1, 10, 20),
+        3: _result(3, 2, 20, 40),
+        4: _result(4, 4, 40, 50, done=True),
+    }
+    commits = []
+    sink = Sink()
+    loop = DriverLoop(sink, BatchStats(), JobSettings(ordered=False, commit_rows=1), 0, 0)
+    loop.on_commit = commits.append
+    loop.run(iter([_Batch([rows[3]]), _Batch([rows[4], rows[1]]), _Batch([rows[0]])]), lambda: 0)
+    seen = [(c.next_index, c.next_position, c.done_after, c.read_position) for c in commits]
+    assert seen == [(0, 0, [3], 40), (0, 0, [1, 3, 4], 50), (5, 50, [], 50), (5, 50, [], 50)]
+    assert sink.data == b"3\n1\n0\n" and loop.stats.rows == 3 and commits[-1].finished
+    ordered = DriverLoop(Sink(), BatchStats(), JobSettings(ordered=True), 0, 0)
+    with pytest.raises(Exception, match="out of input order"):
+        ordered.run(iter([_Batch([rows[1]])]), lambda: 0)
+
+
+def test_a_replica_error_comes_back_as_its_one_line_llmctl_error():
+    from llmctl.batch.ray_job import _llmctl_cause
+    from llmctl.errors import ModelLoadError
+
+    text = (
+        "ActorDiedError: died in __init__\nllmctl.errors.ModelLoadError: model folder 'x' not found"
+    )
+    error = _llmctl_cause(RuntimeError(text))
+    assert isinstance(error, ModelLoadError) and str(error) == "model folder 'x' not found"
+    assert _llmctl_cause(RuntimeError("llmctl.errors.NoSuchThing: x")) is None
+
+
 # -- on a local cluster ---------------------------------------------------------------------------
 
 

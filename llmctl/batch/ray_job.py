@@ -14,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from llmctl import errors
 from llmctl.batch.driver import JobSession
 from llmctl.batch.job import Checkpoint, JobSettings
 from llmctl.batch.options import BatchOptions, RayOptions
@@ -119,13 +121,21 @@ def pipeline(ray, read: ReadSpec, replica: ReplicaSpec, r: RayOptions):
     )
 
 
+_REMOTE_ERROR = re.compile(r"llmctl\.errors\.(\w+): (.+)")
+
+
 def _llmctl_cause(e: BaseException) -> LlmctlError | None:
-    """The llmctl error a Ray error carries (e.g. a replica's model failed to load), if any."""
+    """The llmctl error a Ray error carries (e.g. a replica's model failed to load), if any: an
+    actor that died in `__init__` only keeps its error's text, so the text is read back."""
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, LlmctlError):
             return e
+        found = _REMOTE_ERROR.search(str(e))
+        kind = getattr(errors, found.group(1), None) if found else None
+        if isinstance(kind, type) and issubclass(kind, LlmctlError):
+            return kind(found.group(2).strip())
         e = getattr(e, "cause", None) or e.__cause__
     return None
 
