@@ -114,7 +114,7 @@ def _result(index, index_from, position_from, end, done=False):
         "index": index, "index_from": index_from, "position_from": position_from,
         "end_position": end, "done": done, "data": b"" if done else f"{index}\n".encode(),
         "prompt_tokens": 1, "completion_tokens": 2, "error_code": None, "ttft": None,
-        "tpot": None,
+        "tpot": None, "spec_proposed": 3 * (index == 1), "spec_accepted": index == 1,
     }  # fmt: skip
 
 
@@ -149,6 +149,7 @@ def test_driver_loop_resume_point_over_rows_back_in_any_order():
     seen = [(c.next_index, c.next_position, c.done_after, c.read_position) for c in commits]
     assert seen == [(0, 0, [3], 40), (0, 0, [1, 3, 4], 50), (5, 50, [], 50), (5, 50, [], 50)]
     assert sink.data == b"3\n1\n0\n" and loop.stats.rows == 3 and commits[-1].finished
+    assert (loop.stats.spec_proposed, loop.stats.spec_accepted) == (3, 1)
     ordered = DriverLoop(Sink(), BatchStats(), JobSettings(ordered=True), 0, 0)
     with pytest.raises(Exception, match="out of input order"):
         ordered.run(iter([_Batch([rows[1]])]), lambda: 0)
@@ -211,10 +212,14 @@ def test_greedy_output_equals_single_process_row_for_row(cluster, job, tmp_path)
 
 @needs_ray
 def test_unordered_writes_every_row_once(cluster, job, tmp_path):
+    """--unordered, and speculative decoding: greedy rows are the same, and the summary adds up
+    the draft tokens every replica proposed."""
     inp, ref, _ = job
-    out = tmp_path / "out.jsonl"
-    assert _run(inp, out, *RAY, "--unordered", "--replicas", "2") == 0
+    out, report = tmp_path / "out.jsonl", tmp_path / "s.json"
+    args = ("--unordered", "--speculative", "ngram", "--report-json", str(report))
+    assert _run(inp, out, *RAY, *args) == 0
     assert sorted(out.read_bytes().splitlines()) == sorted(ref.splitlines())
+    assert json.loads(report.read_text())["speculative"]["proposed_tokens"] > 0
 
 
 @needs_ray

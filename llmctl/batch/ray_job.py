@@ -228,6 +228,8 @@ class DriverLoop:
         return self.stats
 
     def _take(self, row: dict) -> None:
+        self.stats.spec_proposed += row["spec_proposed"]
+        self.stats.spec_accepted += row["spec_accepted"]
         if not row["done"]:
             self.sink.write(row["data"])
             self.stats.add_row(

@@ -152,6 +152,7 @@ class Replica:
             results[row.index] = (data, result)
             return data
 
+        before = self._spec_counts()
         job = BatchJob(
             self.engine,
             self.runtime,
@@ -162,10 +163,20 @@ class Replica:
             self._settings,
         )
         job.run()
-        return _results_table(batch, results)
+        spec = tuple(a - b for a, b in zip(self._spec_counts(), before))
+        return _results_table(batch, results, spec)
+
+    def _spec_counts(self) -> tuple[int, int]:
+        """Draft tokens the engine proposed and accepted so far (speculative decoding)."""
+        stats = getattr(self.engine, "stats", None)
+        if stats is None or not hasattr(stats, "spec_proposed"):
+            return 0, 0
+        return stats.spec_proposed, stats.spec_accepted
 
 
-def _results_table(batch: Any, results: dict[int, tuple[bytes, RowResult]]):
+def _results_table(batch: Any, results: dict[int, tuple[bytes, RowResult]], spec=(0, 0)):
+    """The batch's rows with their results; the batch's speculative counts ride on its first
+    row (the driver adds them to the summary)."""
     import pyarrow as pa
 
     got = [results.get(i) for i in batch.column("index").to_pylist()]
@@ -182,5 +193,7 @@ def _results_table(batch: Any, results: dict[int, tuple[bytes, RowResult]]):
         error_code=pa.array([None if r.error is None else r.error.code for r in res], pa.string()),
         ttft=pa.array([r.ttft for r in res], pa.float64()),
         tpot=pa.array([r.tpot for r in res], pa.float64()),
+        spec_proposed=pa.array([spec[0], *[0] * (len(res) - 1)][: len(res)], pa.int64()),
+        spec_accepted=pa.array([spec[1], *[0] * (len(res) - 1)][: len(res)], pa.int64()),
     )
     return pa.table(columns)
