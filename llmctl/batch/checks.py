@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from llmctl.batch.journal import journal_path, state_path, temp_path
+from llmctl.batch.uris import is_uri
 from llmctl.errors import UsageError
 
 REPORT_FLAG = "--report-json"
@@ -20,6 +21,8 @@ REPORT_FLAG = "--report-json"
 
 def default_output(input_path: str, source_format: str) -> Path:
     """prompts.jsonl -> prompts.out.jsonl; a Parquet input -> NAME.out.parquet, beside the input."""
+    if is_uri(input_path):
+        raise UsageError(f"input {input_path} is a URI: pass -o for the (local) output")
     p = Path(input_path)
     return p.with_name(p.stem + (".out.parquet" if source_format == "parquet" else ".out.jsonl"))
 

@@ -18,6 +18,7 @@ from collections import deque
 from pathlib import Path
 from typing import BinaryIO, Callable
 
+from llmctl.batch.uris import open_binary
 from llmctl.errors import UsageError
 
 CHUNK = 1 << 20
@@ -42,7 +43,7 @@ def hash_file_prefix(path: Path, n: int, hasher=None, start: int = 0):
     Raises PrefixChanged when the file is shorter than n bytes.
     """
     h = hasher if hasher is not None else new_hasher()
-    with open(path, "rb") as f:
+    with open_binary(path) as f:  # a local file or a URI input
         f.seek(start)
         left = n - start
         while left > 0:
@@ -208,8 +209,10 @@ def parquet_hasher(path: Path) -> FileHasher:
     file up to the end of their column chunks (and the schema, which maps columns to names)."""
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(str(path))
-    meta = pf.metadata
+    with open_binary(path) as f:
+        pf = pq.ParquetFile(f)
+        meta, arrow_schema = pf.metadata, pf.schema_arrow
+
     firsts, ends, first, end = [], [], 0, 0
     for i in range(meta.num_row_groups):
         rg = meta.row_group(i)
@@ -225,5 +228,5 @@ def parquet_hasher(path: Path) -> FileHasher:
         touched = bisect.bisect_left(firsts, position)  # row groups starting before position
         return ends[touched - 1] if touched else 0
 
-    schema = pf.schema_arrow.to_string(show_field_metadata=False, show_schema_metadata=False)
+    schema = arrow_schema.to_string(show_field_metadata=False, show_schema_metadata=False)
     return FileHasher(path, boundary, salt=schema.encode("utf-8"))

@@ -26,6 +26,7 @@ from llmctl.batch.rows import (
     parse_simple,
     request_error,
 )
+from llmctl.batch.uris import is_uri, open_binary
 from llmctl.engine.requests import show
 from llmctl.errors import RequestError, UsageError
 
@@ -179,7 +180,7 @@ class ParquetSource:
 
     def __init__(
         self,
-        path: Path,
+        path: Path | str,
         prompt_column: str = "prompt",
         id_column: str | None = None,
         messages_column: str | None = None,
@@ -188,7 +189,7 @@ class ParquetSource:
         import pyarrow.parquet as pq
 
         try:
-            self._file = pq.ParquetFile(str(path))
+            self._file = pq.ParquetFile(open_binary(path) if is_uri(path) else str(path))
         except Exception as e:
             raise UsageError(f"{path}: cannot read as Parquet ({type(e).__name__}: {e})") from None
         names = set(self._file.schema_arrow.names)
@@ -352,13 +353,14 @@ def open_input(
         stream.release()
         return JsonlSource(stream, fmt, seekable=False)
     p = Path(path)
-    if not p.exists():
+    uri = is_uri(path)  # s3://..., file://...: read in place through pyarrow
+    if not uri and not p.exists():
         raise UsageError(f"input {path} not found")
-    if p.is_dir():
+    if not uri and p.is_dir():
         raise UsageError(f"input {path} is a folder; pass a .jsonl or .parquet file")
     if fmt == "parquet" or (fmt == "auto" and p.suffix.lower() == ".parquet"):
-        return ParquetSource(p, prompt_column, id_column, messages_column)
-    stream = open(p, "rb")
+        return ParquetSource(path if uri else p, prompt_column, id_column, messages_column)
+    stream = open_binary(path)
     try:
         _refuse_other_encodings(stream.read(4), path)
     except UsageError:

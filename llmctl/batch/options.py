@@ -13,12 +13,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmctl.batch.uris import input_size, is_uri
 from llmctl.engine.params import SamplingParams
 from llmctl.errors import RequestError, UsageError
 
 # Where run-batch's sampling defaults differ from SamplingParams' (vLLM's): greedy, so that batch
 # jobs are reproducible, and longer outputs. Every other sampling default is SamplingParams'.
 BATCH_SAMPLING_DEFAULTS: dict[str, Any] = {"max_tokens": 128, "temperature": 0.0}
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """`--ray`: where and how wide to run the job on Ray (llmctl.batch.ray_job)."""
+
+    address: str | None = None  # None: start a local cluster for the job, and stop it after
+    replicas: int = 1  # engines, one per Ray actor, each loading the model once
+    gpus_per_replica: float = 0.0
+    cpus_per_replica: float = 1.0
+    batch_rows: int = 16  # rows handed to a replica at a time
 
 
 @dataclass
@@ -46,6 +58,7 @@ class BatchOptions:
     served_model_name: str | None = None  # the `model` of OpenAI output rows (default: the model's)
     # sampling defaults under the flags: none (run-batch's), vllm, auto (the model's file), a folder
     generation_config: str = "none"
+    ray: RayOptions | None = None  # --ray; not in the fingerprint: the rows are the same
 
 
 def sampling_default(name: str) -> Any:
@@ -71,7 +84,9 @@ def fingerprint(opts: BatchOptions, source_format: str, defaults: SamplingParams
     """The settings a resumed job must share with the session that started it."""
     inp = opts.input
     size = None
-    if inp != "-":
+    if is_uri(inp):
+        size = input_size(inp)
+    elif inp != "-":
         inp = str(Path(inp).resolve())
         size = os.path.getsize(inp)
     sampling = dataclasses.asdict(defaults)

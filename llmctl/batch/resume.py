@@ -28,6 +28,7 @@ from llmctl.batch.journal import (
     load_state,
     state_path,
 )
+from llmctl.batch.uris import is_uri
 from llmctl.errors import UsageError
 
 OVERWRITE = "pass --overwrite to start over"
@@ -53,9 +54,10 @@ class Target:
 def input_hasher(input_path: str, source_format: str, stream: StreamHasher | None):
     if stream is not None:
         return stream
+    path = input_path if is_uri(input_path) else Path(input_path)  # Path() would drop a '/'
     if source_format == "parquet":
-        return parquet_hasher(Path(input_path))
-    return FileHasher(Path(input_path))
+        return parquet_hasher(path)
+    return FileHasher(path)
 
 
 def plan(

@@ -97,11 +97,11 @@ def run_batch(
         if target is None:
             runtime, engine = _load_model(opts, engine_config, load_runtime, ui)
             no_state = JobState(fingerprint={}, created=int(time.time()))
-            job = JobSession(opts, source, None, no_state, defaults, engine_config, ui)
+            job = _session(opts)(opts, source, None, no_state, defaults, engine_config, ui)
             return BatchResult(job.drive(StdoutSink(), runtime, engine))
         unplanned = JobState(fingerprint={}, created=0)  # replaced by the plan before any save
         return _run_to_file(
-            JobSession(opts, source, target.out, unplanned, defaults, engine_config, ui),
+            _session(opts)(opts, source, target.out, unplanned, defaults, engine_config, ui),
             stream,
             target,
             load_runtime,
@@ -124,9 +124,21 @@ def _generation_defaults(opts: BatchOptions, ui: BatchUI) -> dict[str, Any]:
     return values
 
 
+def _session(opts: BatchOptions) -> type[JobSession]:
+    if opts.ray is None:
+        return JobSession
+    from llmctl.batch.ray_job import RayJobSession
+
+    return RayJobSession
+
+
 def _load_model(
     opts: BatchOptions, engine_config: EngineConfig, load_runtime: Callable[..., Any], ui: BatchUI
 ):
+    if opts.ray is not None:  # Ray replicas load the model (through this function); here, Ray
+        from llmctl.batch.ray_job import connect
+
+        return connect(opts, load_runtime, ui), None
     runtime = load_runtime(opts.model, dtype=opts.dtype, device=opts.device)
     engine = runtime.start_engine(engine_config)
     if engine_config.gpu_memory_utilization is not None:

@@ -16,6 +16,7 @@ import typer
 from llmctl.batch.options import BatchOptions
 from llmctl.commands import _batch_options as o
 from llmctl.commands import _batch_vllm_options as v
+from llmctl.commands import _ray_options as ro
 from llmctl.commands._batch_ui import RichUI, engine_logging, make_ui
 from llmctl.commands._options import DeviceOpt, DtypeOpt, ModelOpt, QuietOpt, ReportJsonOpt
 from llmctl.commands._output import emit_json
@@ -76,6 +77,13 @@ messages column is used when there is no prompt column. Our default stays greedy
 Progress: a bar on a terminal; otherwise (Slurm, Kubernetes, CI logs) a line every
 --log-interval seconds with rows done/total, errors, output tok/s and ETA (--progress).
 -v / --log-level info adds engine statistics lines, -vv every engine step.
+
+\b
+Ray (pip install 'llmctl\\[ray]'): --ray runs the job on Ray Data, one engine per replica
+(--replicas, each a Ray actor that loads the model once; --gpus-per-replica, --cpus-per-replica),
+--batch-rows rows at a time, on a local cluster started for the job or on --ray-address.
+Replicas return rows and this process alone writes them, so the output, its order, error rows,
+the summary and resume are those of a single-process run (greedy rows are identical).
 
 \b
 Exit codes: 0 done; 1 write failure such as a full disk (committed rows are kept: rerun);
@@ -140,6 +148,12 @@ def register(app: typer.Typer) -> None:
         log_interval: v.LogIntervalOpt = None,
         log_level: v.LogLevelOpt = None,
         verbose: v.VerboseOpt = 0,
+        ray: ro.RayOpt = False,
+        ray_address: ro.RayAddressOpt = None,
+        replicas: ro.ReplicasOpt = None,
+        gpus_per_replica: ro.GpusPerReplicaOpt = None,
+        cpus_per_replica: ro.CpusPerReplicaOpt = None,
+        batch_rows: ro.BatchRowsOpt = None,
     ) -> None:
         """Generate a completion for every row of INPUT and write one output row per input row."""
         _command(SimpleNamespace(**locals()))
@@ -149,6 +163,7 @@ def _command(args: SimpleNamespace) -> None:
     """The flags read (a bad one: UsageError before anything runs), then the job, with the
     engine's log lines on stderr at --log-level."""
     opts = o.batch_options(args)
+    opts.ray = ro.ray_options(args)
     ui = make_ui(args.quiet, v.progress_mode(args), args.log_interval or v.DEFAULT_LOG_INTERVAL_S)
     with engine_logging(v.log_level(args)):
         _run(opts, ui)
