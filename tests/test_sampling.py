@@ -64,7 +64,7 @@ def test_invalid_params_are_request_errors():
         dict(max_tokens=0),
         dict(temperature=-1),
         dict(top_p=0),
-        dict(top_k=0),
+        dict(top_k=-2),
         dict(stop=[""]),
         dict(seed="x"),
     ):
