@@ -149,18 +149,18 @@ class LLM:
         if isinstance(prompt, dict):
             extra = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
             if extra:
-                raise RequestError("invalid_prompt", f"prompt keys not supported: {extra}")
+                raise RequestError("invalid_type", f"prompt keys not supported: {extra}")
             if prompt.get("prompt_token_ids") is not None:
                 return list(prompt["prompt_token_ids"]), prompt.get("prompt")
             if isinstance(prompt.get("prompt"), str):
                 return self.runtime.encode(prompt["prompt"]), prompt["prompt"]
             raise RequestError(
-                "invalid_prompt", "a dict prompt needs 'prompt' (text) or 'prompt_token_ids'"
+                "invalid_type", "a dict prompt needs 'prompt' (text) or 'prompt_token_ids'"
             )
         if isinstance(prompt, (list, tuple)):
             return list(prompt), None
         raise RequestError(
-            "invalid_prompt",
+            "invalid_type",
             f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__}",
         )
 

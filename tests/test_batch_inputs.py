@@ -110,7 +110,7 @@ def test_openai_batch_requests():
             "custom_id": "f",
             "method": "POST",
             "url": "/v1/completions",
-            "body": {"prompt": "x", "n": 2},
+            "body": {"prompt": "x", "echo": True},
         },
         {"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}},
         {
