@@ -203,8 +203,9 @@ def _refuse_unsupported(obj: dict, allowed: tuple | None, where: str) -> None:
         if neutral is None or not _is_neutral(value, neutral):
             raise request_error(
                 "unsupported_parameter",
-                f"{where}{key}={show(value)} is not supported: run-batch answers each "
-                f"request with one plain-text completion; remove the field",
+                f"{where}{key}={show(value)} is not supported: run-batch answers with plain "
+                f"text (n of them with n), not streams, tools or structured output; remove "
+                f"the field",
                 param=key,
             )
 
