@@ -122,6 +122,20 @@ def test_logprobs_flag_and_parquet_columns(tmp_path):
     assert set(plain.column_names) == OLD_KEYS
 
 
+def test_parquet_input_columns(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "in.parquet"
+    table = {"prompt": ["ROMEO:", "JULIET:"], "n": [2.0, None], "logprobs": [None, 1.0]}
+    pq.write_table(pa.table(table), src)  # float columns, as pandas writes ints with nulls
+    dst = tmp_path / "out.jsonl"
+    assert main(["run-batch", str(src), "-o", str(dst), *ARGS]) == 0
+    first, second = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert len(first["outputs"]) == 2 and "logprobs" not in first
+    assert len(second["logprobs"]) == second["usage"]["completion_tokens"]
+
+
 def test_the_fingerprint_of_a_job_without_them_is_unchanged(tmp_path):
     from llmctl.batch.options import default_sampling
 

@@ -1,7 +1,9 @@
 """The engine loop: admit requests, schedule a step, run the model, sample, finish requests.
 
-Owns: `LLMEngine` (request validation, stop conditions, engine statistics). Knows nothing of files:
-callers (run-batch, profile, the Python API) feed it token ids and read `RequestOutput`s back.
+Owns: `LLMEngine` (request validation, stop conditions, engine statistics, forking a request with
+n > 1 once its prompt is computed and gathering its n completions, and when asked the logprobs of
+sampled and prompt tokens, `logprobs.py`). Knows nothing of files: callers (run-batch, profile,
+the Python API) feed it token ids and read `RequestOutput`s back.
 """
 
 from __future__ import annotations
