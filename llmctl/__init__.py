@@ -7,14 +7,14 @@ Heavy modules are imported lazily so `import llmctl` (and `llmctl --help`) stays
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "TextPrompt", "TokensPrompt", "__version__"]
 
 
 def __getattr__(name: str):
-    if name == "LLM":
-        from llmctl.llm import LLM
+    if name in ("LLM", "TextPrompt", "TokensPrompt"):
+        import llmctl.llm
 
-        return LLM
+        return getattr(llmctl.llm, name)
     if name == "SamplingParams":
         from llmctl.engine.params import SamplingParams
 

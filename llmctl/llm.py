@@ -1,54 +1,221 @@
 """The Python API: `LLM(model).generate(prompts, SamplingParams(...))`, the same engine as the
-CLI. `LLM(model, batch_invariant=True)`: each output independent of its batch-mates (issue 20)."""
+CLI, in vLLM's shapes so that vLLM scripts run unchanged (`llm.generate(prompts,
+sampling_params=..., use_tqdm=False)`, `out.outputs[0].text`, `{"prompt_token_ids": [...]}`,
+`llm.chat(conversation)`). `LLM(model, batch_invariant=True)`: each output independent of its
+batch-mates (issue 20).
+
+Owns: `LLM`, the prompt forms it accepts (`TextPrompt`, `TokensPrompt`), and the translation
+of vLLM's engine keywords (enforce_eager, gpu_memory_utilization, speculative_config, ...) into
+`EngineConfig` fields.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, TypedDict
 
 from llmctl.engine.config import EngineConfig
 from llmctl.engine.params import RequestOutput, SamplingParams
+from llmctl.engine.requests import json_type
+from llmctl.errors import RequestError, UsageError
 from llmctl.runtime.loader import load_runtime
+
+NGRAM_LOOKUP = {"prompt_lookup_max": 3, "prompt_lookup_min": 1}  # spec_decode.NgramProposer's
+
+
+class TextPrompt(TypedDict):
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    prompt_token_ids: list[int]
+
+
+PromptType = str | list[int] | TextPrompt | TokensPrompt
+
+
+def speculative_fields(config: dict) -> dict:
+    """vLLM's speculative_config ({"method": "ngram", "num_speculative_tokens": 4} or
+    {"model": DRAFT, ...}) -> EngineConfig fields; anything we cannot honour is a UsageError."""
+    if not isinstance(config, dict):
+        raise UsageError(f"speculative_config must be a dict, got {json_type(config)}")
+    known = {"method", "model", "num_speculative_tokens", *NGRAM_LOOKUP}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise UsageError(f"speculative_config: {', '.join(unknown)} not supported")
+    method, model = config.get("method"), config.get("model")
+    if method in (None, "draft_model") and model:
+        out: dict = {"speculative": "draft", "draft_model": model}
+    elif method == "ngram" and not model:
+        out = {"speculative": "ngram"}
+    else:
+        raise UsageError(
+            f"speculative_config method {method!r} is not supported: use 'ngram', or a draft "
+            f"'model' with the same vocabulary"
+        )
+    for key, ours in NGRAM_LOOKUP.items():
+        if config.get(key, ours) != ours:
+            raise UsageError(f"speculative_config: llmctl's n-gram proposer has {key}={ours}")
+    if config.get("num_speculative_tokens") is not None:
+        out["num_speculative_tokens"] = config["num_speculative_tokens"]
+    return out
+
+
+def engine_fields(
+    enforce_eager: bool,
+    gpu_memory_utilization: float | None,
+    speculative_config: dict | None,
+    tensor_parallel_size: int,
+    engine_kwargs: dict,
+) -> dict:
+    """vLLM's LLM keywords folded into our EngineConfig keywords (which are also accepted)."""
+    fields = dict(engine_kwargs)
+    if tensor_parallel_size != 1:
+        raise UsageError("tensor_parallel_size must be 1: llmctl runs a model on one device")
+    if enforce_eager:
+        fields["cuda_graphs"] = False
+    if speculative_config is not None:
+        fields.update(speculative_fields(speculative_config))
+    if gpu_memory_utilization is not None:
+        if not isinstance(gpu_memory_utilization, (int, float)) or not (
+            0 < gpu_memory_utilization <= 1
+        ):
+            raise UsageError(
+                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}"
+            )
+        if fields.get("kv_cache_memory") is not None:
+            raise UsageError("give kv_cache_memory or gpu_memory_utilization, not both")
+    return fields
+
+
+def _kv_from_utilization(utilization: float, device: str) -> int | None:
+    """On CUDA, the KV budget that keeps the process at `utilization` of the device's memory
+    with the weights loaded (as vLLM sizes it); None elsewhere (the CPU default applies, as
+    vLLM's CPU backend ignores the setting too)."""
+    if not str(device).startswith("cuda"):
+        return None
+    import torch
+
+    _, total = torch.cuda.mem_get_info(torch.device(device))
+    budget = int(utilization * total) - torch.cuda.memory_allocated(torch.device(device))
+    if budget <= 0:
+        raise UsageError(
+            f"gpu_memory_utilization {utilization} leaves no memory for the KV cache "
+            f"after the weights"
+        )
+    return budget
 
 
 class LLM:
     """A loaded model with its engine. Engine keywords: see `EngineConfig` (block_size,
-    kv_cache_memory, batch_invariant, ...)."""
+    kv_cache_memory, batch_invariant, ...), and vLLM's: `max_model_len`, `seed`,
+    `enforce_eager` (no CUDA graphs), `gpu_memory_utilization` (CUDA: the KV cache fills the
+    device up to that fraction; ignored on the CPU), `speculative_config`,
+    `tensor_parallel_size=1`."""
 
     def __init__(
         self,
         model: str | None = None,
         dtype: str = "auto",
         device: str = "auto",
+        *,
+        enforce_eager: bool = False,
+        gpu_memory_utilization: float | None = None,
+        speculative_config: dict | None = None,
+        tensor_parallel_size: int = 1,
         **engine_kwargs: Any,
     ):
+        fields = engine_fields(
+            enforce_eager,
+            gpu_memory_utilization,
+            speculative_config,
+            tensor_parallel_size,
+            engine_kwargs,
+        )
+        EngineConfig(**fields)  # a bad keyword fails before the model loads
         self.runtime = load_runtime(model, dtype=dtype, device=device)
-        self.engine = self.runtime.start_engine(EngineConfig(**engine_kwargs))
+        if gpu_memory_utilization is not None:
+            budget = _kv_from_utilization(gpu_memory_utilization, self.runtime.device)
+            if budget is not None:
+                fields["kv_cache_memory"] = budget
+        self.engine = self.runtime.start_engine(EngineConfig(**fields))
+
+    def get_tokenizer(self):
+        return self.runtime.tokenizer
+
+    def _prompt_ids(self, prompt: Any) -> tuple[list[int], str | None]:
+        """One prompt in any accepted form -> (token ids, its text or None)."""
+        if isinstance(prompt, str):
+            return self.runtime.encode(prompt), prompt
+        if isinstance(prompt, dict):
+            extra = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if extra:
+                raise RequestError("invalid_type", f"prompt keys not supported: {extra}")
+            if prompt.get("prompt_token_ids") is not None:
+                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+            if isinstance(prompt.get("prompt"), str):
+                return self.runtime.encode(prompt["prompt"]), prompt["prompt"]
+            raise RequestError(
+                "invalid_type", "a dict prompt needs 'prompt' (text) or 'prompt_token_ids'"
+            )
+        if isinstance(prompt, (list, tuple)):
+            return list(prompt), None
+        raise RequestError(
+            "invalid_type",
+            f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__}",
+        )
 
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
-        params: SamplingParams | list[SamplingParams] | None = None,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable = True,
+        *,
         on_finish: Callable[[RequestOutput], None] | None = None,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Text prompts or token-id lists in; outputs in input order. Bad prompts raise
-        RequestError."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Text prompts, token-id lists or dicts ({"prompt": ...} / {"prompt_token_ids": ...})
+        in; outputs in input order. Bad prompts raise RequestError. `use_tqdm` is accepted for
+        vLLM scripts; there is no progress bar. `params` is the older name of
+        `sampling_params`."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # type: ignore[list-item]
-        params = params or SamplingParams()
-        per = params if isinstance(params, list) else [params] * len(prompts)
+        chosen = sampling_params if sampling_params is not None else params
+        chosen = chosen if chosen is not None else SamplingParams()
+        per = list(chosen) if isinstance(chosen, (list, tuple)) else [chosen] * len(prompts)
+        if len(per) != len(prompts):
+            raise UsageError(f"{len(per)} sampling params for {len(prompts)} prompts")
+        return self._run([self._prompt_ids(p) for p in prompts], per, on_finish)
+
+    def _run(self, prompts: list[tuple[list[int], str | None]], per, on_finish):
         engine = self.engine
-        for i, (p, sp) in enumerate(zip(prompts, per)):
-            ids = self.runtime.encode(p) if isinstance(p, str) else list(p)
+        for i, ((ids, _), sp) in enumerate(zip(prompts, per)):
             engine.add_request(str(i), ids, sp)
         results: dict[str, RequestOutput] = {}
         while engine.has_unfinished_requests():
             for out in engine.step():
+                out.prompt = prompts[int(out.request_id)][1]
                 results[out.request_id] = out
                 if on_finish:
                     on_finish(out)
         return [results[str(i)] for i in range(len(prompts))]
 
     def chat(
-        self, conversations: list[list[dict]], params: SamplingParams | None = None
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable = True,
+        *,
+        params: SamplingParams | None = None,
     ) -> list[RequestOutput]:
-        return self.generate([self.runtime.apply_chat_template(c) for c in conversations], params)
+        """One conversation (a list of messages) or a list of them, through the model's chat
+        template with the assistant turn opened; outputs in order."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]  # type: ignore[list-item]
+        chosen = sampling_params if sampling_params is not None else params
+        ids = [{"prompt_token_ids": self.runtime.apply_chat_template(c)} for c in messages]
+        outs = self.generate(ids, chosen)
+        for o in outs:
+            o.prompt = self.runtime.decode(o.prompt_token_ids)
+        return outs

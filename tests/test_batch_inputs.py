@@ -106,12 +106,7 @@ def test_openai_batch_requests():
         {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": [5, 6]}},
         {"custom_id": "d", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
         {"custom_id": "e", "method": "GET", "url": "/v1/completions", "body": {}},
-        {
-            "custom_id": "f",
-            "method": "POST",
-            "url": "/v1/completions",
-            "body": {"prompt": "x", "n": 2},
-        },
+        {"custom_id": "f", "method": "POST", "url": "/v1/completions", "body": {"echo": True}},
         {"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}},
         {
             "custom_id": "h",

@@ -258,10 +258,6 @@ def test_openai_prompt_lists_are_refused_for_what_they_are(prompt, message):
         ("stream", True),
         ("tools", [{"type": "function"}]),
         ("response_format", {"type": "json_object"}),
-        ("n", 2),
-        ("n", True),
-        ("logprobs", True),
-        ("top_logprobs", 3),
         ("logit_bias", {"5": 1}),
         ("echo", True),
         ("best_of", 2),
@@ -291,7 +287,7 @@ def test_neutral_and_harmless_body_fields_are_accepted():
         seed=None,
     )
     (row,) = _rows(_req("x", **body) + b"\n", "openai")
-    assert row.error is None and row.overrides == {"max_tokens": 3}
+    assert row.error is None and row.overrides == {"max_tokens": 3, "n": 1}
     (chat,) = _rows(
         _req("c", messages=[{"role": "user", "content": "hi"}], prompt="no") + b"\n", "openai"
     )
@@ -300,11 +296,11 @@ def test_neutral_and_harmless_body_fields_are_accepted():
 
 def test_simple_rows_refuse_generation_features_but_keep_their_own_columns():
     rows = _rows(
-        b'{"prompt": "a", "stream": true}\n{"prompt": "b", "n": 3}\n'
-        b'{"prompt": "c", "source": "wiki", "n": 1, "max_completion_tokens": 4}\n'
+        b'{"prompt": "a", "stream": true}\n{"prompt": "b", "echo": true}\n'
+        b'{"prompt": "c", "source": "wiki", "n": 2, "max_completion_tokens": 4}\n'
     )
     assert _codes(rows) == ["unsupported_parameter", "unsupported_parameter", None]
-    assert rows[2].overrides == {"max_tokens": 4}
+    assert rows[2].overrides == {"max_tokens": 4, "n": 2}
 
 
 def test_a_failed_openai_row_has_the_shape_openai_writes():

@@ -71,12 +71,12 @@ def _generate(llm: LLM, rows: list, order: list[int]) -> tuple[dict, dict]:
     execute = runner.execute
 
     def logging_execute(batch):
-        logits, sampling = execute(batch)
+        logits, sampling, prompt = execute(batch)
         row = 0
         for seq in sampling:
             logged[(order[int(seq.request_id)], tuple(seq.token_ids))] = logits[row].clone()
             row += 1 + len(seq.spec_token_ids)
-        return logits, sampling
+        return logits, sampling, prompt
 
     runner.execute = logging_execute
     try:

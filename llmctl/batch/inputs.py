@@ -16,6 +16,7 @@ from typing import BinaryIO, Callable, Iterator
 
 from llmctl.batch.rows import (
     BOM,
+    OUTPUT_KEYS,
     OVERRIDE_KEYS,
     PROMPT_KEYS,
     CustomIds,
@@ -176,7 +177,7 @@ class ParquetSource:
     """Rows of a Parquet file, read one record batch at a time (never the whole table)."""
 
     format = "parquet"
-    _INTEGER_FIELDS = ("id", "max_tokens", "top_k", "seed")
+    _INTEGER_FIELDS = ("id", "max_tokens", "top_k", "seed", "n", "logprobs", "prompt_logprobs")
 
     def __init__(
         self,
@@ -211,7 +212,9 @@ class ParquetSource:
                 f"{path}: no prompt column {prompt_column!r} (see --prompt-column, "
                 f"--messages-column); columns: {', '.join(sorted(names))}"
             )
-        self.row_overrides = [k for k in (*OVERRIDE_KEYS, "sampling_params") if k in names]
+        self.row_overrides = [
+            k for k in (*OVERRIDE_KEYS, *OUTPUT_KEYS, "sampling_params") if k in names
+        ]
         self._columns = sorted({c for c in self._map.values() if c} | set(self.row_overrides))
         self._batch_rows = batch_rows
 

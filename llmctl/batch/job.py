@@ -121,9 +121,8 @@ class BatchJob:
             deque()
         )  # rows read and not yet behind the watermark, in read order
         self._positions: dict[int, int] = {}  # row index -> input position, for rows in _order
-        self._in_flight: dict[
-            str, InputRow
-        ] = {}  # request id -> row (prompt dropped after submission)
+        # request id -> (row, its params); the prompt is dropped after submission
+        self._in_flight: dict[str, tuple[InputRow, SamplingParams]] = {}
         self._finished: dict[
             int, _Pending
         ] = {}  # ordered mode: finished rows waiting for earlier ones
@@ -214,7 +213,7 @@ class BatchJob:
             self._complete(row, RowResult.failed(e, prompt_tokens=len(ids)))
             return
         row.prompt = row.messages = row.prompt_token_ids = None  # keep only what the output needs
-        self._in_flight[rid] = row
+        self._in_flight[rid] = (row, params)
         self.peaks.in_flight = max(self.peaks.in_flight, len(self._in_flight))
 
     def _tokenize(self, row: InputRow) -> list[int]:
@@ -259,22 +258,10 @@ class BatchJob:
 
     def _finish(self, out: Any) -> None:
         self._busy = True
-        row = self._in_flight.pop(out.request_id, None)
+        row, params = self._in_flight.pop(out.request_id, (None, None))
         if row is None:
             raise RuntimeError(f"engine returned unknown request {out.request_id!r}")
-        text = out.text if out.text is not None else self.runtime.decode(out.output_token_ids)
-        self._complete(
-            row,
-            RowResult(
-                text=text,
-                finish_reason=out.finish_reason,
-                prompt_tokens=len(out.prompt_token_ids),
-                completion_tokens=len(out.output_token_ids),
-                token_ids=list(out.output_token_ids),
-                ttft=out.ttft,
-                tpot=out.tpot,
-            ),
-        )
+        self._complete(row, RowResult.of(out, params, self.runtime.decode))
         self._busy = False
         self._check_errors()
 

@@ -20,6 +20,9 @@ from llmctl.errors import RequestError, UsageError
 # Where run-batch's sampling defaults differ from SamplingParams' (vLLM's): greedy, so that batch
 # jobs are reproducible, and longer outputs. Every other sampling default is SamplingParams'.
 BATCH_SAMPLING_DEFAULTS: dict[str, Any] = {"max_tokens": 128, "temperature": 0.0}
+# SamplingParams fields newer than resumable state files: in the fingerprint only when set, so
+# a job started before they existed still resumes.
+LATER_SAMPLING_FIELDS = {"n": 1, "logprobs": None, "prompt_logprobs": None}
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,11 @@ def fingerprint(opts: BatchOptions, source_format: str, defaults: SamplingParams
     elif inp != "-":
         inp = str(Path(inp).resolve())
         size = os.path.getsize(inp)
-    sampling = dataclasses.asdict(defaults)
+    sampling = {
+        k: v
+        for k, v in dataclasses.asdict(defaults).items()
+        if k not in LATER_SAMPLING_FIELDS or v != LATER_SAMPLING_FIELDS[k]
+    }
     model = opts.model or "(demo model)"
     if opts.model and Path(opts.model).expanduser().is_dir():
         model = str(Path(opts.model).expanduser().resolve())  # ./m and m are the same model

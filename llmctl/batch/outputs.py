@@ -16,10 +16,11 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, Callable
 
 from llmctl.batch.digests import new_hasher
 from llmctl.batch.journal import temp_path
+from llmctl.batch.logprob_records import openai_choices, simple_fields, vllm_prompt_logprobs
 from llmctl.batch.rows import InputRow
 from llmctl.errors import RequestError, UsageError
 
@@ -36,6 +37,31 @@ class RowResult:
     error: RequestError | None = None
     ttft: float | None = None
     tpot: float | None = None
+    outputs: list | None = None  # the engine's CompletionOutputs (n > 1, logprobs)
+    prompt_logprobs: list | None = None
+    logprobs_k: int | None = None  # top alternatives asked per position
+    prompt_logprobs_k: int | None = None
+
+    @classmethod
+    def of(cls, out: Any, params: Any, decode: Callable[[list[int]], str]) -> "RowResult":
+        """A finished engine request (`RequestOutput`-like) served with `params`."""
+        outs = getattr(out, "outputs", None)
+        text = out.text if out.text is not None else decode(out.output_token_ids)
+        return cls(
+            text=text,
+            finish_reason=out.finish_reason,
+            prompt_tokens=len(out.prompt_token_ids),
+            completion_tokens=sum(len(c.token_ids) for c in outs)
+            if outs
+            else len(out.output_token_ids),
+            token_ids=list(out.output_token_ids),
+            ttft=out.ttft,
+            tpot=out.tpot,
+            outputs=outs,
+            prompt_logprobs=getattr(out, "prompt_logprobs", None),
+            logprobs_k=params.logprobs,
+            prompt_logprobs_k=params.prompt_logprobs,
+        )
 
     @classmethod
     def failed(cls, error: RequestError, prompt_tokens: int = 0) -> "RowResult":
@@ -61,6 +87,8 @@ def simple_record(row: InputRow, result: RowResult, include_token_ids: bool = Fa
     }
     if include_token_ids:
         rec["token_ids"] = result.token_ids
+    if result.error is None:
+        rec.update(simple_fields(result, include_token_ids))
     return rec
 
 
@@ -94,23 +122,19 @@ def openai_record(
         rec["error"] = None
         return rec
     if row.endpoint == "chat":
-        choice: dict = {
-            "index": 0,
-            "message": {"role": "assistant", "content": result.text},
-            "logprobs": None,
-            "finish_reason": result.finish_reason,
-        }
         obj, prefix = "chat.completion", "chatcmpl"
     else:
-        choice = {
-            "index": 0,
-            "text": result.text,
-            "logprobs": None,
-            "finish_reason": result.finish_reason,
-        }
         obj, prefix = "text_completion", "cmpl"
-    if include_token_ids:
-        choice["token_ids"] = result.token_ids
+    if result.outputs:
+        choices = openai_choices(result, row.endpoint, include_token_ids)
+    else:  # a result built without the engine's completions (tests, fakes)
+        choices = [_plain_choice(row.endpoint, result, include_token_ids)]
+    prompt_lps = None
+    if result.prompt_logprobs is not None:
+        prompt_lps = vllm_prompt_logprobs(result.prompt_logprobs)
+        if row.endpoint != "chat":  # vLLM: on each completions choice, on the chat response
+            for c in choices:
+                c["prompt_logprobs"] = prompt_lps
     usage = {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
@@ -124,12 +148,34 @@ def openai_record(
             "object": obj,
             "created": created,
             "model": model,
-            "choices": [choice],
+            "choices": choices,
             "usage": usage,
         },
     }
+    if prompt_lps is not None and row.endpoint == "chat":
+        rec["response"]["body"]["prompt_logprobs"] = prompt_lps
     rec["error"] = None
     return rec
+
+
+def _plain_choice(endpoint: str | None, result: RowResult, include_token_ids: bool) -> dict:
+    if endpoint == "chat":
+        choice: dict = {
+            "index": 0,
+            "message": {"role": "assistant", "content": result.text},
+            "logprobs": None,
+            "finish_reason": result.finish_reason,
+        }
+    else:
+        choice = {
+            "index": 0,
+            "text": result.text,
+            "logprobs": None,
+            "finish_reason": result.finish_reason,
+        }
+    if include_token_ids:
+        choice["token_ids"] = result.token_ids
+    return choice
 
 
 def encode_record(rec: dict) -> bytes:
@@ -236,6 +282,31 @@ def _utf8(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def _output_fields(journal: Path, include_token_ids: bool) -> list:
+    """Parquet columns for logprobs, prompt_logprobs and outputs (n > 1), only when some row of
+    the journal has them (one extra pass over it)."""
+    import pyarrow as pa
+
+    present: set[str] = set()
+    wanted = ("logprobs", "prompt_logprobs", "outputs")
+    with open(journal, "rb") as f:
+        for line in f:
+            if b'logprobs"' in line or b'"outputs"' in line:  # cheap test, then the real one
+                present.update(k for k in wanted if k in json.loads(line))
+    tok = pa.struct([("token", pa.string()), ("token_id", pa.int64()), ("logprob", pa.float64())])
+    pos = pa.struct([*tok, ("rank", pa.int64()), ("top_logprobs", pa.list_(tok))])
+    one = [("index", pa.int64()), ("text", pa.string()), ("finish_reason", pa.string())]
+    if include_token_ids:
+        one.append(("token_ids", pa.list_(pa.int64())))
+    one.append(("logprobs", pa.list_(pos)))
+    types = {
+        "logprobs": pa.list_(pos),
+        "prompt_logprobs": pa.list_(pos),
+        "outputs": pa.list_(pa.struct(one)),
+    }
+    return [pa.field(k, types[k]) for k in wanted if k in present]
+
+
 def journal_to_parquet(
     journal: Path, out: Path, include_token_ids: bool, chunk_rows: int = 8192
 ) -> None:
@@ -254,6 +325,7 @@ def journal_to_parquet(
     ]
     if include_token_ids:
         fields.append(pa.field("token_ids", pa.list_(pa.int64())))
+    fields += _output_fields(journal, include_token_ids)
     schema = pa.schema(fields)
     tmp = temp_path(out)
 

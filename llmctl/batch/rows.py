@@ -1,7 +1,8 @@
 """One run-batch input row, from parsed JSON to an `InputRow` or that row's error.
 
 Owns: `InputRow`, the two JSONL row shapes (simple rows: `prompt` | `messages` |
-`prompt_token_ids` with per-row sampling overrides; OpenAI Batch API rows: `custom_id`,
+`prompt_token_ids` with per-row sampling overrides, and n / logprobs / prompt_logprobs in their
+own spellings per shape, `output_overrides`; OpenAI Batch API rows: `custom_id`,
 `method`, `url`, `body`), `decode_json_line`/`parse_line` (whatever goes wrong reading one row is
 that row's error, never an exception), the fields we refuse rather than ignore, and `CustomIds`
 (a repeated `custom_id` is an error row). The request checks themselves are in
@@ -47,13 +48,10 @@ OPENAI_IGNORED = ("model", "user", "metadata", "store", "service_tier")
 # Generation features llmctl does not implement, with the values that ask for none of them. In an
 # OpenAI body every other unknown field is refused too; a simple row may carry other keys.
 NEUTRAL_VALUES: dict[str, tuple] = {
-    "n": (1,),
     "best_of": (1,),
     "stream": (False,),
     "stream_options": (),
     "echo": (False,),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "logit_bias": ({},),
     "suffix": ("",),
     "tools": ([],),
@@ -149,6 +147,46 @@ def row_overrides(obj: dict, where: str = "") -> dict:
     return out
 
 
+OUTPUT_KEYS = ("n", "logprobs", "top_logprobs", "prompt_logprobs")
+
+
+def output_overrides(obj: dict, endpoint: str | None = None, where: str = "") -> dict:
+    """n, logprobs and prompt_logprobs as SamplingParams fields (their ranges are checked
+    there). Simple rows and completions ask `logprobs: k`; chat asks `logprobs: true` with
+    `top_logprobs: k` (OpenAI's spellings)."""
+    out = {k: obj[k] for k in ("n", "prompt_logprobs") if obj.get(k) is not None}
+    lp, top = obj.get("logprobs"), obj.get("top_logprobs")
+    if endpoint == "chat":
+        if lp is not None and not isinstance(lp, bool):
+            raise request_error(
+                "invalid_parameter", f"{where}logprobs must be true or false", param="logprobs"
+            )
+        if top is not None and not lp:
+            raise request_error(
+                "invalid_parameter",
+                f"{where}top_logprobs needs {where}logprobs: true",
+                param="top_logprobs",
+            )
+        if lp:
+            out["logprobs"] = 0 if top is None else top
+        return out
+    if top is not None and top != 0:
+        raise request_error(
+            "invalid_parameter",
+            f"{where}top_logprobs is the chat endpoint's; here logprobs: K asks for K alternatives",
+            param="top_logprobs",
+        )
+    if lp is True:
+        raise request_error(
+            "invalid_parameter",
+            f"{where}logprobs must be the number of alternatives (0 to 20), got true",
+            param="logprobs",
+        )
+    if lp is not None and lp is not False:
+        out["logprobs"] = lp
+    return out
+
+
 def _is_neutral(value: object, neutral: tuple) -> bool:
     return any(type(value) is type(n) and value == n for n in neutral)
 
@@ -167,8 +205,9 @@ def _refuse_unsupported(
         if neutral is None or not _is_neutral(value, neutral):
             raise request_error(
                 "unsupported_parameter",
-                f"{where}{key}={show(value)} is not supported: run-batch answers each "
-                f"request with one plain-text completion; remove the field",
+                f"{where}{key}={show(value)} is not supported: run-batch answers with plain "
+                f"text (n of them with n), not streams, tools or structured output; remove "
+                f"the field",
                 param=key,
             )
 
@@ -241,7 +280,10 @@ def parse_simple(obj: object, index: int, position: int, end_position: int) -> I
             row.id = rid  # a lone surrogate in it is echoed back as the same JSON escape
         _fill_prompt(row, obj)
         _refuse_unsupported(obj, None, "")
-        row.overrides = sampling_params_overrides(obj, row_overrides(obj))
+        row.overrides = {
+            **sampling_params_overrides(obj, row_overrides(obj)),
+            **output_overrides(obj),
+        }
     except RequestError as e:
         row.error = e
     return row
@@ -313,11 +355,15 @@ def parse_openai(obj: object, index: int, position: int, end_position: int) -> I
             OPENAI_PROMPT[row.endpoint],
             *OVERRIDE_KEYS,
             "max_completion_tokens",
+            *OUTPUT_KEYS,
             *OPENAI_IGNORED,
         )
         _refuse_unsupported(body, allowed, "body.")
         _openai_prompt(row, body)
-        row.overrides = row_overrides(body, "body.")
+        row.overrides = {
+            **row_overrides(body, "body."),
+            **output_overrides(body, row.endpoint, "body."),
+        }
     except RequestError as e:
         row.error = e
     return row

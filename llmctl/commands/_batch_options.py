@@ -135,6 +135,26 @@ FrequencyOpt = Annotated[
     Optional[float],
     _opt("--frequency-penalty", help=_sampling("Frequency penalty", "frequency_penalty")),
 ]
+LogprobsOpt = Annotated[
+    Optional[int],
+    _opt(
+        "--logprobs",
+        min=0,
+        max=20,
+        help="Per generated token, its log-probability and the K likeliest alternatives (a "
+        "row's logprobs wins; OpenAI rows ask with logprobs / top_logprobs).",
+    ),
+]
+PromptLogprobsOpt = Annotated[
+    Optional[int],
+    _opt(
+        "--prompt-logprobs",
+        min=0,
+        max=20,
+        help="Per prompt token after the first, its log-probability and K alternatives (for "
+        "scoring a text; such rows take no prefix-cache hits).",
+    ),
+]
 IgnoreEosOpt = Annotated[
     bool, typer.Option("--ignore-eos", help="Keep generating past end-of-sequence tokens.")
 ]
@@ -258,6 +278,8 @@ def batch_options(a: SimpleNamespace) -> BatchOptions:
         presence_penalty=a.presence_penalty,
         frequency_penalty=a.frequency_penalty,
         ignore_eos=a.ignore_eos or None,
+        logprobs=a.logprobs,
+        prompt_logprobs=a.prompt_logprobs,
     )
     return BatchOptions(
         input=vllm.input_of(a),

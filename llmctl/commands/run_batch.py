@@ -36,9 +36,13 @@ Inputs: simple JSONL ({"id"?, "prompt" | "messages" | "prompt_token_ids", per-ro
 temperature, top_p, top_k, seed, stop, ...}), OpenAI Batch API JSONL (custom_id, method, url,
 body; answered in the OpenAI batch output shape), or Parquet (read one row group at a time).
 Output rows: id, text, finish_reason, usage, error (null or {code, message}); in input order
-unless --unordered (Parquet output: ids as strings). A bad row becomes an error row; it never
-stops the job. Default ids are line numbers (1-based; Parquet: row numbers); ids are not checked
-for duplicates (an OpenAI batch's custom_ids are: a repeat is an error row).
+unless --unordered (Parquet output: ids as strings). A row with "logprobs": K (or --logprobs K)
+adds logprobs, one {token, token_id, logprob, rank, top_logprobs} per generated token;
+"prompt_logprobs": K adds prompt_logprobs (null first); "n": N adds outputs (N completions,
+the first also in text; the prompt is prefilled once, completion i seeded from the row's seed).
+A bad row becomes an error row; it never stops the job. Default ids are line numbers (1-based;
+Parquet: row numbers); ids are not checked for duplicates (an OpenAI batch's custom_ids are: a
+repeat is an error row).
 
 \b
 Sampling is greedy by default (--temperature 0) so that batch jobs are reproducible; with
@@ -123,6 +127,8 @@ def register(app: typer.Typer) -> None:
         presence_penalty: o.PresenceOpt = None,
         frequency_penalty: o.FrequencyOpt = None,
         ignore_eos: o.IgnoreEosOpt = False,
+        logprobs: o.LogprobsOpt = None,
+        prompt_logprobs: o.PromptLogprobsOpt = None,
         block_size: o.BlockSizeOpt = None,
         kv_cache_memory: o.KvMemoryOpt = None,
         prefix_caching: o.PrefixCachingOpt = None,

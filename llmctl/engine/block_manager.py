@@ -120,6 +120,27 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
 
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give `child` (no blocks yet) the K/V of `parent`'s computed tokens: its full blocks
+        shared by reference count, its partly filled last block (which both will write) as a copy
+        in a fresh block. Returns (source, destination) for the caller to copy the K/V, or None
+        when there is nothing to copy; with no free block the child recomputes that block's
+        tokens instead."""
+        bs = self.block_size
+        computed = parent.num_computed_tokens
+        full = computed // bs
+        for bid in parent.block_table[:full]:
+            self.blocks[bid].ref_count += 1
+        child.block_table = parent.block_table[:full]
+        child.block_hashes = parent.block_hashes[:full]
+        child.num_computed_tokens = full * bs
+        if computed == full * bs or not self.free_queue:
+            return None
+        dst = self._take_free_block()
+        child.block_table.append(dst)
+        child.num_computed_tokens = computed
+        return parent.block_table[full], dst
+
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register the blocks of `seq` that its first `num_tokens` tokens fill in the prefix cache.
 

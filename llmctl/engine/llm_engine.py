@@ -1,7 +1,9 @@
 """The engine loop: admit requests, schedule a step, run the model, sample, finish requests.
 
-Owns: `LLMEngine` (request validation, stop conditions, engine statistics). Knows nothing of files:
-callers (run-batch, profile, the Python API) feed it token ids and read `RequestOutput`s back.
+Owns: `LLMEngine` (request validation, stop conditions, engine statistics, forking a request with
+n > 1 once its prompt is computed and gathering its n completions, and when asked the logprobs of
+sampled and prompt tokens, `logprobs.py`). Knows nothing of files: callers (run-batch, profile,
+the Python API) feed it token ids and read `RequestOutput`s back.
 What it does is logged to the `llmctl.engine` logger (stdlib logging; silent unless a caller
 configures it): every step at DEBUG, the first preemption and a statistics line (steps, step
 time, queue, KV blocks, prefix-cache hit rate, preemptions) at most every
@@ -10,9 +12,10 @@ time, queue, KV blocks, prefix-cache hit rate, preemptions) at most every
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
@@ -20,8 +23,9 @@ import torch
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.config import EngineConfig
 from llmctl.engine.detokenizer import Detokenize, first_stop
+from llmctl.engine.logprobs import add_prompt, add_sampled, to_dicts
 from llmctl.engine.model_runner import ModelRunner
-from llmctl.engine.params import RequestOutput, SamplingParams
+from llmctl.engine.params import CompletionOutput, RequestOutput, SamplingParams, derived_seed
 from llmctl.engine.requests import check_prompt_ids
 from llmctl.engine.sampler import Sampler
 from llmctl.engine.scheduler import Scheduler
@@ -75,6 +79,16 @@ class _LogMarks:
     preempted: bool = False  # the first preemption is logged at INFO, later ones at DEBUG
 
 
+@dataclass
+class _Group:
+    """The finished completions of a request with n > 1, until all n are done."""
+
+    n: int
+    done: dict[int, CompletionOutput] = field(default_factory=dict)
+    prompt_logprobs: list | None = None
+    first_token_time: float | None = None
+
+
 class LLMEngine:
     """The engine over a loaded model. It loads nothing: whoever builds it passes the model and its
     config, the EOS ids, a detokenize callable (token ids -> text; stop strings and output text need
@@ -115,6 +129,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._logged = _LogMarks(time.perf_counter())
         self.proposer = proposer
+        self._groups: dict[str, _Group] = {}  # requests with n > 1 by id
         if cfg.cuda_graphs and _graphs_supported(model, device):
             self.runner.enable_decode_graphs(cfg.max_num_seqs, self.capacity)
 
@@ -143,6 +158,8 @@ class LLMEngine:
             request_id, prompt_token_ids, params, max_len=min(self.capacity, n + params.max_tokens)
         )
         self.stats.prompt_tokens += n
+        if params.n > 1:
+            self._groups[request_id] = _Group(params.n)
         self.scheduler.add(seq)
 
     def has_unfinished_requests(self) -> bool:
@@ -161,16 +178,22 @@ class LLMEngine:
                 )  # a bug, not user error
             return []
         t0 = time.perf_counter()
-        logits, sampling = self.runner.execute(batch)
+        logits, sampling, prompt_hidden = self.runner.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        for seq, first, hidden in prompt_hidden:
+            add_prompt(self.runner.project, seq, first, hidden)
+        if any(s.params.n > 1 and not s.index and not s.num_output_tokens for s in sampling):
+            logits, sampling = self._fork(logits, sampling)
         new_tokens = self._sample(logits, sampling)
+        if any(s.logprobs is not None for s in sampling):
+            add_sampled(logits, sampling, new_tokens)
         self.stats.model_seconds += time.perf_counter() - t0
         self.stats.steps += 1
         self.stats.computed_tokens += batch.total_tokens
         self.stats.peak_used_blocks = max(
             self.stats.peak_used_blocks, self.block_manager.num_used_blocks
         )
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
         now = time.perf_counter()
         finished = []
         for seq, tokens in zip(sampling, new_tokens):
@@ -181,16 +204,9 @@ class LLMEngine:
                 seq.spec_token_ids = []
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            for token in tokens:
-                seq.token_ids.append(token)
-                self.stats.output_tokens += 1
-                reason = self._stop_reason(seq, token)
-                if reason:
-                    self.scheduler.finish(seq, reason)
-                    if self.proposer:
-                        self.proposer.release(seq.request_id)
-                    finished.append(self._output(seq, now))
-                    break
+            done = self._append(seq, tokens, now)
+            if done is not None:
+                finished.append(done)
         self.stats.finished += len(finished)
         if self.proposer:
             self._propose()
@@ -239,6 +255,45 @@ class LLMEngine:
             f"{bm.num_used_blocks}/{bm.num_blocks} in use; so far a prefix cache hit rate of "
             f"{hit:.1f}% and {sch.num_preemptions} preemptions"
         )
+
+    def _append(self, seq: Sequence, tokens: list[int], now: float) -> RequestOutput | None:
+        """Append the new tokens up to a stop; the request's output once it is complete."""
+        for token in tokens:
+            seq.token_ids.append(token)
+            self.stats.output_tokens += 1
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self.scheduler.finish(seq, reason)
+                if self.proposer:
+                    self.proposer.release(seq.key)
+                return self._finished(seq, now)
+        return None
+
+    def _fork(self, logits: torch.Tensor, sampling: list[Sequence]):
+        """Children for each request with n > 1 whose prompt this step finished: they share its
+        K/V (scheduler.fork) and sample their first token from its logits row, each with its
+        own seed. Returns the logits and sampling sequences with the children after each
+        parent. Forks may run more than max_num_seqs sequences for a while."""
+        rows, seqs = [], []
+        for row, seq in enumerate(sampling):
+            rows.append(row)
+            seqs.append(seq)
+            if seq.params.n == 1 or seq.index or seq.num_output_tokens:
+                continue
+            children = []
+            for i in range(1, seq.params.n):
+                p = seq.params
+                params = dataclasses.replace(
+                    p, n=1, seed=derived_seed(p.seed, i), prompt_logprobs=None
+                )
+                child = Sequence(seq.request_id, seq.token_ids, params, seq.max_len)
+                child.index, child.arrival_time = i, seq.arrival_time
+                children.append(child)
+            for src, dst in self.scheduler.fork(seq, children):
+                self.runner.copy_block(src, dst)
+            rows += [row] * len(children)
+            seqs += children
+        return logits[rows], seqs
 
     def _sample(self, logits, sampling: list[Sequence]) -> list[list[int]]:
         """New tokens per sampling sequence: one, or the verified drafts plus one."""
@@ -295,7 +350,7 @@ class LLMEngine:
                 seq.max_len - seq.num_tokens - 1,
             )
             if k > 0:
-                seq.spec_token_ids = self.proposer.propose(seq.request_id, seq.token_ids, k)[:k]
+                seq.spec_token_ids = self.proposer.propose(seq.key, seq.token_ids, k)[:k]
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -310,20 +365,47 @@ class LLMEngine:
             return "length"
         return None
 
-    def _output(self, seq: Sequence, now: float) -> RequestOutput:
+    def _completion(self, seq: Sequence) -> CompletionOutput:
         text = self.detokenize(
             seq.output_token_ids
         )  # once per request; stops were found incrementally
         if seq.stopped_on_text:
             end = first_stop(text, seq.params.stop)
             text = text if end is None else text[:end]
+        out = CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason or "length")
+        if seq.logprobs is not None:
+            entries = seq.logprobs[: seq.num_output_tokens]  # drafts after a stop were scored
+            out.logprobs = to_dicts(entries, self.detokenize)
+            out.cumulative_logprob = sum(e.logprob for e in entries)
+        return out
+
+    def _finished(self, seq: Sequence, now: float) -> RequestOutput | None:
+        """The request's output: at once for n = 1, when the last completion ends for n > 1."""
+        done = self._completion(seq)
+        prompt_lps = seq.prompt_logprobs
+        first = seq.first_token_time
+        group = self._groups.get(seq.request_id)
+        if group is not None:
+            group.done[seq.index] = done
+            if seq.index == 0:
+                group.prompt_logprobs = prompt_lps
+            group.first_token_time = min(filter(None, (group.first_token_time, first)))
+            if len(group.done) < group.n:
+                return None
+            del self._groups[seq.request_id]
+            prompt_lps, first = group.prompt_logprobs, group.first_token_time
+        outputs = [done] if group is None else [group.done[i] for i in range(group.n)]
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            output_token_ids=seq.output_token_ids,
-            text=text,
-            finish_reason=seq.finish_reason or "length",
+            output_token_ids=outputs[0].token_ids,
+            text=outputs[0].text,
+            finish_reason=outputs[0].finish_reason,
             arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time,
+            first_token_time=first,
             finish_time=now,
+            outputs=outputs,
+            prompt_logprobs=None
+            if prompt_lps is None
+            else [None, *to_dicts(prompt_lps, self.detokenize)],
         )

@@ -2,7 +2,8 @@
 
 Owns: the KV cache tensors (sized once from the memory budget) and the per-step input building:
 packed token ids [T], positions [T], slot mapping [T], decode block tables, prefill chunks, and
-the indices of the tokens whose logits are needed (the last token of each sequence that samples).
+the indices of the tokens whose logits are needed (the last token of each sequence that samples),
+and, for requests that asked for prompt logprobs, the hidden states of their prompt positions.
 Decode-only steps go through `cuda_graphs.DecodeGraphs` when enabled (CUDA). With
 `EngineConfig.batch_invariant` every token is laid out as a decode (its own block table and
 context length, prefill chunks included) and the model takes its fixed-order paths, so a token's
@@ -46,6 +47,8 @@ class StepInputs:
     prefills: list[PrefillChunk] = field(default_factory=list)
     logits_idx: list[int] = field(default_factory=list)  # packed rows whose logits are sampled
     sampling: list[Sequence] = field(default_factory=list)
+    # (sequence, first prompt position, packed offset, count): prompt positions to score
+    prompt_rows: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -191,6 +194,8 @@ class ModelRunner:
                         torch.tensor(seq_slots, dtype=torch.long, device=self.device),
                     )
                 )
+            if seq.needs_prompt_logprobs:
+                _add_prompt_rows(st, seq, start, n, offset)
             k = len(seq.spec_token_ids)
             if (
                 start + n == seq.num_tokens + k
@@ -232,10 +237,25 @@ class ModelRunner:
             st.sampling,
         )
 
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden rows [m, H] -> float32 logits [m, V], as the sampled rows are computed."""
+        with torch.inference_mode():
+            return self.model.compute_logits(hidden, self.batch_invariant)
+
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy the K/V of block src into block dst, every layer (a forked sequence's own copy
+        of a partly filled block it shares with its parent)."""
+        bs = self.block_size
+        for k, v in self.kv_caches:  # [kv_heads, slots, head_dim]
+            k[:, dst * bs : (dst + 1) * bs] = k[:, src * bs : (src + 1) * bs]
+            v[:, dst * bs : (dst + 1) * bs] = v[:, src * bs : (src + 1) * bs]
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch):
         """Run one step; returns float32 logits on the CPU, 1 + len(spec_token_ids) rows per
-        sampling sequence, in order, and those sequences."""
+        sampling sequence, in order, those sequences, and (sequence, first position, hidden
+        [m, H]) for the prompt positions whose logprobs were asked."""
         st = self._step_inputs(batch)
         if (
             self.graphs is not None
@@ -250,7 +270,17 @@ class ModelRunner:
         else:
             input_ids, positions, meta, logits_idx, sampling = self._tensors(st)
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        prompt = [(seq, p, hidden[o : o + m]) for seq, p, o, m in st.prompt_rows]
         if not sampling:
-            return torch.empty(0, self.config.vocab_size), sampling
+            return torch.empty(0, self.config.vocab_size), sampling, prompt
         logits = self.model.compute_logits(hidden[logits_idx], self.batch_invariant)
-        return logits.cpu(), sampling
+        return logits.cpu(), sampling, prompt
+
+
+def _add_prompt_rows(st: StepInputs, seq: Sequence, start: int, n: int, offset: int) -> None:
+    """The positions of this chunk that predict a prompt token not scored yet: position p
+    predicts token p + 1; the first len(seq.prompt_logprobs) were scored before a preemption."""
+    first = max(start, len(seq.prompt_logprobs))
+    end = min(start + n, seq.num_prompt_tokens - 1)
+    if end > first:
+        st.prompt_rows.append((seq, first, offset + first - start, end - first))

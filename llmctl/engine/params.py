@@ -1,6 +1,8 @@
 """Typed values passed between the engine and its callers: sampling settings and finished results.
 
-Owns: `SamplingParams` (per-request decoding settings, validated) and `RequestOutput`.
+Owns: `SamplingParams` (per-request decoding settings, validated), the seeds of the n
+completions of one request (`derived_seed`), and the results in vLLM's shapes: `RequestOutput`
+(with our own fields too), `CompletionOutput` and `Logprob`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from llmctl.engine.requests import show
 from llmctl.errors import RequestError
 
 MAX_STOP_STRINGS = 64  # each is searched for after every generated token
+MAX_LOGPROBS = 20  # top alternatives per position, as OpenAI allows
+MAX_N = 128  # completions per request
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
 
 
@@ -30,12 +34,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    n: int = 1  # completions of the prompt, prefilled once; completion i: derived_seed(seed, i)
+    logprobs: int | None = None  # per output token: its logprob and this many top alternatives
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if type(self.top_k) is int and self.top_k in (-1, 0):
-            self.top_k = None
+        if self.top_k in (0, -1) and not isinstance(self.top_k, bool):
+            self.top_k = None  # vLLM's spellings of "no top-k cut"
         self.validate()
 
     @property
@@ -87,11 +94,64 @@ class SamplingParams:
             raise bad(f"seed must be an integer, got {show(self.seed)}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise bad(f"seed must be between -2**63 and 2**64 - 1, got {show(self.seed)}")
+        self._validate_outputs(bad)
+
+    def _validate_outputs(self, bad) -> None:
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad(f"n must be an integer from 1 to {MAX_N}, got {show(self.n)}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise bad(f"{name} must be an integer from 0 to {MAX_LOGPROBS}, got {show(v)}")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def derived_seed(seed: int | None, index: int) -> int | None:
+    """The seed of completion `index` of a request seeded `seed`: the seed itself for the first,
+    so n=1 draws what it always drew; a 64-bit mix for the others, so they are independent of
+    each other and of the next row's `seed + 1` (run-batch's per-row seeds)."""
+    if seed is None or index == 0:
+        return seed
+    x = (seed + index * 0x9E3779B97F4A7C15) & ((1 << 64) - 1)  # splitmix64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return x ^ (x >> 31)
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability at a position (vLLM's shape): `rank` 1 is the likeliest."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob, the top alternatives by rank and the chosen token.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n completions (vLLM's shape)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass
 class RequestOutput:
-    """A finished request. Times are `time.perf_counter()` seconds."""
+    """A finished request. Times are `time.perf_counter()` seconds. `output_token_ids`, `text`
+    and `finish_reason` are the first completion's; `outputs` holds all n (vLLM's shape; built
+    from the first when not given)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -101,6 +161,16 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None
     finish_time: float
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # None first: nothing predicts it
+    prompt: str | None = None  # the text prompt, when one was given (the Python API sets it)
+    finished: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.outputs:
+            self.outputs = [
+                CompletionOutput(0, self.text, self.output_token_ids, self.finish_reason)
+            ]
 
     @property
     def ttft(self) -> float | None:

@@ -31,7 +31,7 @@ ERROR_CODES = {
     "invalid_text": "a lone UTF-16 surrogate in a prompt, message or stop string",
     "invalid_token_id": "a negative token id, or one outside the vocabulary",
     "invalid_parameter": "a bad sampling value (type, NaN/Infinity, range, too many stop strings)",
-    "unsupported_parameter": "a feature run-batch does not do (n > 1, stream, tools, logprobs...)",
+    "unsupported_parameter": "a feature run-batch does not do (stream, tools, echo, best_of...)",
     "invalid_custom_id": "OpenAI batch: a missing or non-string custom_id",
     "duplicate_custom_id": "OpenAI batch: a custom_id already used (the first use is served)",
     "invalid_method": "OpenAI batch: a method other than POST",

@@ -77,7 +77,8 @@ class Scheduler:
         if not preempted:  # admit new work only when running requests are not short of blocks
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
-                cached = self.bm.find_cached_prefix(seq)
+                # a hit would skip positions whose prompt logprobs are asked: compute them all
+                cached = [] if seq.needs_prompt_logprobs else self.bm.find_cached_prefix(seq)
                 computed = len(cached) * self.bm.block_size
                 n = min(seq.num_tokens - computed, budget)
                 if not self.bm.allocate(seq, n, cached):
@@ -91,6 +92,18 @@ class Scheduler:
                 budget -= n
         chosen.sort(key=lambda sn: sn[1] != 1)  # stable: decodes first, then chunks, in queue order
         return ScheduledBatch([s for s, _ in chosen], [n for _, n in chosen], preempted)
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> list[tuple[int, int]]:
+        """Run `children` (copies of `parent`, which has just computed its prompt) on its K/V
+        (block_manager.fork); returns the (source, destination) blocks whose K/V to copy."""
+        copies = []
+        for child in children:
+            pair = self.bm.fork(parent, child)
+            if pair is not None:
+                copies.append(pair)
+            child.status = Status.RUNNING
+            self.running.append(child)
+        return copies
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq)

@@ -38,6 +38,9 @@ class Sequence:
         "generator",
         "num_preemptions",
         "spec_token_ids",
+        "index",
+        "logprobs",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -62,12 +65,29 @@ class Sequence:
         self.spec_token_ids: list[
             int
         ] = []  # draft tokens proposed for the next step, not yet verified
+        self.index = 0  # which of the request's n completions (children of a fork count from 1)
+        # Per output token / per prompt token after the first, when asked: logprobs.Entry tuples
+        self.logprobs: list | None = None if params.logprobs is None else []
+        self.prompt_logprobs: list | None = None if params.prompt_logprobs is None else []
 
     def step_token_ids(self, start: int, n: int) -> list[int]:
         """The n tokens from position `start` that a step computes, speculative drafts included."""
         if self.spec_token_ids:
             return (self.token_ids + self.spec_token_ids)[start : start + n]
         return self.token_ids[start : start + n]
+
+    @property
+    def key(self) -> str:
+        """Unique among running sequences: the request id, with the completion index after a
+        fork (what proposers key their state by)."""
+        return self.request_id if not self.index else f"{self.request_id}\x1f{self.index}"
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked and some are still to compute (a prefix-cache hit would
+        skip their positions)."""
+        done = self.prompt_logprobs
+        return done is not None and len(done) < self.num_prompt_tokens - 1
 
     @property
     def num_tokens(self) -> int:
