@@ -35,6 +35,7 @@ class FakeTimer:
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LLMCTL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("LLMCTL_AUTOTUNE", "1")  # conftest turns it off for the rest of the suite
     return tmp_path
 
 
@@ -251,6 +252,15 @@ def test_engine_tunes_at_start_and_no_autotune_keeps_the_static_rules(shakespear
     assert static.runtime.model.lm_head.plan is not None
     invariant = LLM(str(shakespeare_model), dtype="float32", batch_invariant=True)
     assert all(getattr(m, "plan", None) is None for m in invariant.runtime.model.modules())
+
+
+def test_env_switch_keeps_the_static_rules(shakespeare_model, cache, monkeypatch):
+    from llmctl.llm import LLM
+
+    monkeypatch.setenv("LLMCTL_AUTOTUNE", "0")
+    llm = LLM(str(shakespeare_model), dtype="float32")
+    assert all(getattr(m, "plan", None) is None for m in llm.runtime.model.modules())
+    assert not (cache / "autotune").exists()
 
 
 def test_no_autotune_flags_reach_the_engine_config(monkeypatch):

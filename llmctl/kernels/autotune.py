@@ -41,6 +41,13 @@ MAX_CALLS, MIN_SECONDS = 8, 0.004  # timed calls per measurement: at most, and e
 Kernel = Callable[[torch.Tensor, torch.Tensor, Any, Any], torch.Tensor]  # (x, weight, bias, packed)
 
 
+def allowed() -> bool:
+    """False when LLMCTL_AUTOTUNE=0: the static rules everywhere, as with --no-autotune. The test
+    suite sets it, since a choice made by timing can differ between two engines of one test (their
+    outputs would then differ in the last bits); the autotune tests turn it back on."""
+    return os.environ.get("LLMCTL_AUTOTUNE", "1") != "0"
+
+
 def _packed(x: torch.Tensor, w: torch.Tensor, b: Any, packed: Any) -> torch.Tensor:
     y = onednn_linear.packed_linear(x.reshape(-1, x.shape[-1]), packed, b)
     return y.view(*x.shape[:-1], y.shape[-1])

@@ -56,13 +56,15 @@ class Runtime:
     def _choose_kernels(self, cfg) -> None:
         """Time the CPU linear kernels for this engine's row counts (kernels/autotune.py, a few
         seconds at most, cached); with `autotune` off or batch-invariant runs, the static rules."""
+        from llmctl.kernels import autotune
+
         tune = getattr(self.model, "tune_linears", None)
         if tune is None or self.device != "cpu":
             return
         tune(
             cfg.max_num_batched_tokens,
             cfg.max_num_seqs,
-            enabled=cfg.autotune and not cfg.batch_invariant,
+            enabled=cfg.autotune and not cfg.batch_invariant and autotune.allowed(),
         )
 
     def _proposer(self, engine_config):
