@@ -15,11 +15,9 @@ from typing import Any, Callable, Sequence, TypedDict
 
 from llmctl.engine.config import EngineConfig
 from llmctl.engine.params import RequestOutput, SamplingParams
-from llmctl.engine.requests import json_type
+from llmctl.engine.vllm_config import speculative_from_vllm
 from llmctl.errors import RequestError, UsageError
 from llmctl.runtime.loader import load_runtime
-
-NGRAM_LOOKUP = {"prompt_lookup_max": 3, "prompt_lookup_min": 1}  # spec_decode.NgramProposer's
 
 
 class TextPrompt(TypedDict):
@@ -31,33 +29,6 @@ class TokensPrompt(TypedDict):
 
 
 PromptType = str | list[int] | TextPrompt | TokensPrompt
-
-
-def speculative_fields(config: dict) -> dict:
-    """vLLM's speculative_config ({"method": "ngram", "num_speculative_tokens": 4} or
-    {"model": DRAFT, ...}) -> EngineConfig fields; anything we cannot honour is a UsageError."""
-    if not isinstance(config, dict):
-        raise UsageError(f"speculative_config must be a dict, got {json_type(config)}")
-    known = {"method", "model", "num_speculative_tokens", *NGRAM_LOOKUP}
-    unknown = sorted(set(config) - known)
-    if unknown:
-        raise UsageError(f"speculative_config: {', '.join(unknown)} not supported")
-    method, model = config.get("method"), config.get("model")
-    if method in (None, "draft_model") and model:
-        out: dict = {"speculative": "draft", "draft_model": model}
-    elif method == "ngram" and not model:
-        out = {"speculative": "ngram"}
-    else:
-        raise UsageError(
-            f"speculative_config method {method!r} is not supported: use 'ngram', or a draft "
-            f"'model' with the same vocabulary"
-        )
-    for key, ours in NGRAM_LOOKUP.items():
-        if config.get(key, ours) != ours:
-            raise UsageError(f"speculative_config: llmctl's n-gram proposer has {key}={ours}")
-    if config.get("num_speculative_tokens") is not None:
-        out["num_speculative_tokens"] = config["num_speculative_tokens"]
-    return out
 
 
 def engine_fields(
@@ -74,35 +45,10 @@ def engine_fields(
     if enforce_eager:
         fields["cuda_graphs"] = False
     if speculative_config is not None:
-        fields.update(speculative_fields(speculative_config))
-    if gpu_memory_utilization is not None:
-        if not isinstance(gpu_memory_utilization, (int, float)) or not (
-            0 < gpu_memory_utilization <= 1
-        ):
-            raise UsageError(
-                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}"
-            )
-        if fields.get("kv_cache_memory") is not None:
-            raise UsageError("give kv_cache_memory or gpu_memory_utilization, not both")
+        fields.update(speculative_from_vllm(speculative_config))
+    if gpu_memory_utilization is not None:  # EngineConfig checks it; CUDA only, as in run-batch
+        fields["gpu_memory_utilization"] = gpu_memory_utilization
     return fields
-
-
-def _kv_from_utilization(utilization: float, device: str) -> int | None:
-    """On CUDA, the KV budget that keeps the process at `utilization` of the device's memory
-    with the weights loaded (as vLLM sizes it); None elsewhere (the CPU default applies, as
-    vLLM's CPU backend ignores the setting too)."""
-    if not str(device).startswith("cuda"):
-        return None
-    import torch
-
-    _, total = torch.cuda.mem_get_info(torch.device(device))
-    budget = int(utilization * total) - torch.cuda.memory_allocated(torch.device(device))
-    if budget <= 0:
-        raise UsageError(
-            f"gpu_memory_utilization {utilization} leaves no memory for the KV cache "
-            f"after the weights"
-        )
-    return budget
 
 
 class LLM:
@@ -133,10 +79,6 @@ class LLM:
         )
         EngineConfig(**fields)  # a bad keyword fails before the model loads
         self.runtime = load_runtime(model, dtype=dtype, device=device)
-        if gpu_memory_utilization is not None:
-            budget = _kv_from_utilization(gpu_memory_utilization, self.runtime.device)
-            if budget is not None:
-                fields["kv_cache_memory"] = budget
         self.engine = self.runtime.start_engine(EngineConfig(**fields))
 
     def get_tokenizer(self):

@@ -7,7 +7,7 @@ import pytest
 
 from llmctl import LLM, SamplingParams, TokensPrompt
 from llmctl.errors import RequestError, UsageError
-from llmctl.llm import engine_fields, speculative_fields
+from llmctl.llm import engine_fields
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
 
@@ -66,30 +66,22 @@ def test_top_k_minus_one_and_zero_mean_no_cut():
 
 
 def test_vllm_engine_keywords():
-    assert speculative_fields({"method": "ngram", "num_speculative_tokens": 3}) == {
+    # vLLM's speculative_config is read by the same parser as --speculative-config
+    assert engine_fields(False, None, {"method": "ngram", "num_speculative_tokens": 3}, 1, {}) == {
         "speculative": "ngram",
         "num_speculative_tokens": 3,
+        "prompt_lookup_max": 5,
+        "prompt_lookup_min": 5,
     }
-    assert speculative_fields({"model": "d", "prompt_lookup_max": 3}) == {
-        "speculative": "draft",
-        "draft_model": "d",
-    }
-    for bad in (
-        {"method": "eagle", "model": "x"},
-        {"method": "ngram", "prompt_lookup_max": 5},
-        {"method": "ngram", "frobnicate": 1},
-        "ngram",
-    ):
+    for bad in ({"method": "eagle", "model": "x"}, {"method": "ngram", "frobnicate": 1}, "[1]"):
         with pytest.raises(UsageError):
-            speculative_fields(bad)
+            engine_fields(False, None, bad, 1, {})
     assert engine_fields(True, None, None, 1, {"block_size": 8}) == {
         "block_size": 8,
         "cuda_graphs": False,
     }
-    for args in (
-        (False, None, None, 2, {}),
-        (False, 1.5, None, 1, {}),
-        (False, 0.5, None, 1, {"kv_cache_memory": 1 << 20}),
-    ):
+    for args in ((False, None, None, 2, {}),):
         with pytest.raises(UsageError):
             engine_fields(*args)
+    with pytest.raises(UsageError):  # checked by EngineConfig, as for --gpu-memory-utilization
+        LLM(None, gpu_memory_utilization=1.5)
