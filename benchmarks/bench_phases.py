@@ -139,7 +139,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for engine, results in runs.items():
                 results.append(_run(engine, spec, pythons.get(engine, sys.executable)))
-                print(name, engine, json.dumps(results[-1])[:300], flush=True)
+                print(name, engine, json.dumps(results[-1]), flush=True)
     print(json.dumps(report, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
