@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from llmctl.kernels import cpu_native
+from llmctl.kernels import cpu_native, cpu_prefill
 
 
 def write_kv(
@@ -125,8 +125,15 @@ def chunk_attention(
     A chunk with nothing cached before it is plain causal attention (SDPA's flash backend on CUDA).
     After a cached prefix the mask is causal aligned to the bottom right; `lower_right` (default: on
     CUDA) says so with PyTorch's CausalBias, which SDPA dispatches to its flash kernel there,
-    instead of a materialised [Tq, total] mask that only the slower backends take."""
+    instead of a materialised [Tq, total] mask that only the slower backends take. bfloat16 on a
+    CPU with AMX goes to kernels/cpu_prefill.py (1.5-2x SDPA's CPU flash kernel there)."""
     tq = q.shape[0]
+    if cpu_prefill.supports(q, k_new):
+        if num_computed == 0:
+            return cpu_prefill.prefill_attention(q, k_new, v_new, 0, scale)
+        k = k_cache.index_select(1, slots[: num_computed + tq]).transpose(0, 1)  # [total, kvh, D]
+        v = v_cache.index_select(1, slots[: num_computed + tq]).transpose(0, 1)
+        return cpu_prefill.prefill_attention(q, k, v, num_computed, scale)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, Tq, D]
     if num_computed == 0:  # nothing cached before: plain causal attention on the new K/V
         k = k_new.transpose(0, 1).unsqueeze(0)

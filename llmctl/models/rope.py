@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from llmctl.kernels import cpu_rope
 from llmctl.models.config import ModelConfig
 
 
@@ -56,6 +57,8 @@ class RotaryEmbedding(torch.nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...]; q [..., heads, D], k [..., kv_heads, D] with the same leading shape."""
+        if cpu_rope.use_rope(q, k, self.cos, positions):  # bf16 inference: one C call
+            return cpu_rope.rope(q, k, self.cos, self.sin, positions)
         cos = self.cos[positions].to(q.dtype).unsqueeze(-2)  # [..., 1, D]
         sin = self.sin[positions].to(q.dtype).unsqueeze(-2)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):

@@ -1,0 +1,102 @@
+"""Causal prefill attention in bfloat16 on AMX tiles (kernels/cpu_prefill_attention.c).
+
+Owns: building and loading that kernel (through cpu_native.build, the same cache and rules),
+whether it can serve a chunk (`supports`), and the tensor-level call `prefill_attention`. The
+kernel exists only where the CPU has AMX-BF16 and Linux grants the process its tile state (asked
+once); elsewhere, with no compiler, or with LLMCTL_NATIVE_KERNELS=0 or LLMCTL_AMX_ATTENTION=0,
+`available()` is False and chunk_attention keeps PyTorch's SDPA, which the tests compare against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from llmctl.kernels import cpu_native
+
+SOURCE = Path(__file__).with_name("cpu_prefill_attention.c")
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if not cpu_native.enabled() or os.environ.get("LLMCTL_AMX_ATTENTION", "1") in ("0", "no"):
+        return None
+    try:
+        lib = ctypes.CDLL(str(cpu_native.build((SOURCE,))))
+    except (RuntimeError, OSError) as e:
+        warnings.warn(f"AMX prefill attention unavailable: {e}", RuntimeWarning, stacklevel=2)
+        return None
+    lib.prefill_amx_available.restype = ctypes.c_int
+    if not lib.prefill_amx_available():  # no AMX-BF16 here, or the kernel refused the tile state
+        return None
+    fn = lib.prefill_attention_bf16
+    fn.argtypes = (
+        [ctypes.c_void_p] * 4
+        + [ctypes.c_int64] * 2
+        + [ctypes.c_int] * 3
+        + [ctypes.c_int64] * 6
+        + [ctypes.c_float, ctypes.c_int]
+    )
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether prefill_attention can serve q [Tq, heads, D], k [L, kv_heads, D]: bfloat16 on the
+    CPU, D % 64 == 0, heads a multiple of kv_heads, no gradients, the kernel available."""
+    if q.dtype is not torch.bfloat16 or k.dtype is not torch.bfloat16 or not q.is_cpu:
+        return False
+    if q.shape[-1] % 64 or q.shape[1] % k.shape[1]:
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return False
+    return available()
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [Tq, heads, D] bf16: positions nc .. nc + Tq - 1
+    k: torch.Tensor,  # [nc + Tq, kv_heads, D] bf16: every key the chunk sees
+    v: torch.Tensor,
+    num_computed: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the chunk over its prefix and itself; returns [Tq, heads, D] bf16.
+    Any strides with a contiguous last dimension. Call only where `supports(q, k)`."""
+    tq, heads, d = q.shape
+    if k.shape[0] != num_computed + tq or v.shape != k.shape:
+        raise ValueError(f"prefill_attention: {tuple(k.shape)} keys for {num_computed} + {tq}")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if k.stride() != v.stride():
+        k, v = k.contiguous(), v.contiguous()
+    out = torch.empty(tq, heads, d, dtype=q.dtype)
+    failed = _library().prefill_attention_bf16(
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        out.data_ptr(),
+        tq,
+        num_computed,
+        heads,
+        k.shape[1],
+        d,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        out.stride(0),
+        out.stride(1),
+        scale,
+        torch.get_num_threads(),
+    )
+    if failed:
+        raise MemoryError("prefill_attention: out of memory for its packed K/V")
+    return out

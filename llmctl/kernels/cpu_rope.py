@@ -1,0 +1,75 @@
+"""Rotary embedding of bfloat16 q and k in one C call per layer (kernels/cpu_rope.c).
+
+Owns: building and loading that kernel (through cpu_native.build: the same cache and rules),
+`use_rope` (when it applies) and `rope`. Bit-identical to models/rope.py's in-place bf16 path,
+which it replaces on the CPU at inference; with no compiler or LLMCTL_NATIVE_KERNELS=0 the
+PyTorch path runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import warnings
+from pathlib import Path
+
+import torch
+
+from llmctl.kernels import cpu_native
+
+SOURCE = Path(__file__).with_name("cpu_rope.c")
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if not cpu_native.enabled():
+        return None
+    try:
+        lib = ctypes.CDLL(str(cpu_native.build((SOURCE,))))
+    except (RuntimeError, OSError) as e:
+        warnings.warn(f"native RoPE unavailable: {e}", RuntimeWarning, stacklevel=2)
+        return None
+    lib.rope_bf16.argtypes = (
+        [ctypes.c_void_p] * 2
+        + [ctypes.c_int64]
+        + [ctypes.c_int] * 3
+        + [ctypes.c_void_p] * 3
+        + [ctypes.c_int]
+    )
+    lib.rope_bf16.restype = None
+    return lib
+
+
+def use_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, positions: torch.Tensor) -> bool:
+    """q [T, heads, D], k [T, kv_heads, D] contiguous bf16 on the CPU, no gradients; a float32
+    table; int64 positions [T]."""
+    if q.dtype is not torch.bfloat16 or k.dtype is not torch.bfloat16 or not q.is_cpu:
+        return False
+    if q.dim() != 3 or k.dim() != 3 or positions.dim() != 1 or positions.dtype is not torch.int64:
+        return False
+    if not (q.is_contiguous() and k.is_contiguous() and cos.is_contiguous()):
+        return False
+    if cos.dtype is not torch.float32 or q.shape[-1] % 2 or positions.shape[0] != q.shape[0]:
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return False
+    return _library() is not None
+
+
+def rope(q, k, cos, sin, positions) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates q and k in place by the table rows at `positions` (every position < the table's
+    length: the caller's contract, as for the indexing it replaces); returns (q, k)."""
+    positions = positions if positions.is_contiguous() else positions.contiguous()
+    _library().rope_bf16(
+        q.data_ptr(),
+        k.data_ptr(),
+        q.shape[0],
+        q.shape[1],
+        k.shape[1],
+        q.shape[2],
+        cos.data_ptr(),
+        sin.data_ptr(),
+        positions.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return q, k

@@ -1,0 +1,128 @@
+"""The AMX prefill-attention kernel (kernels/cpu_prefill.py) against float32 attention written out
+by hand, and its place in chunk_attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmctl.kernels import cpu_prefill
+from llmctl.kernels.attention import chunk_attention, write_kv
+
+amx = pytest.mark.skipif(
+    not cpu_prefill.available(),
+    reason="needs a CPU with AMX-BF16 (amx_bf16 in /proc/cpuinfo), Linux's AMX permission and cc",
+)
+
+
+def _reference(q, k, v, nc, scale):
+    """float32 causal attention of q [Tq, H, D] at positions nc.. over k, v [nc + Tq, KVH, D]."""
+    tq, heads, _ = q.shape
+    group = heads // k.shape[1]
+    kk = k.float().repeat_interleave(group, dim=1)  # [L, H, D]
+    vv = v.float().repeat_interleave(group, dim=1)
+    s = torch.einsum("thd,lhd->htl", q.float(), kk) * scale
+    keep = torch.arange(k.shape[0])[None, :] <= torch.arange(nc, nc + tq)[:, None]  # [Tq, L]
+    p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
+    return torch.einsum("htl,lhd->thd", p, vv)
+
+
+def _sdpa_bf16(q, k, v, nc, scale):
+    keep = torch.arange(k.shape[0])[None, :] <= torch.arange(nc, nc + q.shape[0])[:, None]
+    out = F.scaled_dot_product_attention(
+        *(t.transpose(0, 1)[None] for t in (q, k, v)), attn_mask=keep, scale=scale, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
+def _case(tq, nc, heads, kvh, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(tq, heads, d, generator=g).bfloat16()
+    k = torch.randn(nc + tq, kvh, d, generator=g).bfloat16()
+    return q, k, torch.randn(nc + tq, kvh, d, generator=g).bfloat16()
+
+
+@amx
+@pytest.mark.parametrize(
+    "tq,nc,heads,kvh,d",
+    [
+        (1, 0, 2, 1, 64),  # one token
+        (15, 0, 9, 3, 64),  # under one tile of rows
+        (16, 0, 9, 3, 64),
+        (17, 0, 4, 4, 64),  # one row past a tile, no grouping
+        (33, 0, 14, 2, 64),  # GQA 7
+        (100, 45, 6, 3, 128),  # after a cached prefix, keys not a multiple of 32
+        (64, 300, 8, 2, 128),
+        (512, 0, 9, 3, 64),  # the SmolLM2-135M shape of the issue's prefill
+    ],
+)
+def test_prefill_kernel_matches_float32_attention(tq, nc, heads, kvh, d):
+    q, k, v = _case(tq, nc, heads, kvh, d)
+    scale = d**-0.5
+    ref = _reference(q, k, v, nc, scale)
+    out = cpu_prefill.prefill_attention(q, k, v, nc, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    err = (out.float() - ref).abs()
+    sdpa_err = (_sdpa_bf16(q, k, v, nc, scale).float() - ref).abs()
+    # No worse than PyTorch's own bf16 attention: P and the output rounded to bf16, nothing else.
+    assert err.max() <= 2 * sdpa_err.max() + 1e-3
+    assert err.mean() <= 2 * sdpa_err.mean() + 1e-4
+    assert err.max() < 3e-2
+
+
+@amx
+def test_prefill_kernel_reads_strided_views_and_threads_agree():
+    q, k, v = _case(70, 30, 6, 2, 64, seed=1)
+    ref = cpu_prefill.prefill_attention(q, k, v, 30, 0.125)
+    # head-major caches, as chunk_attention gathers them: [KVH, L, D] viewed as [L, KVH, D]
+    kh, vh = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+    qs = torch.empty(6, 70, 64, dtype=q.dtype).copy_(q.transpose(0, 1)).transpose(0, 1)
+    out = cpu_prefill.prefill_attention(qs, kh.transpose(0, 1), vh.transpose(0, 1), 30, 0.125)
+    assert torch.equal(out, ref)  # each output row's arithmetic depends on its own inputs only
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_prefill.prefill_attention(q, k, v, 30, 0.125), ref)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_prefill_kernel_refuses_what_it_cannot_serve():
+    q, k, _ = _case(8, 0, 4, 2, 64)
+    assert not cpu_prefill.supports(q.float(), k.float())  # float32: SDPA
+    q32, k32, _ = _case(8, 0, 4, 2, 32)
+    assert not cpu_prefill.supports(q32, k32)  # head_dim not a multiple of 64
+
+
+def test_env_switch_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setenv("LLMCTL_AMX_ATTENTION", "0")
+    cpu_prefill._library.cache_clear()
+    try:
+        assert not cpu_prefill.available()
+    finally:
+        monkeypatch.undo()
+        cpu_prefill._library.cache_clear()
+
+
+@amx
+@pytest.mark.parametrize("prefix", [0, 37])
+def test_chunk_attention_routes_bf16_to_the_kernel(prefix, monkeypatch):
+    """chunk_attention in bf16 with the kernel against its SDPA route, with and without a cached
+    prefix in a paged (scattered slots) cache."""
+    heads, kvh, d, tq = 9, 3, 64, 50
+    q, k_all, v_all = _case(tq, prefix, heads, kvh, d, seed=2)
+    kc = torch.zeros(kvh, 256, d, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    slots = torch.randperm(256, generator=torch.Generator().manual_seed(0))[: prefix + tq]
+    write_kv(kc, vc, k_all, v_all, slots)
+    args = (q, k_all[prefix:], v_all[prefix:], kc, vc, slots, prefix, d**-0.5)
+    calls = []
+    real = cpu_prefill.prefill_attention
+    monkeypatch.setattr(cpu_prefill, "prefill_attention", lambda *a: calls.append(1) or real(*a))
+    out = chunk_attention(*args)
+    assert calls == [1]
+    monkeypatch.setattr(cpu_prefill, "supports", lambda q, k: False)
+    sdpa = chunk_attention(*args)
+    ref = _reference(q, k_all, v_all, prefix, d**-0.5)
+    assert (out.float() - ref).abs().max() <= 2 * (sdpa.float() - ref).abs().max() + 1e-3
