@@ -101,8 +101,8 @@ ObserverOpt = Annotated[
     Optional[str],
     option(
         "--observer",
-        help="Each group's range: mse (a shrink search minimising its error) or minmax "
-        "(default: mse for GPTQ/RTN, minmax for AWQ, whose clip search already shrinks).",
+        help="Each group's range: mse (a shrink search minimising its error; with AWQ, for "
+        "q/k_proj, which its clip search skips) or minmax (default: mse).",
     ),
 ]
 

@@ -119,8 +119,9 @@ def rtn_method(spec: QuantSpec, *, mse: bool = True) -> HessianMethod:
 class AwqMethod:
     """LayerMethod for AWQ: per group, scale search and folding; at the layer's end, clip and
     quantize. Defaults (measured, benchmarks/bench_quant_quality.py): the paper's scales
-    s = mean|x|^alpha (duo False), the clip search, and min/max ranges after clipping (mse False:
-    a second shrink on top of the clip search lost)."""
+    s = mean|x|^alpha (duo False), the clip search, min/max ranges after clipping (mse False:
+    a second shrink on top of the clip search lost) and the MSE range search for q/k_proj, which
+    the clip search skips (unclipped_mse True); clip_hessian and search_mse measured worse."""
 
     def __init__(
         self,
@@ -134,10 +135,12 @@ class AwqMethod:
         clip_tokens: int = 512,
         clip_hessian: bool = False,
         search_mse: bool = False,
+        unclipped_mse: bool = True,
     ):
         self.spec, self.n_grid, self.max_tokens, self.clip = spec, n_grid, max_tokens, clip
         self.duo, self.mse, self.clip_tokens = duo, mse, clip_tokens
         self.clip_hessian, self.search_mse = clip_hessian, search_mse
+        self.unclipped_mse = unclipped_mse  # MSE ranges for the linears the clip search skips
         self.xs: dict[str, list[torch.Tensor]] = {}
         self.seqs: dict[str, list[torch.Tensor]] = {}
         self.acc: dict[str, HessianAccumulator] = {}
@@ -248,7 +251,7 @@ class AwqMethod:
                 x,
                 lspec,
                 clip=clip,
-                mse=self.mse,
+                mse=self.mse or (self.unclipped_mse and not clip),
                 clip_tokens=self.clip_tokens,
                 H=H if self.clip_hessian else None,
             )

@@ -96,7 +96,7 @@ class QuantizeStep:
                 mse=mse,
             )
         if a.method == "awq":
-            return AwqMethod(spec, mse=mse)
+            return AwqMethod(spec, unclipped_mse=mse)
         return rtn_method(spec, mse=mse)
 
     def run(self, model: torch.nn.Module, calib_ids, ctx) -> DriverResult:
