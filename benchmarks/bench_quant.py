@@ -8,8 +8,9 @@
    (prefill of --prompt-len tokens), decode tokens/s after the first token, the speedup, which
    linears run the int4 kernel, and MBU = weight bytes read per decode step x steps/s over the
    memory read bandwidth measured at the start of the run (weights only: KV cache not counted).
-2. GPTQ wall time, ours (`llmctl quantize --gptq`, act-order, dampening 0.01) against
-   llm-compressor's (oneshot + GPTQModifier, same bits/group/symmetric/static act-order/dampening,
+2. GPTQ wall time, ours (`llmctl quantize --gptq`: its defaults, no act-order, MSE ranges,
+   dampening 0.01) against llm-compressor's (oneshot + GPTQModifier with the same bits, group,
+   symmetry, no act-order, its `mse` observer, dampening,
    run by llmc_worker.py in its own venv, LLMC_PYTHON), on the same calibration token sequences:
    tinyshakespeare.txt tokenized once with the tinyshakespeare-5m tokenizer (the random model has
    none), the first 90% given to both as prompt_token_ids, the last 10% held out for perplexity of
@@ -337,7 +338,8 @@ def llmc_gptq(python: str, base: Path, out: Path, group: int, ids: torch.Tensor,
         "group_size": group,
         "threads": args.threads,
         "dampening": 0.01,
-        "actorder": "static",
+        "actorder": None,  # llmctl's default (act-order off), with MSE ranges as llmctl's
+        "observer": "mse",
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)

@@ -27,14 +27,17 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import multiprocessing
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHARED, environment  # noqa: E402
+from quality_llmc import run_llmc  # noqa: E402
 
 TEXT = SHARED / "data" / "tinyshakespeare.txt"
 DEFAULT_MODELS = [
@@ -43,7 +46,7 @@ DEFAULT_MODELS = [
 ]
 DEFAULT_CONFIGS = ["rtn:mse=0", "rtn", "gptq", "awq"]
 NOISE_PPL = 0.05  # perplexity: 8-bit runs land within 0.005 of fp32, i.e. noise
-COMMANDS = [  # how benchmarks/results/quant_quality.json was made
+COMMANDS = [  # how benchmarks/results/quant_quality.json was made (q17b.json: see its args)
     "python benchmarks/train_fixture.py",
     "python benchmarks/bench_quant_quality.py --models MODEL --json m.json  (per model)",
     "python benchmarks/bench_quant_quality.py --merge m1.json m2.json --json OUT",
@@ -57,7 +60,13 @@ def parse_config(text: str) -> tuple[str, dict]:
     kw: dict = {}
     for item in filter(None, rest.split(",")):
         k, _, v = item.partition("=")
-        kw[k] = bool(int(v)) if v in ("0", "1") else (float(v) if "." in v else int(v))
+        if v in ("0", "1"):
+            kw[k] = bool(int(v))
+        else:
+            try:
+                kw[k] = float(v) if "." in v else int(v)
+            except ValueError:
+                kw[k] = v  # a name, e.g. llmc:observer=mse
     return method, kw
 
 
@@ -120,9 +129,41 @@ def run_one(rt, calib, held, method, seq_len: int) -> tuple[float, float, float,
     return ppl, dt, err, edge
 
 
-def bench_model(model_dir: Path, args) -> dict:
+def run_config(model_dir: Path, rt, calib, held, fp: float, cfg: str, bits: int, g: str) -> dict:
+    """One row of the table: configuration cfg at these bits and group ("channel" or a size); a
+    row with "error" where it failed (the run goes on)."""
     import math
 
+    group = None if g == "channel" else int(g)
+    method, kw = parse_config(cfg)
+    try:
+        if method == "llmc":
+            ppl, dt, err, edge = run_llmc(model_dir, calib, held, kw, bits, group, 256)
+        else:
+            ppl, dt, err, edge = run_one(rt, calib, held, make_method(method, kw, bits, group), 256)
+    except Exception as e:  # recorded in the JSON, left out of the table
+        print(f"{model_dir.name} {bits}b g{g} {cfg}: {type(e).__name__}: {e}", flush=True)
+        return dict(bits=bits, group=g, config=cfg, error=f"{type(e).__name__}: {e}")
+    print(
+        f"{model_dir.name} {bits}b g{g} {cfg:28s} ppl {ppl:8.3f} {ppl - fp:+.3f} "
+        f"calib err {err:.5f} edge {edge:.4f} ({dt:.0f}s)",
+        flush=True,
+    )
+    return dict(
+        bits=bits,
+        group=g,
+        config=cfg,
+        ppl=ppl,
+        dppl=ppl - fp,
+        dnll=math.log(ppl) - math.log(fp),
+        seconds=round(dt, 2),
+        calib_rel_err=err,
+        codes_at_edge=edge,
+    )
+
+
+def bench_model(model_dir: Path, args) -> dict:
+    torch.set_num_threads(args.threads)
     from llmctl.runtime.evaluate import perplexity
     from llmctl.runtime.loader import load_runtime
 
@@ -140,29 +181,7 @@ def bench_model(model_dir: Path, args) -> dict:
                 print(f"{bits} bits, group {g}: does not divide widths {sorted(widths)}; skipped")
                 continue
             for cfg in args.configs:
-                method, kw = parse_config(cfg)
-                ppl, dt, err, edge = run_one(
-                    rt, calib, held, make_method(method, kw, bits, group), 256
-                )
-                loss = math.log(ppl) - math.log(fp)
-                rows.append(
-                    dict(
-                        bits=bits,
-                        group=g,
-                        config=cfg,
-                        ppl=ppl,
-                        dppl=ppl - fp,
-                        dnll=loss,
-                        seconds=round(dt, 2),
-                        calib_rel_err=err,
-                        codes_at_edge=edge,
-                    )
-                )
-                print(
-                    f"{bits}b g{g} {cfg:36s} ppl {ppl:8.3f} {ppl - fp:+.3f} "
-                    f"calib err {err:.5f} edge {edge:.4f} ({dt:.0f}s)",
-                    flush=True,
-                )
+                rows.append(run_config(model_dir, rt, calib, held, fp, cfg, bits, g))
     return {"model": str(model_dir), "fp32_ppl": fp, "heldout_tokens": held.numel(), "rows": rows}
 
 
@@ -171,13 +190,16 @@ def add_ratios(rows: list[dict], baselines: list[str]) -> None:
     group; None where b did not run or lost less than NOISE_PPL (a ratio to noise means
     nothing)."""
     for r in rows:
+        if "error" in r:
+            continue
         r.pop("ratio_to_rtn", None)  # the single ratio older runs wrote
         r["ratio_to"] = {}
         for b in baselines:
             base = [
                 x["dppl"]
                 for x in rows
-                if (x["bits"], x["group"], x["config"]) == (r["bits"], r["group"], b)
+                if "error" not in x
+                and (x["bits"], x["group"], x["config"]) == (r["bits"], r["group"], b)
             ]
             ok = base and base[0] > NOISE_PPL
             r["ratio_to"][b] = r["dppl"] / base[0] if ok else None
@@ -195,6 +217,8 @@ def markdown(results: list[dict], baselines: list[str]) -> str:
             "| --- " * (5 + len(baselines)) + "|",
         ]
         for r in res["rows"]:
+            if "error" in r:
+                continue
             ratios = [r["ratio_to"][b] for b in baselines]
             cells = " | ".join("" if x is None else f"{x:.2f}x" for x in ratios)
             lines.append(
@@ -218,6 +242,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path)
+    p.add_argument("--jobs", type=int, default=1, help="models benchmarked side by side")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.merge:  # one entry per model: runs of one model from several files are joined
@@ -227,7 +252,13 @@ def main() -> None:
                 merged.setdefault(res["model"], {**res, "rows": []})["rows"] += res["rows"]
         results = list(merged.values())
     else:
-        results = [bench_model(m, args) for m in args.models if (m / "config.json").exists()]
+        models = [m for m in args.models if (m / "config.json").exists()]
+        if args.jobs > 1:  # one process per model, each with --threads threads
+            ctx = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+                results = list(pool.map(bench_model, models, [args] * len(models)))
+        else:
+            results = [bench_model(m, args) for m in models]
     table = markdown(results, args.baselines)
     print(table)
     if args.json:

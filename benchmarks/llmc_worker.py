@@ -1,7 +1,9 @@
 """Runs llm-compressor's GPTQ (oneshot + GPTQModifier) on given calibration token ids; executed by
 bench_quant.py with the Python of a separate virtual environment that has `llmcompressor`
 installed. Argument: a JSON spec file (model, tokenizer, output, input_ids, bits, group_size,
-threads, dampening, actorder). Prints one line `RESULT {json}`: the phase times, or the error."""
+threads, dampening, actorder; optional: symmetric (default true), observer (default
+llm-compressor's own), group_size null for one range per output channel). Prints one line
+`RESULT {json}`: the phase times, or the error."""
 
 from __future__ import annotations
 
@@ -35,12 +37,15 @@ def run(spec: dict) -> dict:
     )  # llmctl calibrates in float32 too
     res["load_s"] = time.perf_counter() - t0
     data = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
+    group = spec["group_size"]
+    extra = {"observer": spec["observer"]} if spec.get("observer") else {}
     weights = QuantizationArgs(
         num_bits=spec["bits"],
         type="int",
-        symmetric=True,
-        strategy="group",
-        group_size=spec["group_size"],
+        symmetric=spec.get("symmetric", True),
+        strategy="group" if group else "channel",
+        group_size=group,
+        **extra,
     )
     recipe = GPTQModifier(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},

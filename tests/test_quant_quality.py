@@ -128,7 +128,7 @@ def test_awq_paper_scales_follow_activations_only_and_mse_reaches_rtn():
 
 
 def test_observer_and_act_order_defaults_reach_the_recipe_and_change_the_weights(tmp_path, capsys):
-    """quantize resolves --observer per method (mse for GPTQ/RTN, minmax for AWQ) and records it
+    """quantize resolves --observer (mse for every method) and records it
     and act_order (off by default) in recipe.yaml; minmax gives other weights than mse."""
     from safetensors.torch import load_file
 
@@ -151,3 +151,25 @@ def test_observer_and_act_order_defaults_reach_the_recipe_and_change_the_weights
     assert main([*base, "-o", str(tmp_path / "bad"), "--observer", "p99"]) == 2
     assert "--observer must be mse or minmax" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_awq_default_ranges_the_unclipped_q_k_with_mse_and_leaves_the_rest():
+    """AWQ's default: the MSE range search only for q/k_proj (its clip search skips them);
+    --observer minmax (unclipped_mse False) is the old AWQ. v_proj of the first layer reads the
+    same inputs either way and is unchanged (later linears read the changed q/k's outputs)."""
+    from llmctl.compress.args import QuantizeArgs
+    from llmctl.compress.driver import calibrate_layers
+    from llmctl.compress.quant.layer_methods import AwqMethod
+    from tests.test_quant_driver import ids, tiny_model
+
+    assert QuantizeArgs(None, "o", "awq").resolve().observer == "mse"
+    spec = QuantSpec(4, 16, False, torch.float32)
+    calib = ids(n=4, s=16)
+    new = calibrate_layers(tiny_model(), calib, AwqMethod(spec)).records
+    old = calibrate_layers(tiny_model(), calib, AwqMethod(spec, unclipped_mse=False)).records
+    for name in new:
+        a, b = new[name].result, old[name].result
+        if name.endswith(("q_proj", "k_proj")):
+            assert not torch.equal(a.codes, b.codes), name
+        elif name == "model.layers.0.self_attn.v_proj":
+            assert torch.equal(a.weight, b.weight), name

@@ -101,8 +101,8 @@ ObserverOpt = Annotated[
     Optional[str],
     option(
         "--observer",
-        help="Each group's range: mse (a shrink search minimising its error) or minmax "
-        "(default: mse for GPTQ/RTN, minmax for AWQ, whose clip search already shrinks).",
+        help="Each group's range: mse (a shrink search minimising its error; with AWQ, for "
+        "q/k_proj, which its clip search skips) or minmax (default: mse).",
     ),
 ]
 
@@ -208,6 +208,8 @@ def _fmt_size(n: int) -> str:
 def _summary_rows(r) -> list[tuple[str, str]]:
     kind = "symmetric" if r.symmetric else "asymmetric"
     calib = r.calibration
+    probe = r.perplexity_rtn_probe
+    rtn = "" if probe is None else f"; round-to-nearest: {fmt_ppl(probe)}"
     return [
         ("method", f"{r.method} {r.bits}-bit, group {r.group_size}, {kind}"),
         ("format", r.format),
@@ -216,7 +218,7 @@ def _summary_rows(r) -> list[tuple[str, str]]:
         (
             "perplexity",
             f"{fmt_ppl(r.perplexity_before)} -> {fmt_ppl(r.perplexity_after)} "
-            f"({r.eval_tokens} held-out tokens)",
+            f"({r.eval_tokens} held-out tokens{rtn})",
         ),
         (
             "calibration",

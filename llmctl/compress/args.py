@@ -49,7 +49,8 @@ class QuantizeArgs:
     ignore: list[str] = field(default_factory=list)
     device: str = "auto"
     act_order: bool = False  # measured worse held-out (BENCHMARKS.md, quantization quality)
-    # each group's range: "mse" (shrink search) or "minmax"; None: the method's measured default
+    # each group's range: "mse" (shrink search; AWQ: for the linears its clip search skips) or
+    # "minmax"; None: mse, measured best for every method
     observer: str | None = None
     dampening: float = 0.01
     column_block: int = 128
@@ -88,7 +89,7 @@ class QuantizeArgs:
         if self.symmetric is None:
             self.symmetric = self.method != "awq"
         if self.observer is None:
-            self.observer = "minmax" if self.method == "awq" else "mse"
+            self.observer = "mse"
         if self.observer not in OBSERVERS:
             raise UsageError(f"--observer must be mse or minmax, got {self.observer!r}")
         return self

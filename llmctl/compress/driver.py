@@ -26,7 +26,7 @@ from torch import nn
 
 from llmctl.compress import checkpoints
 from llmctl.compress.hessian import HessianAccumulator
-from llmctl.errors import UsageError
+from llmctl.errors import LlmctlError, UsageError
 from llmctl.models.layout import SUBLAYER_GROUPS, SubLayerGroup
 
 
@@ -216,17 +216,38 @@ def _observer(method: LayerMethod, name: str, stop: bool):
     return hook
 
 
+GroupFn = Callable[[list[str], list[nn.Linear], torch.Tensor], dict[str, Any]]
+
+
 class HessianMethod:
     """LayerMethod for per-linear methods that need H = 2 X X^T / n of each linear's inputs.
 
     fn(name, linear, H) changes linear.weight in place and returns the record for `name`.
+    Linears that read one input tensor (q/k/v, gate/up) share one accumulator, so each batch
+    costs one X^T X product for the group, not one per linear; group_fn(names, linears, H),
+    when given, then handles such a group in one call (GPTQ quantizes their stacked rows at once).
     """
 
-    def __init__(self, fn: Callable[[str, nn.Linear, torch.Tensor], Any]):
-        self.fn = fn
+    def __init__(
+        self, fn: Callable[[str, nn.Linear, torch.Tensor], Any], group_fn: GroupFn | None = None
+    ):
+        self.fn, self.group_fn = fn, group_fn
         self.acc: dict[str, HessianAccumulator] = {}
+        self.followers: set[str] = set()  # linears whose accumulator is another's
+        # the last input seen and its linear; holding x keeps its memory from being reused, so an
+        # equal data pointer below means the very same tensor
+        self._last: tuple[torch.Tensor, str] | None = None
 
     def observe(self, name: str, x: torch.Tensor) -> None:
+        last, self._last = self._last, (x, name)
+        if last is not None and last[1] != name and _same_tensor(last[0], x):
+            shared = self.acc[last[1]]
+            if self.acc.setdefault(name, shared) is not shared:
+                raise LlmctlError(f"{name}: its input was shared in one batch and not in another")
+            self.followers.add(name)
+            return
+        if name in self.followers:
+            raise LlmctlError(f"{name}: its input was shared in one batch and not in another")
         if name not in self.acc:
             self.acc[name] = HessianAccumulator(x.shape[-1], device=x.device)
         self.acc[name].add(x)
@@ -234,11 +255,25 @@ class HessianMethod:
     def process_group(
         self, layer_index: int, layer: nn.Module, group: SubLayerGroup, names: list[str]
     ) -> dict[str, Any]:
-        out = {}
-        for name in names:
-            H = self.acc.pop(name).H
-            out[name] = self.fn(name, layer.get_submodule(name.split(".", 3)[3]), H)
-        return out
+        self._last = None
+        self.followers.difference_update(names)
+        accs = [self.acc.pop(name) for name in names]
+        linears = [layer.get_submodule(name.split(".", 3)[3]) for name in names]
+        if self.group_fn is not None and len(names) > 1 and all(a is accs[0] for a in accs):
+            return self.group_fn(names, linears, accs[0].H)
+        return {n: self.fn(n, lin, a.H) for n, lin, a in zip(names, linears, accs)}
 
     def finish_layer(self, layer_index: int, layer: nn.Module) -> dict[str, Any]:
         return {}
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b are views of the same memory with the same layout, unmodified in between."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a._version == b._version
+    )

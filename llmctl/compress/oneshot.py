@@ -53,6 +53,8 @@ class RunContext:
     progress: Callable[[int, int], None] | None
     warn: Callable[[str], None]
     out_dtype: torch.dtype  # the checkpoint's own dtype, which the output is written in
+    # held-out perplexity of a model, as before/after are scored; None when nothing is measured
+    score: Callable[[torch.nn.Module], float | None] | None = None
 
 
 class Step(Protocol):
@@ -79,6 +81,9 @@ class Step(Protocol):
 
     def write(self, folder: Path, rt, extra_config: dict[str, Any], out_dtype) -> None:
         """Write the model into `folder` (only the last step's `write` runs)."""
+
+    def review(self, perplexity_after: float | None) -> list[str]:
+        """Warnings on the step's outcome, given the held-out perplexity after it."""
 
 
 @dataclass
@@ -203,6 +208,7 @@ def run_oneshot(
             (lambda d, t, k=step.kind: progress(k, d, t)) if progress else None,
             notes,
             out_dtype,
+            (lambda m, w=step.measures: _perplexity(m, heldout, w)) if step.measures else None,
         )
         result = step.run(rt.model, None if calib is None else calib.input_ids, ctx)
         if result.resumed_layers:
@@ -211,6 +217,8 @@ def run_oneshot(
                 f"{ctx.checkpoint_dir}"
             )
         after = _perplexity(rt.model, heldout, step.measures)
+        for message in step.review(after):
+            notes(message)
         job.outcomes.append(StepOutcome(step, result, ppl, after, _since(mark)))
         ppl, mark = after, time.perf_counter()
     _write(job, rt, out_dtype, finish)

@@ -43,6 +43,9 @@ class QuantizeReport:
     warnings: list[str] = field(default_factory=list)
     perplexity_method: str = HELDOUT_METHOD
     group_size_note: str | None = None  # why --group-size auto did not choose 128
+    # held-out perplexity round-to-nearest reaches with the same settings (GPTQ/AWQ, when
+    # perplexity is measured): a warning says when perplexity_after is worse
+    perplexity_rtn_probe: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,6 +77,7 @@ def quantize_report(job: Oneshot, outcome: StepOutcome) -> QuantizeReport:
         resumed_layers=outcome.result.resumed_layers,
         warnings=job.notes.items,
         group_size_note=step.group_note,
+        perplexity_rtn_probe=step.rtn_probe,
     )
 
 

@@ -31,9 +31,9 @@ class ScaleSearch:
     loss_unscaled: float  # alpha = 0, plain RTN
 
 
-def fake_quant(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """Quantize-dequantize `w` [out, in] with RTN."""
-    return quantize_rtn(w, spec).weight
+def fake_quant(w: torch.Tensor, spec: QuantSpec, mse: bool = False) -> torch.Tensor:
+    """Quantize-dequantize `w` [out, in] with RTN (mse: the MSE range search per group)."""
+    return quantize_rtn(w, spec, mse=mse).weight
 
 
 def search_scales(
@@ -44,6 +44,7 @@ def search_scales(
     max_tokens: int = 4096,
     block: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
     duo: bool = True,
+    mse: bool = False,
 ) -> ScaleSearch:
     """Best per-input-channel scale for linears sharing the input x [tokens, in]; weights:
     [out_i, in].
@@ -53,7 +54,8 @@ def search_scales(
     "duo" scaling), normalised around 1. The loss is the mean squared error of
     `block(effective weights)` against `block(weights)`, where the effective weight of each
     linear is Q(W s) / s; without `block`, the linears' own outputs on x. duo False: the paper's
-    s = mean|x|^alpha alone (AwqMethod's default).
+    s = mean|x|^alpha alone (AwqMethod's default). mse: each candidate quantized with the MSE
+    range search instead of min/max.
     """
     x = _sample_tokens(x.float(), max_tokens)
     x_mean = x.abs().mean(dim=0).clamp(min=1e-8)  # [in]
@@ -81,7 +83,7 @@ def search_scales(
             else:
                 s = x_mean.pow(alpha).clamp(min=1e-4)
             s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1 (range-neutral)
-            eff = [fake_quant(w.float() * s[None, :], spec) / s[None, :] for w in weights]
+            eff = [fake_quant(w.float() * s[None, :], spec, mse) / s[None, :] for w in weights]
             loss = float((block(eff) - ref).float().pow(2).mean())
             if k == 0:
                 loss0 = loss
@@ -98,14 +100,23 @@ def search_clip(
     n_grid: int = 20,
     max_shrink: float = 0.5,
     max_tokens: int = 512,
+    H: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per (output row, group) clipping ratio in [1 - max_shrink, 1]: returns ratios
-    [out, groups]."""
+    [out, groups]. The error of a group is that group's share of the output error: on at most
+    max_tokens of the inputs x [tokens, in] (AutoAWQ's estimate) or, given H [in, in] = 2 X X^T / n
+    of all calibration tokens, exactly d H_gg d^T for the group's weight error d [gs] and the
+    diagonal block H_gg [gs, gs] of H."""
     out_f, in_f = w.shape
     gs = spec.group_size
     G = in_f // gs
-    x = _sample_tokens(x, max_tokens)
-    xg = x.float().reshape(-1, G, gs)  # [n, G, gs]
+    if H is not None:
+        idx = torch.arange(G)
+        hg = H.float().reshape(G, gs, G, gs)[idx, :, idx, :]  # [G, gs, gs] diagonal blocks
+        err_of = lambda d: torch.einsum("ogk,gkl,ogl->og", d, hg, d)  # noqa: E731
+    else:
+        xg = _sample_tokens(x, max_tokens).float().reshape(-1, G, gs)  # [n, G, gs]
+        err_of = lambda d: torch.einsum("ngk,ogk->nog", xg, d).pow(2).mean(dim=0)  # noqa: E731
     wg = w.float().reshape(out_f, G, gs)
     best_err = torch.full((out_f, G), float("inf"))
     best_ratio = torch.ones(out_f, G)
@@ -114,7 +125,7 @@ def search_clip(
         ratio = 1.0 - k / n_grid
         wc = clip_groups(wg, torch.full((out_f, G), ratio), spec)
         wq = fake_quant(wc.reshape(out_f, in_f), spec).reshape(out_f, G, gs)
-        err = torch.einsum("ngk,ogk->nog", xg, wg - wq).pow(2).mean(dim=0)  # [out, G]
+        err = err_of(wg - wq)  # [out, G]
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_ratio = torch.where(better, torch.full_like(best_ratio, ratio), best_ratio)
@@ -147,13 +158,14 @@ def quantize_awq(
     *,
     mse: bool = False,
     clip_tokens: int = 512,
+    H: torch.Tensor | None = None,
 ) -> QuantResult:
-    """Clip (searched on at most clip_tokens of the inputs x [tokens, in]) then quantize an
-    already-scaled weight [out, in]; mse: the RTN step takes each group's range from the MSE
-    shrink search."""
+    """Clip (searched on at most clip_tokens of the inputs x [tokens, in], or on the Hessian H
+    [in, in] of all of them when given) then quantize an already-scaled weight [out, in]; mse:
+    the RTN step takes each group's range from the MSE shrink search."""
     if clip and x is not None:
         out_f, in_f = w.shape
-        ratio = search_clip(x, w, spec, max_tokens=clip_tokens)
+        ratio = search_clip(x, w, spec, max_tokens=clip_tokens, H=H)
         w = clip_groups(w.float().reshape(out_f, -1, spec.group_size), ratio, spec).reshape(
             out_f, in_f
         )

@@ -30,6 +30,7 @@ class _Groups:
     positions: torch.Tensor  # [G, gs]: permuted positions of each group's columns
     first: torch.Tensor  # [in] bool: this position is its group's first in quantization order
     fitted: bool  # parameters fixed up front (static groups from the original weights)
+    first_list: list[bool] | None = None  # `first` as Python bools, for the column loop
 
 
 def _plan_groups(
@@ -94,7 +95,10 @@ def quantize_gptq(
         M = M[:, perm] if M is not None else None
     U = damped_cholesky_inverse(H, dampening)  # [in, in] upper, in permuted order
     codes = torch.zeros(W.shape, dtype=torch.int32)
-    g_of = perm // spec.group_size  # group of each permuted position
+    # group of each permuted position and whether it opens its group, as Python values: the
+    # column loop reads them once per column, where a tensor read would cost a dispatch each
+    g_of = (perm // spec.group_size).tolist()
+    groups.first_list = groups.first.tolist()
     for b0 in range(0, in_f, column_block):
         b1 = min(b0 + column_block, in_f)
         Err = _quantize_block(W, U, M, codes, groups, g_of, spec, b0, b1, mse)
@@ -114,8 +118,8 @@ def _quantize_block(W, U, M, codes, groups: _Groups, g_of, spec, b0: int, b1: in
     U1 = U[b0:b1, b0:b1]
     for i in range(b1 - b0):
         col = b0 + i
-        g = int(g_of[col])
-        if not groups.fitted and groups.first[col]:
+        g = g_of[col]
+        if not groups.fitted and groups.first_list[col]:
             cur = _current_columns(W, W1, Err, U, b0, b1, groups.positions[g])
             groups.scales[:, g], groups.zeros[:, g] = group_params(cur, spec, mse=mse)
         scale, zero = groups.scales[:, g], groups.zeros[:, g]

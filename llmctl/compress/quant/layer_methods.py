@@ -26,7 +26,7 @@ from llmctl.compress.quant.awq import (
 from llmctl.compress.quant.gptq import quantize_gptq
 from llmctl.compress.quant.rtn import quantize_rtn
 from llmctl.compress.records import LinearRecord, relative_output_error
-from llmctl.runtime.formats.spec import QuantSpec
+from llmctl.runtime.formats.spec import QuantResult, QuantSpec
 
 
 def _set_weight(linear: nn.Linear, w: torch.Tensor) -> None:
@@ -50,16 +50,13 @@ def gptq_method(
     search; with act-order, groups refitted on the error-updated weights (static groups from the
     original weights lost to RTN on a trained model)."""
 
-    def fn(name: str, linear: nn.Linear, H: torch.Tensor) -> LinearRecord:
-        w = linear.weight.detach().float().cpu().clone()
-        lspec = spec.for_width(name, w.shape[1])
-        H = H.cpu()
+    def quantize(name: str, w: torch.Tensor, H: torch.Tensor):
         # exact zeros stay exactly zero (sparse-then-quantize); a dense weight has next to none
         mask = (w == 0) if preserve_zeros and bool((w == 0).any()) else None
-        r = quantize_gptq(
+        return quantize_gptq(
             w,
             H,
-            lspec,
+            spec.for_width(name, w.shape[1]),
             dampening=dampening,
             column_block=column_block,
             act_order=act_order,
@@ -67,10 +64,43 @@ def gptq_method(
             mse=mse,
             refit_groups=refit_groups,
         )
+
+    def fn(name: str, linear: nn.Linear, H: torch.Tensor) -> LinearRecord:
+        w = linear.weight.detach().float().cpu().clone()
+        H = H.cpu()
+        r = quantize(name, w, H)
         _set_weight(linear, r.weight)
         return LinearRecord(name, tuple(w.shape), r, relative_output_error(w, r.weight, H))
 
-    return HessianMethod(fn)
+    def group_fn(names: list[str], linears: list[nn.Linear], H: torch.Tensor) -> dict:
+        # rows are independent given H (one inverse Hessian, one column order, per-row groups),
+        # so linears that share their input are quantized as one stacked weight [sum out, in]
+        ws = [lin.weight.detach().float().cpu().clone() for lin in linears]
+        H = H.cpu()
+        stacked = quantize(names[0], torch.cat(ws), H)
+        records, row = {}, 0
+        for name, linear, w in zip(names, linears, ws):
+            r = _rows(stacked, row, row + w.shape[0])
+            row += w.shape[0]
+            _set_weight(linear, r.weight)
+            records[name] = LinearRecord(
+                name, tuple(w.shape), r, relative_output_error(w, r.weight, H)
+            )
+        return records
+
+    return HessianMethod(fn, group_fn)
+
+
+def _rows(r: QuantResult, a: int, b: int) -> QuantResult:
+    """Rows [a, b) of a quantized weight, as their own result (contiguous copies)."""
+    return QuantResult(
+        r.codes[a:b].clone(),
+        r.scales[a:b].clone(),
+        r.zeros[a:b].clone(),
+        r.weight[a:b].clone(),
+        r.spec,
+        r.g_idx,
+    )
 
 
 def rtn_method(spec: QuantSpec, *, mse: bool = True) -> HessianMethod:
@@ -89,8 +119,9 @@ def rtn_method(spec: QuantSpec, *, mse: bool = True) -> HessianMethod:
 class AwqMethod:
     """LayerMethod for AWQ: per group, scale search and folding; at the layer's end, clip and
     quantize. Defaults (measured, benchmarks/bench_quant_quality.py): the paper's scales
-    s = mean|x|^alpha (duo False), the clip search, and min/max ranges after clipping (mse False:
-    a second shrink on top of the clip search lost)."""
+    s = mean|x|^alpha (duo False), the clip search, min/max ranges after clipping (mse False:
+    a second shrink on top of the clip search lost) and the MSE range search for q/k_proj, which
+    the clip search skips (unclipped_mse True); clip_hessian and search_mse measured worse."""
 
     def __init__(
         self,
@@ -102,9 +133,14 @@ class AwqMethod:
         duo: bool = False,
         mse: bool = False,
         clip_tokens: int = 512,
+        clip_hessian: bool = False,
+        search_mse: bool = False,
+        unclipped_mse: bool = True,
     ):
         self.spec, self.n_grid, self.max_tokens, self.clip = spec, n_grid, max_tokens, clip
         self.duo, self.mse, self.clip_tokens = duo, mse, clip_tokens
+        self.clip_hessian, self.search_mse = clip_hessian, search_mse
+        self.unclipped_mse = unclipped_mse  # MSE ranges for the linears the clip search skips
         self.xs: dict[str, list[torch.Tensor]] = {}
         self.seqs: dict[str, list[torch.Tensor]] = {}
         self.acc: dict[str, HessianAccumulator] = {}
@@ -145,7 +181,15 @@ class AwqMethod:
                 layer.get_submodule(n.split(".", 3)[3]).weight.detach().float() for n in names
             ]
             block = self._block(layer, group, names)
-            found = search_scales(x, quantized, spec, n_grid=self.n_grid, block=block, duo=self.duo)
+            found = search_scales(
+                x,
+                quantized,
+                spec,
+                n_grid=self.n_grid,
+                block=block,
+                duo=self.duo,
+                mse=self.search_mse,
+            )
             s = found.scales
             if found.alpha > 0:
                 if isinstance(prev, nn.Linear):
@@ -202,7 +246,15 @@ class AwqMethod:
             # AutoAWQ leaves q/k unclipped: attention scores are too sensitive to their range
             clip = self.clip and not name.endswith(("q_proj", "k_proj"))
             lspec = self.spec.for_width(name, w.shape[1])
-            r = quantize_awq(w, x, lspec, clip=clip, mse=self.mse, clip_tokens=self.clip_tokens)
+            r = quantize_awq(
+                w,
+                x,
+                lspec,
+                clip=clip,
+                mse=self.mse or (self.unclipped_mse and not clip),
+                clip_tokens=self.clip_tokens,
+                H=H if self.clip_hessian else None,
+            )
             _set_weight(linear, r.weight)
             records[name] = LinearRecord(
                 name, tuple(w.shape), r, relative_output_error(w, r.weight, H), alpha

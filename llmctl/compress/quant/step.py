@@ -1,7 +1,8 @@
 """The quantize step of the one-shot pipeline (llmctl.compress.oneshot): AWQ, GPTQ or RTN.
 
 Owns: `QuantizeStep` (checks against the model's config, the method on the calibration driver,
-the quantized output in compressed-tensors, AWQ or GPTQ layout), `check_layers` (group size and
+the quantized output in compressed-tensors, AWQ or GPTQ layout, the RTN probe and its warning
+for a calibrated method: llmctl.compress.quant.probe), `check_layers` (group size and
 format rules from the layer shapes) and `check_format_available`.
 """
 
@@ -65,6 +66,7 @@ class QuantizeStep:
         self.group_note: str | None = None
         self.spec: QuantSpec | None = None
         self.records: dict[str, Any] = {}
+        self.rtn_probe: float | None = None  # held-out perplexity RTN would have scored
 
     def resolve(self) -> None:
         self.args.resolve()
@@ -94,13 +96,19 @@ class QuantizeStep:
                 mse=mse,
             )
         if a.method == "awq":
-            return AwqMethod(spec, mse=mse)
+            return AwqMethod(spec, unclipped_mse=mse)
         return rtn_method(spec, mse=mse)
 
     def run(self, model: torch.nn.Module, calib_ids, ctx) -> DriverResult:
         a = self.args
         scale_dtype = torch.float16 if a.format in ("awq", "gptq") else ctx.out_dtype
         self.spec = QuantSpec(a.bits, a.spec_group_size, bool(a.symmetric), scale_dtype)
+        if self.calibrates and ctx.score is not None:
+            from llmctl.compress.quant.probe import rtn_probe
+
+            ignored = make_ignore(a.ignore)
+            mse = a.observer == "mse"
+            self.rtn_probe = rtn_probe(model, self.spec, ignored, ctx.score, mse=mse)
         result = calibrate_layers(
             model,
             calib_ids,
@@ -114,6 +122,13 @@ class QuantizeStep:
         )
         self.records = result.records
         return result
+
+    def review(self, perplexity_after: float | None) -> list[str]:
+        """The RTN probe's verdict: a warning when this method did worse than RTN would have."""
+        from llmctl.compress.quant.probe import probe_warning
+
+        message = probe_warning(self.args.method, perplexity_after, self.rtn_probe)
+        return [message] if message else []
 
     def config_entry(self) -> dict[str, Any]:
         return {}  # quantization_config comes from the writer, which knows the layout

@@ -118,6 +118,9 @@ class PruneStep:
         pruned = sum(line.sparsity * line.shape[0] * line.shape[1] for line in lines)
         return pruned / max(1, sum(line.shape[0] * line.shape[1] for line in lines))
 
+    def review(self, perplexity_after: float | None) -> list[str]:
+        return []
+
     def config_entry(self) -> dict[str, Any]:
         from llmctl.compress.sparse.export import sparsity_config
 
