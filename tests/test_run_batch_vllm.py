@@ -126,7 +126,7 @@ def test_a_rows_sampling_params_object_is_honoured(tmp_path, engines):
         {"prompt": "a", "sampling_params": {**sp, "skip_special_tokens": True}},
         {"prompt": "b", "max_tokens": 3, "sampling_params": {"max_tokens": 3, "top_p": 0.5}},
         {"prompt": "c", "max_tokens": 2, "sampling_params": {"max_tokens": 3}},
-        {"prompt": "d", "sampling_params": {"n": 2}},
+        {"prompt": "d", "sampling_params": {"n": 2, "logprobs": 1, "prompt_logprobs": 0}},
         {"prompt": "e", "sampling_params": {"guided_decoding": {"json": {}}}},
         {"prompt": "f", "sampling_params": {"top_p": "x"}},
         {"prompt": "g", "sampling_params": [1]},
@@ -135,7 +135,8 @@ def test_a_rows_sampling_params_object_is_honoured(tmp_path, engines):
     out = tmp_path / "out.jsonl"
     assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 0
     got = read_jsonl(out)
-    a, b = engine.params
+    a, b, d = engine.params
+    assert (d.n, d.logprobs, d.prompt_logprobs) == (2, 1, 0)  # vLLM's fields, not refused
     assert (a.max_tokens, a.temperature, a.top_k, a.seed, a.stop_token_ids) == (
         3,
         0.7,
@@ -145,12 +146,9 @@ def test_a_rows_sampling_params_object_is_honoured(tmp_path, engines):
     )
     assert (b.max_tokens, b.top_p) == (3, 0.5)
     assert got[0]["usage"]["completion_tokens"] == 3 and got[1]["error"] is None
-    codes = [r["error"]["code"] for r in got[2:]]
-    assert (
-        codes
-        == ["invalid_parameter", "unsupported_parameter", "unsupported_parameter"]
-        + ["invalid_parameter"] * 2
-    )
+    assert got[3]["error"] is None
+    codes = [r["error"]["code"] for r in got[2:3] + got[4:]]
+    assert codes == ["invalid_parameter", "unsupported_parameter"] + ["invalid_parameter"] * 2
     assert "given in the row (2) and in sampling_params (3)" in got[2]["error"]["message"]
 
 

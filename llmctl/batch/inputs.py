@@ -14,10 +14,9 @@ import sys
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
+from llmctl.batch.row_fields import OUTPUT_KEYS, OVERRIDE_KEYS
 from llmctl.batch.rows import (
     BOM,
-    OUTPUT_KEYS,
-    OVERRIDE_KEYS,
     PROMPT_KEYS,
     CustomIds,
     InputRow,

@@ -18,6 +18,15 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
+from llmctl.batch.row_fields import (
+    OUTPUT_KEYS,
+    OVERRIDE_KEYS,
+    output_overrides,
+    refuse_unsupported,
+    request_error,
+    row_overrides,
+    sampling_params_overrides,
+)
 from llmctl.engine.requests import (
     check_text,
     json_type,
@@ -27,45 +36,11 @@ from llmctl.engine.requests import (
 )
 from llmctl.errors import RequestError
 
-OVERRIDE_KEYS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "ignore_eos",
-)
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 OPENAI_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 OPENAI_PROMPT = {"completions": "prompt", "chat": "messages"}
 # Body fields accepted and ignored: they do not change the answer.
 OPENAI_IGNORED = ("model", "user", "metadata", "store", "service_tier")
-# Generation features llmctl does not implement, with the values that ask for none of them. In an
-# OpenAI body every other unknown field is refused too; a simple row may carry other keys.
-NEUTRAL_VALUES: dict[str, tuple] = {
-    "best_of": (1,),
-    "stream": (False,),
-    "stream_options": (),
-    "echo": (False,),
-    "logit_bias": ({},),
-    "suffix": ("",),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "functions": ([],),
-    "function_call": ("none",),
-    "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},),
-    "modalities": (["text"],),
-    "audio": (),
-    "prediction": (),
-    "reasoning_effort": (),
-    "web_search_options": (),
-}
 BOM = b"\xef\xbb\xbf"
 _LONG_ID = 64  # custom_ids longer than this are remembered by a 16-byte digest
 
@@ -85,10 +60,6 @@ class InputRow:
     error: RequestError | None = None
     custom_id: str | None = None  # OpenAI batch rows only
     endpoint: str | None = None  # OpenAI batch rows only: "completions" | "chat"
-
-
-def request_error(code: str, message: str, param: str | None = None) -> RequestError:
-    return RequestError(code, message, param=param)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,153 +89,6 @@ def _fill_prompt(row: InputRow, obj: dict) -> None:
         row.prompt_token_ids = validate_token_ids(value)
 
 
-_OVERRIDE_SHAPES = {
-    "stop": ("a string or an array of strings", (str, list)),
-    "ignore_eos": ("true or false", (bool, int, float, str)),
-}
-
-
-def row_overrides(obj: dict, where: str = "") -> dict:
-    """The row's sampling overrides, as given; values in the wrong JSON shape are refused here
-    (an array where a number goes), their ranges and types by SamplingParams (job)."""
-    out = {}
-    for key in (*OVERRIDE_KEYS, "max_completion_tokens"):
-        value = obj.get(key)
-        if value is None:
-            continue
-        wanted, shapes = _OVERRIDE_SHAPES.get(key, ("a number", (bool, int, float, str)))
-        if not isinstance(value, shapes):
-            raise request_error(
-                "invalid_parameter",
-                f"{where}{key} must be {wanted}, got {json_type(value)}",
-                param=key,
-            )
-        if key == "stop":
-            for s in [value] if isinstance(value, str) else value:
-                if isinstance(s, str):
-                    check_text(s, f"{where}stop")
-        out["max_tokens" if key == "max_completion_tokens" else key] = value
-    return out
-
-
-OUTPUT_KEYS = ("n", "logprobs", "top_logprobs", "prompt_logprobs")
-
-
-def output_overrides(obj: dict, endpoint: str | None = None, where: str = "") -> dict:
-    """n, logprobs and prompt_logprobs as SamplingParams fields (their ranges are checked
-    there). Simple rows and completions ask `logprobs: k`; chat asks `logprobs: true` with
-    `top_logprobs: k` (OpenAI's spellings)."""
-    out = {k: obj[k] for k in ("n", "prompt_logprobs") if obj.get(k) is not None}
-    lp, top = obj.get("logprobs"), obj.get("top_logprobs")
-    if endpoint == "chat":
-        if lp is not None and not isinstance(lp, bool):
-            raise request_error(
-                "invalid_parameter", f"{where}logprobs must be true or false", param="logprobs"
-            )
-        if top is not None and not lp:
-            raise request_error(
-                "invalid_parameter",
-                f"{where}top_logprobs needs {where}logprobs: true",
-                param="top_logprobs",
-            )
-        if lp:
-            out["logprobs"] = 0 if top is None else top
-        return out
-    if top is not None and top != 0:
-        raise request_error(
-            "invalid_parameter",
-            f"{where}top_logprobs is the chat endpoint's; here logprobs: K asks for K alternatives",
-            param="top_logprobs",
-        )
-    if lp is True:
-        raise request_error(
-            "invalid_parameter",
-            f"{where}logprobs must be the number of alternatives (0 to 20), got true",
-            param="logprobs",
-        )
-    if lp is not None and lp is not False:
-        out["logprobs"] = lp
-    return out
-
-
-def _is_neutral(value: object, neutral: tuple) -> bool:
-    return any(type(value) is type(n) and value == n for n in neutral)
-
-
-def _refuse_unsupported(
-    obj: dict, allowed: tuple | None, where: str, neutral_values: dict = NEUTRAL_VALUES
-) -> None:
-    """A generation feature we do not implement is an error, never silently ignored. With
-    `allowed` (an OpenAI body, sampling_params) every field not in it is such a feature."""
-    for key, value in obj.items():
-        if value is None or (allowed is not None and key in allowed):
-            continue
-        neutral = neutral_values.get(key)
-        if neutral is None and allowed is None:
-            continue  # a simple row's own columns (metadata) are passed over
-        if neutral is None or not _is_neutral(value, neutral):
-            raise request_error(
-                "unsupported_parameter",
-                f"{where}{key}={show(value)} is not supported: run-batch answers with plain "
-                f"text (n of them with n), not streams, tools or structured output; remove "
-                f"the field",
-                param=key,
-            )
-
-
-# vLLM SamplingParams fields a row's `sampling_params` may hold besides OVERRIDE_KEYS and
-# stop_token_ids, with the values that change nothing here (other values are refused).
-VLLM_NEUTRAL_VALUES: dict[str, tuple] = {
-    "min_tokens": (0,),
-    "detokenize": (True,),
-    "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,),
-    "include_stop_str_in_output": (False,),
-    "bad_words": ([],),
-    "flat_logprobs": (False,),
-    "extra_args": ({},),
-}
-
-
-def sampling_params_overrides(obj: dict, overrides: dict) -> dict:
-    """`overrides` with the row's `sampling_params` object (Ray Data LLM and vLLM rows: the
-    SamplingParams fields by vLLM's names) merged in; a field given both there and in the row
-    with another value, or one llmctl does not implement, is the row's error."""
-    sp = obj.get("sampling_params")
-    if sp is None:
-        return overrides
-    if not isinstance(sp, dict):
-        raise request_error(
-            "invalid_parameter",
-            f"sampling_params must be an object, got {json_type(sp)}",
-            param="sampling_params",
-        )
-    sp = {k: v for k, v in sp.items() if v is not None}
-    known = (*OVERRIDE_KEYS, "stop_token_ids")
-    _refuse_unsupported(sp, known, "sampling_params.", {**NEUTRAL_VALUES, **VLLM_NEUTRAL_VALUES})
-    merged = dict(overrides)
-    found = row_overrides(sp, "sampling_params.")
-    ids = sp.get("stop_token_ids")
-    if ids is not None:
-        if not isinstance(ids, list) or not all(type(t) is int for t in ids):
-            raise request_error(
-                "invalid_parameter",
-                "sampling_params.stop_token_ids must be an array of integers",
-                param="stop_token_ids",
-            )
-        found["stop_token_ids"] = ids
-    for key, value in found.items():
-        if key in merged and merged[key] != value:
-            raise request_error(
-                "invalid_parameter",
-                f"{key} is given in the row ({show(merged[key])}) and in sampling_params "
-                f"({show(value)}); give it once",
-                param=key,
-            )
-        merged[key] = value
-    return merged
-
-
 def parse_simple(obj: object, index: int, position: int, end_position: int) -> InputRow:
     """A simple-JSONL (or Parquet) row: id?, one of prompt/messages/prompt_token_ids, overrides."""
     row = InputRow(index=index, position=position, end_position=end_position, id=index + 1)
@@ -279,7 +103,7 @@ def parse_simple(obj: object, index: int, position: int, end_position: int) -> I
                 )
             row.id = rid  # a lone surrogate in it is echoed back as the same JSON escape
         _fill_prompt(row, obj)
-        _refuse_unsupported(obj, None, "")
+        refuse_unsupported(obj, None, "")
         row.overrides = {
             **sampling_params_overrides(obj, row_overrides(obj)),
             **output_overrides(obj),
@@ -358,7 +182,7 @@ def parse_openai(obj: object, index: int, position: int, end_position: int) -> I
             *OUTPUT_KEYS,
             *OPENAI_IGNORED,
         )
-        _refuse_unsupported(body, allowed, "body.")
+        refuse_unsupported(body, allowed, "body.")
         _openai_prompt(row, body)
         row.overrides = {
             **row_overrides(body, "body."),

@@ -4,16 +4,12 @@ Owns: `LLMEngine` (request validation, stop conditions, engine statistics, forki
 n > 1 once its prompt is computed and gathering its n completions, and when asked the logprobs of
 sampled and prompt tokens, `logprobs.py`). Knows nothing of files: callers (run-batch, profile,
 the Python API) feed it token ids and read `RequestOutput`s back.
-What it does is logged to the `llmctl.engine` logger (stdlib logging; silent unless a caller
-configures it): every step at DEBUG, the first preemption and a statistics line (steps, step
-time, queue, KV blocks, prefix-cache hit rate, preemptions) at most every
-`EngineConfig.log_stats_interval_s` at INFO.
+Its log lines (the `llmctl.engine` logger) are engine_log.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -23,6 +19,7 @@ import torch
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.config import EngineConfig
 from llmctl.engine.detokenizer import Detokenize, first_stop
+from llmctl.engine.engine_log import EngineLog
 from llmctl.engine.logprobs import add_prompt, add_sampled, to_dicts
 from llmctl.engine.model_runner import ModelRunner
 from llmctl.engine.params import CompletionOutput, RequestOutput, SamplingParams, derived_seed
@@ -33,8 +30,6 @@ from llmctl.engine.sequence import Sequence
 from llmctl.engine.spec_decode import verify
 from llmctl.errors import RequestError, UsageError
 from llmctl.models.config import ModelConfig
-
-log = logging.getLogger("llmctl.engine")
 
 
 def _graphs_supported(model, device: str) -> bool:
@@ -67,16 +62,6 @@ class EngineStats:
     @property
     def spec_acceptance_rate(self) -> float | None:
         return self.spec_accepted / self.spec_proposed if self.spec_proposed else None
-
-
-@dataclass
-class _LogMarks:
-    """Where the last INFO statistics line stood, so the next one reports the steps since."""
-
-    time: float
-    steps: int = 0
-    model_seconds: float = 0.0
-    preempted: bool = False  # the first preemption is logged at INFO, later ones at DEBUG
 
 
 @dataclass
@@ -127,7 +112,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize: Detokenize = detokenize or (lambda ids: "")
         self.stats = EngineStats()
-        self._logged = _LogMarks(time.perf_counter())
+        self._log = EngineLog(time.perf_counter())
         self.proposer = proposer
         self._groups: dict[str, _Group] = {}  # requests with n > 1 by id
         if cfg.cuda_graphs and _graphs_supported(model, device):
@@ -210,51 +195,8 @@ class LLMEngine:
         self.stats.finished += len(finished)
         if self.proposer:
             self._propose()
-        self._log_step(batch, now - t0)
+        self._log.step(self, batch, now - t0)
         return finished
-
-    def _log_step(self, batch, seconds: float) -> None:
-        """DEBUG: this step; INFO: the first preemption, then statistics at most every interval."""
-        if batch.preempted:
-            level = logging.DEBUG if self._logged.preempted else logging.INFO
-            self._logged.preempted = True
-            if log.isEnabledFor(level):
-                log.log(
-                    level,
-                    "preempted %d sequence(s): KV cache full (%d of %d blocks in use); they are "
-                    "recomputed when blocks free up",
-                    len(batch.preempted),
-                    self.block_manager.num_used_blocks,
-                    self.block_manager.num_blocks,
-                )
-        if log.isEnabledFor(logging.DEBUG):
-            decodes = sum(1 for n in batch.num_new_tokens if n == 1)
-            log.debug(
-                "step %d: %d sequences (%d decoding), %d tokens, %.2f ms",
-                self.stats.steps,
-                len(batch.seqs),
-                decodes,
-                batch.total_tokens,
-                seconds * 1000,
-            )
-        now = time.perf_counter()
-        if now - self._logged.time >= self.engine_config.log_stats_interval_s:
-            if log.isEnabledFor(logging.INFO):
-                log.info("%s", self._stats_line())
-            self._logged.time, self._logged.steps = now, self.stats.steps
-            self._logged.model_seconds = self.stats.model_seconds
-
-    def _stats_line(self) -> str:
-        st, bm, sch, mark = self.stats, self.block_manager, self.scheduler, self._logged
-        steps, seconds = st.steps - mark.steps, time.perf_counter() - mark.time
-        step_ms = 1000 * (st.model_seconds - mark.model_seconds) / steps if steps else 0.0
-        hit = 100 * bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0
-        return (
-            f"engine: {steps} steps in {seconds:.1f} s ({step_ms:.2f} ms each), "
-            f"{len(sch.running)} running, {len(sch.waiting)} waiting, KV blocks "
-            f"{bm.num_used_blocks}/{bm.num_blocks} in use; so far a prefix cache hit rate of "
-            f"{hit:.1f}% and {sch.num_preemptions} preemptions"
-        )
 
     def _append(self, seq: Sequence, tokens: list[int], now: float) -> RequestOutput | None:
         """Append the new tokens up to a stop; the request's output once it is complete."""
