@@ -43,6 +43,8 @@ class BatchOptions:
     commit_rows: int = 256
     commit_interval_s: float = 2.0
     report_json: str | None = None  # checked before the job, written by the command ('-': stdout)
+    backend: str = "llmctl"  # or "vllm" (llmctl.batch.backends)
+    engine_args: dict[str, Any] = field(default_factory=dict)  # vLLM EngineArgs passed through
 
 
 def sampling_default(name: str) -> Any:
@@ -85,4 +87,5 @@ def fingerprint(opts: BatchOptions, source_format: str, defaults: SamplingParams
         **{f"sampling.{k}": v for k, v in sampling.items()},
         # only when on, so that states written before the switch existed still resume
         **({"batch_invariant": True} if opts.engine.get("batch_invariant") else {}),
+        **({"backend": opts.backend} if opts.backend != "llmctl" else {}),
     }

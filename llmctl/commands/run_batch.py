@@ -8,12 +8,14 @@ default); the work is in `llmctl.batch.runner`.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from types import SimpleNamespace
 
 import typer
 
 from llmctl.batch.options import BatchOptions
+from llmctl.commands import _backend_options as b
 from llmctl.commands import _batch_options as o
 from llmctl.commands._batch_ui import RichUI
 from llmctl.commands._options import DeviceOpt, DtypeOpt, ModelOpt, QuietOpt, ReportJsonOpt
@@ -61,6 +63,12 @@ prompt (good when outputs copy from it); --draft MODEL lets a small model with t
 propose them. Greedy outputs are identical with or without it. It pays for a few sequences at a
 time, not a large batch: auto stops speculating while more than --speculative-max-batch run. The
 summary reports the acceptance rate.
+
+\b
+vLLM: --backend vllm generates with vLLM's offline engine (pip install 'llmctl[vllm]') under the
+same inputs, outputs and resume; --tensor-parallel-size, --pipeline-parallel-size and
+--engine-args JSON go to vLLM. llmctl-only options (--batch-invariant, --speculative auto) are
+refused there.
 
 \b
 Exit codes: 0 done; 1 write failure such as a full disk (committed rows are kept: rerun);
@@ -113,10 +121,14 @@ def register(app: typer.Typer) -> None:
         enforce_eager: o.EagerOpt = False,
         batch_invariant: o.BatchInvariantOpt = False,
         max_in_flight: o.InFlightOpt = None,
+        backend: b.BackendOpt = None,
+        tensor_parallel_size: b.TensorParallelOpt = None,
+        pipeline_parallel_size: b.PipelineParallelOpt = None,
+        engine_args: b.EngineArgsOpt = None,
     ) -> None:
         """Generate a completion for every row of INPUT and write one output row per input row."""
         args = SimpleNamespace(**locals())
-        _run(o.batch_options(args), quiet)
+        _run(dataclasses.replace(o.batch_options(args), **b.backend_fields(args)), quiet)
 
 
 def _load_runtime(model, dtype="auto", device="auto"):
