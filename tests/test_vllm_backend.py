@@ -76,13 +76,17 @@ def test_rows_in_order_with_error_rows_and_summary(tmp_path, stub, inp):
 
 def test_engine_arguments_pass_through(tmp_path, stub, inp):
     out = tmp_path / "out.jsonl"
-    extra = '{"swap_space": 1, "max_num_seqs": 3}'
+    extra = '{"gpu_memory_utilization": 0.5, "max_num_seqs": 3}'
     argv = ["run-batch", str(inp), "-o", str(out), "--backend", "vllm", "-q", "--dtype", "fp32"]
     argv += ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "3", "--max-num-seqs", "9"]
     argv += ["--enforce-eager", "--kv-cache-memory", "1MiB", "--engine-args", extra]
     assert main(argv) == 0
     a = stub.started[0].args
-    assert (a.tensor_parallel_size, a.pipeline_parallel_size, a.swap_space) == (2, 3, 1)
+    assert (a.tensor_parallel_size, a.pipeline_parallel_size, a.gpu_memory_utilization) == (
+        2,
+        3,
+        0.5,
+    )
     assert a.max_num_seqs == 3  # --engine-args wins over the flags
     assert a.dtype == "float32" and a.enforce_eager and a.kv_cache_memory_bytes == 1 << 20
 
@@ -175,6 +179,8 @@ def test_real_vllm_api_matches_the_stub():
         output_kind=RequestOutputKind.DELTA,
     )  # fmt: skip
     assert p.output_kind is RequestOutputKind.DELTA and p.top_k == 0
-    with pytest.raises(ValueError):
+    from vllm.exceptions import VLLMClientError
+
+    with pytest.raises(VLLMClientError):  # a row's error in the adapter
         vllm.SamplingParams(presence_penalty=3.0)
     assert hasattr(vllm.LLMEngine, "from_engine_args") and hasattr(vllm.LLMEngine, "step")

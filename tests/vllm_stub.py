@@ -1,6 +1,7 @@
 """A stand-in `vllm` module for the vLLM backend's adapter tests: the few names run-batch uses
 (`EngineArgs`, `SamplingParams`, `LLMEngine.from_engine_args`, `sampling_params.RequestOutputKind`,
-`platforms.current_platform`), shaped like vLLM 0.32's, with an engine that needs no model.
+`platforms.current_platform`, `exceptions.VLLMClientError`), shaped like vLLM 0.32's, with an
+engine that needs no model.
 
 Each step gives every running request one token (a function of its prompt and position, as
 `llmctl.batch.fake.FakeEngine`), returned as DELTA outputs; a request finishes at max_tokens or
@@ -40,13 +41,21 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     load_format: str = "auto"
     speculative_config: dict | None = None
-    swap_space: float = 4
+    gpu_memory_utilization: float = 0.9
+
+
+class VLLMClientError(Exception):
+    pass
+
+
+class VLLMValidationError(VLLMClientError):
+    pass
 
 
 class SamplingParams:
     def __init__(self, **kw: Any):
         if not -2.0 <= kw.get("presence_penalty", 0.0) <= 2.0:  # as vLLM's _verify_args
-            raise ValueError("presence_penalty must be in [-2, 2]")
+            raise VLLMValidationError("presence_penalty must be in [-2, 2]")
         self.kw = kw
         self.max_tokens = kw.get("max_tokens", 16)
 
@@ -114,8 +123,14 @@ def install(monkeypatch, device_type: str = "cpu") -> type[StubEngine]:
     sp.RequestOutputKind = RequestOutputKind
     platforms = types.ModuleType("vllm.platforms")
     platforms.current_platform = SimpleNamespace(device_type=device_type)
-    vllm.sampling_params, vllm.platforms = sp, platforms
+    exceptions = types.ModuleType("vllm.exceptions")
+    exceptions.VLLMClientError, exceptions.VLLMValidationError = (
+        VLLMClientError,
+        VLLMValidationError,
+    )
+    vllm.sampling_params, vllm.platforms, vllm.exceptions = sp, platforms, exceptions
     modules = {"vllm": vllm, "vllm.sampling_params": sp, "vllm.platforms": platforms}
+    modules["vllm.exceptions"] = exceptions
     for name, mod in modules.items():
         monkeypatch.setitem(sys.modules, name, mod)
     return Engine

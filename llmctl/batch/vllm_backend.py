@@ -145,6 +145,16 @@ class VllmEngine:
         config = getattr(engine, "model_config", None)
         self.max_model_len: int | None = getattr(config, "max_model_len", None)
         self._live: dict[str, _Live] = {}
+        try:  # what vLLM raises for a bad request (not a ValueError since 0.1x)
+            from vllm.exceptions import VLLMClientError
+
+            self._refusals: tuple[type[BaseException], ...] = (
+                ValueError,
+                TypeError,
+                VLLMClientError,
+            )
+        except ImportError:
+            self._refusals = (ValueError, TypeError)
 
     def vllm_params(self, p: SamplingParams) -> Any:
         """vLLM's SamplingParams for llmctl's; outputs come as deltas (first-token times)."""
@@ -181,7 +191,7 @@ class VllmEngine:
             self.engine.add_request(
                 request_id, {"prompt_token_ids": list(prompt_token_ids)}, vparams
             )
-        except (ValueError, TypeError) as e:  # vLLM's request checks (VLLMValidationError...)
+        except self._refusals as e:  # vLLM's request checks (VLLMValidationError...)
             raise RequestError("invalid_parameter", f"vLLM: {e}") from None
         self._live[request_id] = _Live(list(prompt_token_ids), time.perf_counter())
 
