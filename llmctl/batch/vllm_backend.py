@@ -11,6 +11,7 @@ processes).
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -29,7 +30,11 @@ MISSING_VLLM = (
 
 
 def import_vllm() -> Any:
-    """The vllm module, or a one-line UsageError naming the extra."""
+    """The vllm module, or a one-line UsageError naming the extra. vLLM logs to stdout at INFO
+    by default; stdout may be the job's rows (`-o -`), so unless the user set them its logs go to
+    stderr, warnings and errors only (VLLM_LOGGING_LEVEL=INFO shows the rest)."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
     except ImportError:
