@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -184,3 +185,15 @@ def test_real_vllm_api_matches_the_stub():
     with pytest.raises(VLLMClientError):  # a row's error in the adapter
         vllm.SamplingParams(presence_penalty=3.0)
     assert hasattr(vllm.LLMEngine, "from_engine_args") and hasattr(vllm.LLMEngine, "step")
+
+
+def test_rows_on_stdout_and_vllm_logs_sent_to_stderr(tmp_path, stub, monkeypatch, capsys):
+    for name in ("VLLM_LOGGING_STREAM", "VLLM_LOGGING_LEVEL"):
+        monkeypatch.setenv(name, "x")  # so that teardown removes what the backend sets
+        monkeypatch.delenv(name)
+    inp = write_jsonl(tmp_path / "in.jsonl", ROWS[:3])
+    assert main(["run-batch", str(inp), "-o", "-", "--backend", "vllm", "-q"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["id"] for r in rows] == [1, 2, 3]
+    assert os.environ["VLLM_LOGGING_STREAM"] == "ext://sys.stderr"
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
