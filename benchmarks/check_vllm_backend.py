@@ -59,7 +59,8 @@ def run_batch(python: str, model: Path, inp: Path, out: str, backend: str, args)
     cmd += ["--backend", backend, "--dtype", args.dtype_now, "--max-tokens", str(args.max_tokens)]
     cmd += ["--include-token-ids", "--max-model-len", "512", "-q", "--overwrite"]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    tail = res.stderr.strip().splitlines()[-1:] or [""]
+    lines = res.stderr.strip().splitlines()
+    tail = [line for line in lines if line.startswith("llmctl: error")] or lines[-1:] or [""]
     if res.returncode != 0:
         return None, tail[0], res.returncode
     text = res.stdout if out == "-" else Path(out).read_text()

@@ -100,7 +100,7 @@ class VllmRuntime:
                 vllm.EngineArgs(model=str(self.model_path), **args)
             )
         except Exception as e:  # vLLM's own checks of the model and the arguments
-            message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            message = " ".join(str(e).split())[:400]  # pydantic's errors span lines
             raise ModelLoadError(f"vLLM cannot start: {type(e).__name__}: {message}") from None
         return VllmEngine(engine, vllm)
 
