@@ -129,7 +129,9 @@ def main() -> int:
     results = []
     for name in args.models.split(","):
         model = DEMO if name == "demo" else make_model(name, work)
-        for dtype in ("float32", "bfloat16") if name == "demo" else ("float32",):
+        # vLLM's CPU kernels for 4-bit weights (compressed-tensors, GPTQ, AWQ) take bf16/fp16 only
+        dtypes = {"demo": ("float32", "bfloat16"), "sparsify-2of4": ("float32",)}
+        for dtype in dtypes.get(name, ("bfloat16",)):
             r = check(name, model, dtype, inp, work, args)
             results.append(r)
             print(json.dumps(r), flush=True)
