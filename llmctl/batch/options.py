@@ -62,6 +62,8 @@ class BatchOptions:
     # sampling defaults under the flags: none (run-batch's), vllm, auto (the model's file), a folder
     generation_config: str = "none"
     ray: RayOptions | None = None  # --ray; not in the fingerprint: the rows are the same
+    backend: str = "llmctl"  # or "vllm" (llmctl.batch.backends)
+    engine_args: dict[str, Any] = field(default_factory=dict)  # vLLM EngineArgs passed through
 
 
 def sampling_default(name: str) -> Any:
@@ -115,4 +117,5 @@ def fingerprint(opts: BatchOptions, source_format: str, defaults: SamplingParams
         # only when on, so that states written before the switch existed still resume
         **({"batch_invariant": True} if opts.engine.get("batch_invariant") else {}),
         **({"served_model_name": opts.served_model_name} if opts.served_model_name else {}),
+        **({"backend": opts.backend} if opts.backend != "llmctl" else {}),
     }

@@ -4,7 +4,8 @@ Owns: `run_batch` and its order of work:
 1. check every option and path (`batch.checks`), open the input;
 2. lock an existing output, read its state and decide between a fresh start, a resume and a
    refusal (`batch.resume`), all before any write;
-3. load the model through a callback; until it has loaded nothing is created or changed on disk;
+3. load the model (`batch.backends`: llmctl's engine through a callback, or vLLM's); until it
+   has loaded nothing is created or changed on disk;
 4. drive a session (`batch.driver`), committing state; it converts a Parquet journal at the end
    and records the finished output's size and hash, which a rerun verifies.
 The command passes a `BatchUI` for messages and progress; nothing here imports Typer or Rich.
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
+from llmctl.batch.backends import check_backend, load_backend_runtime
 from llmctl.batch.checks import (
     check_output,
     check_report_path,
@@ -75,6 +77,7 @@ def run_batch(
     ui = ui or SilentUI()
     defaults = default_sampling(opts, _generation_defaults(opts, ui))
     engine_config = EngineConfig(**opts.engine)  # raises UsageError for a bad value
+    check_backend(opts.backend, opts.engine, opts.engine_args)
     to_file = opts.output != "-" and not (opts.output is None and opts.input == "-")
     stream = None
     if opts.input == "-" and to_file:
@@ -139,7 +142,7 @@ def _load_model(
         from llmctl.batch.ray_job import connect
 
         return connect(opts, load_runtime, ui), None
-    runtime = load_runtime(opts.model, dtype=opts.dtype, device=opts.device)
+    runtime = load_backend_runtime(opts, load_runtime)
     engine = runtime.start_engine(engine_config)
     if engine_config.gpu_memory_utilization is not None:
         if not str(getattr(runtime, "device", "cpu")).startswith("cuda"):

@@ -1,0 +1,86 @@
+"""Which engine serves a run-batch job: llmctl's own, or vLLM's offline engine.
+
+Owns: the backend names, `load_backend_runtime` (the one place a job's runtime is loaded, also
+called inside each Ray replica), the refusal of llmctl-only engine options under `vllm`, and the
+mapping of the `EngineConfig` fields a user set to vLLM's `EngineArgs`. vLLM itself is imported
+only in `vllm_backend`, when that backend is chosen.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from llmctl.engine.config import EngineConfig
+from llmctl.errors import UsageError
+
+BACKENDS = ("llmctl", "vllm")
+DEFAULT_BACKEND = "llmctl"
+
+# EngineConfig fields with the same meaning in vLLM's EngineArgs, under the same name.
+_SAME_NAME = ("block_size", "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs")
+
+# EngineConfig fields only llmctl's engine has, by the flag a user typed to set them.
+_LLMCTL_ONLY = {
+    "batch_invariant": "--batch-invariant",
+    "speculative_max_batch": "--speculative-max-batch (and --speculative auto)",
+}
+
+# Engine arguments the vLLM backend sets itself: pickle checkpoints are never loaded.
+_FIXED_ARGS = {"load_format": "safetensors"}
+
+
+def check_backend(backend: str, engine: dict[str, Any], engine_args: dict[str, Any]) -> None:
+    """Refuse an unknown backend, llmctl-only options under vllm, engine args under llmctl."""
+    if backend not in BACKENDS:
+        raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "llmctl":
+        if engine_args:
+            names = ", ".join(sorted(engine_args))
+            raise UsageError(f"{names}: vLLM engine arguments need --backend vllm")
+        return
+    for field, flag in _LLMCTL_ONLY.items():
+        if engine.get(field) is not None:
+            raise UsageError(f"{flag} is llmctl's engine only; vLLM has no equivalent")
+    for key, value in _FIXED_ARGS.items():
+        if key in engine_args and engine_args[key] != value:
+            raise UsageError(f"{key} is always {value!r} with --backend vllm (no pickle files)")
+
+
+def vllm_engine_args(engine: dict[str, Any], engine_args: dict[str, Any]) -> dict[str, Any]:
+    """vLLM `EngineArgs` keywords for the EngineConfig fields a user set (`engine`, as in
+    `BatchOptions.engine`) and the engine arguments passed through (which win)."""
+    out: dict[str, Any] = {k: engine[k] for k in _SAME_NAME if engine.get(k) is not None}
+    if engine.get("kv_cache_memory") is not None:
+        out["kv_cache_memory_bytes"] = engine["kv_cache_memory"]
+    if engine.get("cuda_graphs") is False:
+        out["enforce_eager"] = True
+    if engine.get("max_model_len") is not None:
+        out["max_model_len"] = engine["max_model_len"]
+    if engine.get("seed") is not None:
+        out["seed"] = engine["seed"]
+    method = engine.get("speculative")
+    if method is not None:
+        spec: dict[str, Any] = {"method": "ngram" if method == "ngram" else "draft_model"}
+        if method == "draft":
+            spec["model"] = engine["draft_model"]
+        spec["num_speculative_tokens"] = engine.get(
+            "num_speculative_tokens", EngineConfig.num_speculative_tokens
+        )
+        out["speculative_config"] = spec
+    return {**out, **engine_args, **_FIXED_ARGS}
+
+
+def load_backend_runtime(opts: Any, load_runtime: Callable[..., Any]) -> Any:
+    """The runtime of `opts.backend` for `opts` (a `BatchOptions`): `load_runtime` (llmctl's
+    loader, or a test's stand-in) for llmctl, vLLM's offline engine behind the same protocol for
+    vllm. Its `start_engine(EngineConfig)` gives the engine."""
+    backend = getattr(opts, "backend", DEFAULT_BACKEND)
+    engine_args = getattr(opts, "engine_args", {}) or {}
+    check_backend(backend, opts.engine, engine_args)
+    if backend == "llmctl":
+        return load_runtime(opts.model, dtype=opts.dtype, device=opts.device)
+    from llmctl.batch.vllm_backend import load_vllm_runtime
+
+    return load_vllm_runtime(
+        opts.model, opts.dtype, opts.device, vllm_engine_args(opts.engine, engine_args)
+    )
