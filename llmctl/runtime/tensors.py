@@ -94,7 +94,7 @@ def assign_dense(
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
-def _file_mode() -> int:
+def file_mode() -> int:
     """0666 minus the process umask (read without changing it, where /proc says it)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -119,4 +119,4 @@ def save_safetensors(tensors: dict, path: Path, metadata: dict[str, str] | None 
         found = re.search(r"os error (\d+)", str(e))
         code = int(found.group(1)) if found else errno.EIO
         raise OSError(code, os.strerror(code), str(path)) from None
-    os.chmod(path, _file_mode())
+    os.chmod(path, file_mode())
