@@ -153,3 +153,34 @@ def test_sparsify_shards_through_huggingface_hub(tiny_dir, tmp_path):
     with torch.no_grad():
         ref = hf(ids).logits
     torch.testing.assert_close(_logits(out, ids), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_sparse_then_quantized_recipe_shards_and_keeps_both_configs(tiny_dir, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "sparsify:\n  method: magnitude\n  pattern: '2:4'\n"
+        "quantize:\n  method: rtn\n  group_size: 32\n  symmetric: true\n"
+    )
+    out = tmp_path / "sq"
+    args = ["sparsify", str(tiny_dir), "-o", str(out), "--recipe", str(recipe), "--no-eval"]
+    args += ["--calib", str(tiny_dir / "calib.jsonl"), "--num-samples", "8", "--seq-len", "32"]
+    assert main([*args, "--max-shard-size", SMALL_SHARD, "--quiet"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["sparsity_config"]["pattern"] == "2:4"  # ours, beside compressed-tensors'
+    # compressed-tensors 0.20 writes an empty sparsity_config (its sparsity support is removed,
+    # and vLLM refuses a non-empty one), so the pattern stays in the top-level entry
+    assert config["quantization_config"]["sparsity_config"] == {}
+    assert len(_shards(out)) >= 3
+    _, linears, _ = read_quantized(out)
+    w = linears["model.layers.0.mlp.up_proj"].dequantize()
+    assert float((w == 0).float().mean()) >= 0.5  # 2:4 survives quantization
+
+
+def test_distill_output_shards(tmp_path):
+    from tests.test_distill_cli import TINY, distill
+
+    out = tmp_path / "student"
+    assert distill(out, "--student-layers", "1", *TINY, "--max-shard-size", "1MB") == 0
+    assert len(_shards(out)) >= 3 and not (out / "model.safetensors").exists()
+    ids = torch.randint(0, 97, (1, 8), generator=torch.Generator().manual_seed(3))
+    assert torch.isfinite(_logits(out, ids)).all()
