@@ -184,3 +184,49 @@ def test_distill_output_shards(tmp_path):
     assert len(_shards(out)) >= 3 and not (out / "model.safetensors").exists()
     ids = torch.randint(0, 97, (1, 8), generator=torch.Generator().manual_seed(3))
     assert torch.isfinite(_logits(out, ids)).all()
+
+
+# The hand-written packer llmctl had before it used compressed-tensors' pack_to_int32 (kept here,
+# verbatim in behaviour, as the reference the new files must match word for word).
+def _legacy_pack_rows(values, bits, order=None):
+    if 32 % bits:
+        R, C = values.shape
+        v = values.to(torch.int64).reshape(R, C // 32, 32) & ((1 << bits) - 1)
+        words = torch.zeros(R, C // 32, bits + 1, dtype=torch.int64)
+        for j in range(32):
+            word, shift = divmod(j * bits, 32)
+            words[:, :, word] |= (v[:, :, j] << shift) & 0xFFFFFFFF
+            if shift + bits > 32:
+                words[:, :, word + 1] |= v[:, :, j] >> (32 - shift)
+        out = words[:, :, :bits].reshape(R, -1)
+    else:
+        per = 32 // bits
+        R, C = values.shape
+        order = order or list(range(per))
+        v = values.to(torch.int64).reshape(R, C // per, per)[:, :, order] & ((1 << bits) - 1)
+        out = (v << (torch.arange(per, dtype=torch.int64) * bits)).sum(dim=-1)
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+
+@pytest.mark.parametrize("fmt,bits", [("awq", 4), ("gptq", 4), ("gptq", 3), ("gptq", 8)])
+def test_packing_on_compressed_tensors_is_word_for_word_the_old_one(tmp_path, fmt, bits):
+    from llmctl.runtime.formats.awq import AWQ_ORDER
+    from llmctl.runtime.resolve import DEMO_MODEL_DIR
+
+    out = tmp_path / "q"
+    args = ["quantize", str(DEMO_MODEL_DIR), "-o", str(out), "--rtn", "--format", fmt]
+    assert main([*args, "--bits", str(bits), "--group-size", "32", "--quiet"]) == 0
+    _, linears, _ = read_quantized(out)
+    tensors = read_tensors(out)
+    assert linears
+    for name, u in linears.items():
+        if fmt == "awq":
+            words = _legacy_pack_rows(u.codes.t(), 4, AWQ_ORDER)
+            zeros = _legacy_pack_rows(u.zeros.t(), 4, AWQ_ORDER)
+        else:
+            words = _legacy_pack_rows(u.codes, bits).t()
+            zeros = _legacy_pack_rows((u.zeros.t() - 1) & ((1 << bits) - 1), bits)
+        assert torch.equal(tensors[f"{name}.qweight"], words), name
+        assert torch.equal(tensors[f"{name}.qzeros"], zeros), name
+    # the old packer is one-to-one, so the codes (and dequantized weights) the new reader returns
+    # are exactly the old reader's: the files and what they load to did not change

@@ -45,6 +45,9 @@ def save_sharded(
     from llmctl.runtime.tensors import file_mode
 
     size = parse_shard_size(max_shard_size)
+    # save_torch_state_dict refuses a view of a larger storage (packed words cut from a padded
+    # buffer, a row slice): such tensors are written from a copy of their own
+    tensors = {k: v if _owns_storage(v) else v.clone() for k, v in tensors.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob("model*.safetensors*"):
         stale.unlink()
@@ -57,3 +60,7 @@ def save_sharded(
     for path in written:
         os.chmod(path, mode)
     return [p for p in written if p.name != INDEX_FILE]
+
+
+def _owns_storage(t) -> bool:
+    return t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
