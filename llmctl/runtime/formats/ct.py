@@ -9,9 +9,11 @@ name.weight_shape int [2], and for asymmetric runs name.weight_zero_point packed
 The packing itself is the package's `PackedQuantizationCompressor.compress`, fed the dequantized
 weight and our scales/zero points so it reproduces our integer codes.
 
-Known limitation outside llmctl: transformers (with compressed-tensors 0.20) refuses asymmetric
-pack-quantized files (a zero-point shape mismatch on its meta-device path; see
-vllm-project/llm-compressor#1618); symmetric files load there, and llmctl loads both.
+`quantization_config` is what compressed-tensors' `ModelCompressor.update_config` writes.
+Known limitation outside llmctl: transformers (5.24 with compressed-tensors 0.20) refuses
+asymmetric pack-quantized files (a zero-point shape mismatch on its meta-device path; see
+vllm-project/llm-compressor#1618); symmetric files load there, vLLM and llmctl load both, and
+quantize warns (`consumer_note`) when it writes one.
 """
 
 from __future__ import annotations
