@@ -59,5 +59,6 @@ MaxShardSizeOpt = Annotated[
         "--max-shard-size",
         help="Largest weight file: above it the weights are split into shards with an index "
         f"(huggingface_hub's save_torch_state_dict); {SHARD_SIZE_RULE}",
+        metavar="SIZE",
     ),
 ]
