@@ -230,3 +230,20 @@ def test_packing_on_compressed_tensors_is_word_for_word_the_old_one(tmp_path, fm
         assert torch.equal(tensors[f"{name}.qzeros"], zeros), name
     # the old packer is one-to-one, so the codes (and dequantized weights) the new reader returns
     # are exactly the old reader's: the files and what they load to did not change
+
+
+def test_a_full_disk_under_save_torch_state_dict_is_an_enospc_oserror(tmp_path, monkeypatch):
+    import errno
+
+    import huggingface_hub
+    from safetensors import SafetensorError
+
+    from llmctl.runtime.shards import save_sharded
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left (os error 28)")
+
+    monkeypatch.setattr(huggingface_hub, "save_torch_state_dict", full)
+    with pytest.raises(OSError) as caught:
+        save_sharded({"w": torch.zeros(4)}, tmp_path / "out")
+    assert caught.value.errno == errno.ENOSPC

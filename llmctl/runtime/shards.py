@@ -42,7 +42,7 @@ def save_sharded(
     from huggingface_hub import save_torch_state_dict
     from safetensors import SafetensorError
 
-    from llmctl.runtime.tensors import file_mode
+    from llmctl.runtime.tensors import as_os_error, file_mode
 
     size = parse_shard_size(max_shard_size)
     # save_torch_state_dict refuses a view of a larger storage (packed words cut from a padded
@@ -54,7 +54,7 @@ def save_sharded(
     try:
         save_torch_state_dict(tensors, out_dir, max_shard_size=size, metadata={"format": "pt"})
     except SafetensorError as e:
-        raise OSError(f"{out_dir}: {e}") from None
+        raise as_os_error(e, out_dir) from None
     written = sorted(out_dir.glob("model*.safetensors*"))
     mode = file_mode()
     for path in written:

@@ -116,7 +116,12 @@ def save_safetensors(tensors: dict, path: Path, metadata: dict[str, str] | None 
     try:
         save_file(tensors, str(path), metadata=metadata)
     except SafetensorError as e:
-        found = re.search(r"os error (\d+)", str(e))
-        code = int(found.group(1)) if found else errno.EIO
-        raise OSError(code, os.strerror(code), str(path)) from None
+        raise as_os_error(e, path) from None
     os.chmod(path, file_mode())
+
+
+def as_os_error(e: Exception, path: Path) -> OSError:
+    """A SafetensorError as the OSError it wraps (its errno, e.g. ENOSPC, kept for `writing`)."""
+    found = re.search(r"os error (\d+)", str(e))
+    code = int(found.group(1)) if found else errno.EIO
+    return OSError(code, os.strerror(code), str(path))
