@@ -150,17 +150,14 @@ def test_auto_map_is_dropped_and_files_follow_the_umask(tiny, tmp_path):
 
 
 def _fail_weights(monkeypatch, exc):
-    """Make the writer of the output's weights fail (the resume checkpoints still write)."""
-    from llmctl.runtime import tensors as tensor_io
+    """Make the writer of the output's weights (huggingface_hub's) fail; the resume checkpoints
+    still write."""
+    import huggingface_hub
 
-    real = tensor_io.save_safetensors
+    def save(*args, **kwargs):
+        raise exc
 
-    def save(tensors, path, metadata=None):
-        if path.name.startswith("model"):
-            raise exc
-        return real(tensors, path, metadata)
-
-    monkeypatch.setattr(tensor_io, "save_safetensors", save)
+    monkeypatch.setattr(huggingface_hub, "save_torch_state_dict", save)
 
 
 @pytest.mark.parametrize(

@@ -72,7 +72,7 @@ def test_fraction_zero_never_builds_an_engine_and_keeps_the_fingerprint(tmp_path
     report = run_distill(a)
     assert recorded["engines"] == [] and report["on_policy_steps"] == 0
     assert not any(h["on_policy"] for h in report["history"])
-    later = ("on_policy_fraction", "cache_teacher", "cache_top_k", "overwrite")
+    later = ("on_policy_fraction", "cache_teacher", "cache_top_k", "overwrite", "max_shard_size")
     old = {
         k: v
         for k, v in asdict(a).items()

@@ -13,6 +13,7 @@ import typer
 
 from llmctl.commands._options import default_of
 from llmctl.compress.args import QuantizeArgs
+from llmctl.runtime.shards import SHARD_SIZE_RULE
 
 
 def option(*decls: str, help: str, **kw) -> typer.models.OptionInfo:
@@ -49,5 +50,15 @@ ColumnBlockOpt = Annotated[
         "--column-block",
         help="GPTQ and SparseGPT: weight columns per lazy update block (not the KV cache's "
         "--block-size)",
+    ),
+]
+MaxShardSizeOpt = Annotated[
+    Optional[str],
+    _shared(
+        "max_shard_size",
+        "--max-shard-size",
+        help="Largest weight file: above it the weights are split into shards with an index "
+        f"(huggingface_hub's save_torch_state_dict); {SHARD_SIZE_RULE}",
+        metavar="SIZE",
     ),
 ]

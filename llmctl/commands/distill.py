@@ -14,6 +14,7 @@ from typing import Annotated, Iterator, Optional
 
 import typer
 
+from llmctl.commands._compress_options import MaxShardSizeOpt
 from llmctl.commands._options import (
     DeviceOpt,
     DtypeOpt,
@@ -157,6 +158,7 @@ def register(app: typer.Typer) -> None:
         device: DeviceOpt = None,
         dtype: DtypeOpt = None,
         report_json: ReportJsonOpt = None,
+        max_shard_size: MaxShardSizeOpt = None,
         quiet: QuietOpt = False,
     ) -> None:
         values = dict(locals())

@@ -16,6 +16,7 @@ from llmctl.commands._compress_options import (
     ColumnBlockOpt,
     DampeningOpt,
     IgnoreOpt,
+    MaxShardSizeOpt,
     NumSamplesOpt,
     SeqLenOpt,
     option,
@@ -138,6 +139,7 @@ def register(app: typer.Typer) -> None:
         column_block: ColumnBlockOpt = None,
         device: DeviceOpt = None,
         report_json: ReportJsonOpt = None,
+        max_shard_size: MaxShardSizeOpt = None,
         overwrite: OverwriteOpt = False,
         quiet: QuietOpt = False,
     ) -> None:
@@ -162,6 +164,7 @@ def register(app: typer.Typer) -> None:
                 dampening=dampening,
                 column_block=column_block,
                 report_json=path_str(report_json),
+                max_shard_size=max_shard_size,
             ),
         )
         _run(args, quiet)

@@ -17,6 +17,7 @@ from llmctl.commands._compress_options import (
     ColumnBlockOpt,
     DampeningOpt,
     IgnoreOpt,
+    MaxShardSizeOpt,
     NumSamplesOpt,
     SeqLenOpt,
     option,
@@ -123,6 +124,7 @@ def register(app: typer.Typer) -> None:
         evaluate: EvalOpt = None,
         device: DeviceOpt = None,
         report_json: ReportJsonOpt = None,
+        max_shard_size: MaxShardSizeOpt = None,
         overwrite: OverwriteOpt = False,
         quiet: QuietOpt = False,
     ) -> None:
@@ -144,6 +146,7 @@ def register(app: typer.Typer) -> None:
             device=device,
             evaluate=evaluate,
             report_json=path_str(report_json),
+            max_shard_size=max_shard_size,
         )
         args = merge_args(
             loaded, {"model": model, "output": str(output), "overwrite": overwrite, **cli}

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmctl.errors import UsageError
+from llmctl.runtime.shards import DEFAULT_MAX_SHARD_SIZE
 
 QUANT_METHODS = ("awq", "gptq", "rtn")
 PRUNE_METHODS = ("magnitude", "wanda", "sparsegpt")
@@ -56,6 +57,7 @@ class QuantizeArgs:
     column_block: int = 128
     overwrite: bool = False
     report_json: str | None = None
+    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE  # weights above it go into several files
 
     def resolve(self) -> "QuantizeArgs":
         """Every check that needs no model; raises UsageError naming the flag."""
@@ -118,6 +120,7 @@ class SparsifyArgs:
     evaluate: bool = True
     overwrite: bool = False
     report_json: str | None = None
+    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE  # weights above it go into several files
 
     def resolve(self) -> "SparsifyArgs":
         """Every check that needs no model; raises UsageError naming the flag."""

@@ -18,6 +18,7 @@ from llmctl.compress.driver import make_ignore, unmatched_patterns
 from llmctl.errors import UsageError
 from llmctl.models.layout import decoder_linears
 from llmctl.runtime.output_dir import OutputFolder, check_input_file, check_output_file
+from llmctl.runtime.shards import parse_shard_size
 
 STDOUT = "-"  # --report-json - : the report goes to standard output
 
@@ -45,6 +46,7 @@ def check_common_options(args: JobArgs) -> None:
     if not 0 < args.dampening < 1:
         raise UsageError(f"--dampening must be between 0 and 1 (exclusive), got {args.dampening}")
     make_ignore(args.ignore)  # a bad re: pattern fails here
+    parse_shard_size(args.max_shard_size)
 
 
 @dataclass

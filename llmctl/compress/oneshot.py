@@ -40,7 +40,7 @@ Finish = Callable[[Path], None]  # called with the finished result folder before
 WriteHook = Callable[[Path, "Oneshot"], None]  # a Finish that also gets the run
 StageProgress = Callable[[str, int, int], None]  # (step kind, done, total)
 SHARED_FIELDS = ("calib", "eval_data", "num_samples", "seq_len", "device")  # what calibration reads
-NOT_FINGERPRINTED = ("model", "output", "overwrite", "report_json", "evaluate")
+NOT_FINGERPRINTED = ("model", "output", "overwrite", "report_json", "evaluate", "max_shard_size")
 
 
 @dataclass

@@ -56,6 +56,7 @@ def quantize_args(recipe: Recipe, args: SparsifyArgs) -> QuantizeArgs:
         device=args.device,
         overwrite=args.overwrite,
         report_json=args.report_json,
+        max_shard_size=args.max_shard_size,
         **q,
     )
 

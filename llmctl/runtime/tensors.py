@@ -94,7 +94,7 @@ def assign_dense(
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
-def _file_mode() -> int:
+def file_mode() -> int:
     """0666 minus the process umask (read without changing it, where /proc says it)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -116,7 +116,12 @@ def save_safetensors(tensors: dict, path: Path, metadata: dict[str, str] | None 
     try:
         save_file(tensors, str(path), metadata=metadata)
     except SafetensorError as e:
-        found = re.search(r"os error (\d+)", str(e))
-        code = int(found.group(1)) if found else errno.EIO
-        raise OSError(code, os.strerror(code), str(path)) from None
-    os.chmod(path, _file_mode())
+        raise as_os_error(e, path) from None
+    os.chmod(path, file_mode())
+
+
+def as_os_error(e: Exception, path: Path) -> OSError:
+    """A SafetensorError as the OSError it wraps (its errno, e.g. ENOSPC, kept for `writing`)."""
+    found = re.search(r"os error (\d+)", str(e))
+    code = int(found.group(1)) if found else errno.EIO
+    return OSError(code, os.strerror(code), str(path))

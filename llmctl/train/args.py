@@ -12,10 +12,19 @@ import math
 from dataclasses import asdict, dataclass
 
 from llmctl.errors import UsageError
+from llmctl.runtime.shards import DEFAULT_MAX_SHARD_SIZE, parse_shard_size
 
 LOSSES = ("fkl", "rkl", "jsd", "tvd")  # llmctl.train.losses implements them
 # Options that change nothing in the training itself: a resumed run may change them.
-NOT_IN_FINGERPRINT = ("resume", "report_json", "eval_every", "save_every", "quiet", "overwrite")
+NOT_IN_FINGERPRINT = (
+    "resume",
+    "report_json",
+    "eval_every",
+    "save_every",
+    "quiet",
+    "overwrite",
+    "max_shard_size",
+)
 # Options added after checkpoints existed: left out of the fingerprint at these values, so a run
 # that does not use them resumes a checkpoint of an earlier llmctl.
 LATER_OPTIONS = {"on_policy_fraction": 0.0, "cache_teacher": None, "cache_top_k": 32}
@@ -54,6 +63,7 @@ class DistillArgs:
     dtype: str = "auto"
     report_json: str | None = None
     overwrite: bool = False  # replace an earlier llmctl distill output in -o
+    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE  # weights above it go into several files
 
     def resolve(self) -> "DistillArgs":
         """Every check that needs no model; raises UsageError naming the flag."""
@@ -88,6 +98,7 @@ class DistillArgs:
             if value < low:
                 raise UsageError(f"{flag} must be at least {low}, got {value}")
         self._check_floats()
+        parse_shard_size(self.max_shard_size)
         return self
 
     def _check_floats(self) -> None:

@@ -1,8 +1,9 @@
 """The output folder of distill: an ordinary Hugging Face model folder.
 
-Owns: `write_student`: config.json (the student's, float32), model.safetensors, the teacher's
-tokenizer and generation files, `distill.yaml` (the resolved recipe) and `distill_report.json`,
-written into OUT/.llmctl-work/result and moved into place by OutputFolder.commit().
+Owns: `write_student`: config.json (the student's, float32), model.safetensors (or shards above
+--max-shard-size), the teacher's tokenizer and generation files, `distill.yaml` (the resolved
+recipe) and `distill_report.json`, written into OUT/.llmctl-work/result and moved into place
+by OutputFolder.commit().
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ def write_student(
 ) -> None:
     import yaml
 
-    from llmctl.runtime.tensors import save_safetensors
+    from llmctl.runtime.shards import save_sharded
 
     with writing(f"-o {out.final}"):
         result = out.fresh_result()
         dtype_key = "torch_dtype" if "torch_dtype" in raw else "dtype"
         config = output_config(raw, {dtype_key: "float32"})
-        save_safetensors(student_tensors(student), result / "model.safetensors", {"format": "pt"})
+        save_sharded(student_tensors(student), result, args.max_shard_size)
         copy_side_files(teacher_path, result)
         (result / RECIPE).write_text(
             HEADER + yaml.safe_dump({"distill": args.to_recipe()}, sort_keys=False)

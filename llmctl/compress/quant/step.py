@@ -67,6 +67,7 @@ class QuantizeStep:
         self.spec: QuantSpec | None = None
         self.records: dict[str, Any] = {}
         self.rtn_probe: float | None = None  # held-out perplexity RTN would have scored
+        self.warn: Callable[[str], None] | None = None  # the run's, for write-time warnings
 
     def resolve(self) -> None:
         self.args.resolve()
@@ -121,6 +122,7 @@ class QuantizeStep:
             progress=ctx.progress,
         )
         self.records = result.records
+        self.warn = ctx.warn
         return result
 
     def review(self, perplexity_after: float | None) -> list[str]:
@@ -136,6 +138,7 @@ class QuantizeStep:
     def write(self, folder: Path, rt, extra_config: dict[str, Any], out_dtype) -> None:
         """The quantized linears in --format's layout, every other weight dense in out_dtype."""
         from llmctl.runtime.formats import write_quantized
+        from llmctl.runtime.formats.ct import consumer_note
 
         model = rt.model
         linears = {name: rec.result for name, rec in self.records.items()}
@@ -147,7 +150,12 @@ class QuantizeStep:
         if model.config.tie_word_embeddings:
             dense.pop("lm_head.weight", None)
         a = self.args
-        qcfg = write_quantized(folder, a.format, dense, linears, self.spec, a.ignore, out_dtype)
+        note = consumer_note(self.spec) if a.format == "compressed-tensors" else None
+        if note and self.warn is not None:
+            self.warn(note)
+        qcfg = write_quantized(
+            folder, a.format, dense, linears, self.spec, a.ignore, out_dtype, a.max_shard_size
+        )
         raw = json.loads((rt.model_path / "config.json").read_text())
         config = output_config(raw, {**extra_config, "quantization_config": qcfg})
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,6 +1,7 @@
 """Writing a pruned model as an ordinary dense Hugging Face folder (zeros stored as zeros).
 
-Owns: `save_dense_model` (safetensors shards with HF parameter names, config.json with a
+Owns: `save_dense_model` (safetensors shards with HF parameter names, written by
+huggingface_hub's `save_torch_state_dict` above --max-shard-size, config.json with a
 `sparsity_config` entry and without `auto_map`, tokenizer and generation files copied from the
 source folder; the shared rules are in llmctl.runtime.output_dir) and `sparsity_config`, the
 metadata dict. transformers ignores the extra config key and loads the
@@ -16,10 +17,9 @@ from typing import Any
 import torch
 
 from llmctl.compress.sparse.masks import SparsityPattern
-from llmctl.runtime import tensors as tensor_io
 from llmctl.runtime.output_dir import copy_side_files, output_config
+from llmctl.runtime.shards import DEFAULT_MAX_SHARD_SIZE, save_sharded
 
-SHARD_BYTES = 4 * 1024**3  # split weights into files of at most ~4 GiB, as HF does
 _STORED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -66,48 +66,20 @@ def _state_dict(
     return out
 
 
-def _shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    return shards
-
-
 def save_dense_model(
     model: torch.nn.Module,
     raw_config: dict[str, Any],
     source_dir: Path | None,
     out_dir: Path,
     extra_config: dict[str, Any],
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
-    """Write `model` to `out_dir` as HF safetensors in the source checkpoint's dtype; returns
-    out_dir."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """Write `model` to `out_dir` as HF safetensors in the source checkpoint's dtype (shards of
+    at most max_shard_size above it); returns out_dir."""
     first = next(model.parameters())
     dtype = stored_dtype(raw_config, first.dtype)
     tensors = _state_dict(model, bool(raw_config.get("tie_word_embeddings", False)), dtype)
-    shards = _shards(tensors)
-    for stale in out_dir.glob("model*.safetensors*"):
-        stale.unlink()
-    if len(shards) == 1:
-        tensor_io.save_safetensors(
-            shards[0], out_dir / "model.safetensors", metadata={"format": "pt"}
-        )
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            tensor_io.save_safetensors(shard, out_dir / fname, metadata={"format": "pt"})
-            weight_map.update({name: fname for name in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    save_sharded(tensors, out_dir, max_shard_size)
     if source_dir is not None:
         copy_side_files(source_dir, out_dir)
     config = output_config(raw_config, extra_config)

@@ -136,4 +136,6 @@ class PruneStep:
         """A dense HF folder in the source dtype, the zeros stored as zeros."""
         from llmctl.compress.sparse.export import save_dense_model
 
-        save_dense_model(rt.model, rt.config.raw, rt.model_path, folder, extra_config)
+        save_dense_model(
+            rt.model, rt.config.raw, rt.model_path, folder, extra_config, self.args.max_shard_size
+        )

@@ -9,12 +9,17 @@ name.weight_shape int [2], and for asymmetric runs name.weight_zero_point packed
 The packing itself is the package's `PackedQuantizationCompressor.compress`, fed the dequantized
 weight and our scales/zero points so it reproduces our integer codes.
 
-Known limitation outside llmctl: transformers (with compressed-tensors 0.20) refuses asymmetric
-pack-quantized files (a zero-point shape mismatch on its meta-device path; see
-vllm-project/llm-compressor#1618); symmetric files load there, and llmctl loads both.
+`quantization_config` is what compressed-tensors' `ModelCompressor.update_config` writes.
+Known limitation outside llmctl: transformers (5.24 with compressed-tensors 0.20) refuses
+asymmetric pack-quantized files (a zero-point shape mismatch on its meta-device path; see
+vllm-project/llm-compressor#1618); symmetric files load there, vLLM and llmctl load both, and
+quantize warns (`consumer_note`) when it writes one.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 
@@ -22,7 +27,17 @@ from llmctl.errors import ModelLoadError
 from llmctl.runtime.formats.packing import UnpackedLinear
 from llmctl.runtime.formats.spec import BITS, BITS_TEXT, QuantResult, QuantSpec
 
+ASYMMETRIC_NOTE = (
+    "asymmetric compressed-tensors output: vLLM and llmctl load it, transformers does not "
+    "(packed weight_zero_point shapes, vllm-project/llm-compressor#1618); use --symmetric, or "
+    "--format awq, for transformers"
+)
 MIN_VERSION = "0.15"  # the first release with compressors.pack_quantized (pyproject's lower bound)
+
+
+def consumer_note(spec: QuantSpec) -> str | None:
+    """The one-line warning for a compressed-tensors checkpoint some consumers cannot load."""
+    return None if spec.symmetric else ASYMMETRIC_NOTE
 
 
 def require_package(error: type[Exception] = ModelLoadError, hint: str = "") -> None:
@@ -57,6 +72,12 @@ def _scheme(spec: QuantSpec):
 
 
 def quantization_config(spec: QuantSpec, ignore: list[str]) -> dict:
+    """The `quantization_config` entry as compressed-tensors' own ModelCompressor writes it
+    (`update_config`: our scheme plus `quant_method`, `version` and its empty `sparsity_config`
+    and `transform_config`), read back from the config.json it writes in a scratch folder."""
+    import tempfile
+
+    from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig
 
     cfg = QuantizationConfig(
@@ -65,7 +86,10 @@ def quantization_config(spec: QuantSpec, ignore: list[str]) -> dict:
         quantization_status="compressed",
         ignore=sorted(set(["lm_head", *ignore])),
     )
-    return cfg.model_dump()
+    with tempfile.TemporaryDirectory(prefix="llmctl-ct-") as scratch:
+        ModelCompressor(quantization_config=cfg).update_config(scratch)
+        written = json.loads((Path(scratch) / "config.json").read_text())
+    return written["quantization_config"]
 
 
 def pack_ct(name: str, r: QuantResult, spec: QuantSpec, ignore: list[str], dtype: torch.dtype):

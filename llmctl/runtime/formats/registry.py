@@ -19,6 +19,7 @@ from llmctl.runtime.formats.ct import pack_ct, require_package, unpack_ct
 from llmctl.runtime.formats.gptq import pack_gptq, unpack_gptq
 from llmctl.runtime.formats.packing import UnpackedLinear
 from llmctl.runtime.formats.spec import QuantResult, QuantSpec
+from llmctl.runtime.shards import DEFAULT_MAX_SHARD_SIZE, save_sharded
 
 FORMATS = ("compressed-tensors", "awq", "gptq")
 PACKERS = {"compressed-tensors": pack_ct, "awq": pack_awq, "gptq": pack_gptq}
@@ -33,8 +34,10 @@ def write_quantized(
     spec: QuantSpec,
     ignore: list[str],
     dtype: torch.dtype,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> dict:
-    """Write model.safetensors in `fmt`; returns the `quantization_config` for config.json.
+    """Write the weights in `fmt` (one model.safetensors, or shards of at most max_shard_size
+    and their index); returns the `quantization_config` for config.json.
 
     dense: every tensor that stays unquantized (name -> tensor); linears: module name (no
     ".weight") -> result; their biases, if any, are in `dense`.
@@ -47,8 +50,7 @@ def write_quantized(
     for name, r in linears.items():
         packed, qcfg = pack(name, r, spec, ignore, dtype)
         tensors.update({k: v.contiguous() for k, v in packed.items()})
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensor_io.save_safetensors(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    save_sharded(tensors, out_dir, max_shard_size)
     return qcfg
 
 
