@@ -154,6 +154,16 @@ def main() -> None:
     ap.add_argument("--config", default="smollm2-135m")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument(
+        "--prompt-range", type=int, nargs=2, default=(32, 512), help="prompt lengths, inclusive"
+    )
+    ap.add_argument(
+        "--output-range",
+        type=int,
+        nargs=2,
+        default=None,
+        help="output lengths drawn from this range (inclusive) instead of --output-len",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
         "--dtype",
@@ -177,8 +187,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     folder = random_model_folder(args.config)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    out_range = tuple(args.output_range or (args.output_len, args.output_len))
     prompts, outs = workload(
-        args.num_prompts, output_range=(args.output_len, args.output_len), vocab=vocab
+        args.num_prompts, tuple(args.prompt_range), output_range=out_range, vocab=vocab
     )
     machine = measure_machine(args.dtype)
     report = {
@@ -189,6 +200,7 @@ def main() -> None:
         "num_prompts": args.num_prompts,
         "prompt_tokens": sum(map(len, prompts)),
         "output_len": args.output_len,
+        "output_tokens": sum(outs),
     }
     if args.cli_only:
         report["llmctl_run_batch"] = run_llmctl_cli(folder, prompts, outs, args.dtype, args.threads)
