@@ -211,12 +211,17 @@ def test_without_the_c_kernels_rows_still_equal_the_row_run_alone(model_path, dt
         _ALONE.clear()
 
 
-def test_batch_invariant_is_refused_off_the_cpu(model_path):
-    """The Triton kernels are not made batch-invariant yet: a CUDA engine says so up front."""
+def test_batch_invariant_off_the_cpu_needs_cuda_and_triton(model_path, monkeypatch):
+    """CUDA runs take the Triton kernels (kernels/triton_invariant.py): without triton, or on a
+    device they do not serve, the engine says so up front."""
+    from llmctl.engine import model_runner
     from llmctl.models.config import ModelConfig
 
     config = ModelConfig.from_file(model_path / "config.json")
-    with pytest.raises(UsageError, match="CPU only"):
+    with pytest.raises(UsageError, match="CUDA with triton"):
+        ModelRunner(None, config, EngineConfig(batch_invariant=True), "mps", torch.bfloat16)
+    monkeypatch.setattr(model_runner, "_triton_importable", lambda: False)
+    with pytest.raises(UsageError, match="CUDA with triton"):
         ModelRunner(None, config, EngineConfig(batch_invariant=True), "cuda", torch.bfloat16)
 
 
