@@ -76,7 +76,7 @@ def linear(
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, gate and up [..., F] (gate may be overwritten); returns [..., F]."""
-    if triton_kernels(gate) is not None:  # elementwise: PyTorch's kernels are row-invariant
+    if gate.is_cuda:  # elementwise, one formula per element: PyTorch's CUDA kernels serve
         return F.silu(gate) * up
     if cpu_native.use_silu_mul(gate, up):
         return cpu_native.silu_mul(gate, up)

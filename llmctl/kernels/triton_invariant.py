@@ -12,7 +12,9 @@ with their launch wrappers; kernels/invariant.py dispatches to them. Why each is
   KV_TILE positions whatever the engine's block size, an online softmax over the tiles in order.
   Batch-invariant mode lays every token out as its own decode row (engine/model_runner.py), so a
   prefill token, in a chunk or in a whole prompt, reduces over its keys exactly as a decode does.
-SiLU-and-multiply is elementwise, so PyTorch's own kernels are already row-invariant there.
+SiLU-and-multiply is elementwise: PyTorch's CUDA kernels compute each element with one formula,
+so they serve (on the CPU a vectorised body and a scalar tail can differ in the last bit, which is
+why the CPU keeps its C kernel or one row a call there: kernels/invariant.py).
 Plain-PyTorch references: F.linear, the model's RMSNorm, attention.decode_attention; tests compare
 them on the CPU with TRITON_INTERPRET=1. Importing this module needs triton.
 """
