@@ -9,6 +9,8 @@ difference, so tokens alone would prove little there).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -59,8 +61,13 @@ KV_BYTES = 4 * 1024**2
 SMALL_KV_BYTES = 128 * 512
 
 
+# LLMCTL_TEST_DEVICE=cuda runs these checks on a GPU (benchmarks/gpu_check.sh), through the
+# Triton kernels of kernels/triton_invariant.py and the decode CUDA graphs.
+DEVICE = os.environ.get("LLMCTL_TEST_DEVICE", "cpu")
+
+
 def _llm(path, dtype: str, kv_cache_memory: int = KV_BYTES, **kw) -> LLM:
-    return LLM(str(path), dtype=dtype, device="cpu", kv_cache_memory=kv_cache_memory, **kw)
+    return LLM(str(path), dtype=dtype, device=DEVICE, kv_cache_memory=kv_cache_memory, **kw)
 
 
 def _generate(llm: LLM, rows: list, order: list[int]) -> tuple[dict, dict]:
