@@ -4,7 +4,9 @@ Two workloads of 64 rows: "decode" (short prompts, 32 new tokens each) and "pref
 several hundred tokens, 4 new tokens each); for each dtype and workload, runs the default engine
 and `batch_invariant=True` in turn, `--reps` times, and reports the best rate of each: prompt and
 output tokens per CPU-second of this process (less sensitive to other load on the machine than
-wall time) and run-batch's own output tokens/s. One thread by default.
+wall time) and run-batch's own output tokens/s. One thread by default. `--device cuda` measures
+the Triton kernels' cost (benchmarks/gpu_check.sh): there read output tokens/s, as CPU-seconds
+mostly count kernel launches.
 
     python benchmarks/bench_batch_invariant.py --dtypes float32,bfloat16 --json out.json
 
@@ -37,7 +39,7 @@ def write_rows(path: Path, workload: str) -> None:
             f.write(json.dumps({**row, "ignore_eos": True}) + "\n")
 
 
-def run_once(inp: Path, out: Path, dtype: str, invariant: bool) -> dict:
+def run_once(inp: Path, out: Path, dtype: str, invariant: bool, device: str = "cpu") -> dict:
     import llmctl.batch.runner as runner
     from llmctl.cli import main
 
@@ -52,7 +54,7 @@ def run_once(inp: Path, out: Path, dtype: str, invariant: bool) -> dict:
     try:
         cpu0 = time.process_time()
         args = ["run-batch", str(inp), "-o", str(out), "--overwrite", "--dtype", dtype]
-        args += ["--device", "cpu", "--max-num-seqs", "16", "--report-json", str(summary), "-q"]
+        args += ["--device", device, "--max-num-seqs", "16", "--report-json", str(summary), "-q"]
         if main(args) != 0:
             raise SystemExit(f"run-batch failed ({dtype}, invariant={invariant})")
         cpu = time.process_time() - cpu0
@@ -71,6 +73,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="decode,prefill")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cuda: the Triton kernels' cost")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(a.threads)
@@ -84,10 +87,12 @@ def main() -> None:
             write_rows(inp, workload)
             for dtype in a.dtypes.split(","):
                 runs: dict[bool, list[dict]] = {False: [], True: []}
-                run_once(inp, Path(tmp) / "warm.jsonl", dtype, False)  # builds the C kernels
+                # builds the C kernels (or compiles the Triton ones)
+                run_once(inp, Path(tmp) / "warm.jsonl", dtype, False, a.device)
                 for _ in range(a.reps):
                     for inv in (False, True):
-                        runs[inv].append(run_once(inp, Path(tmp) / "out.jsonl", dtype, inv))
+                        out = Path(tmp) / "out.jsonl"
+                        runs[inv].append(run_once(inp, out, dtype, inv, a.device))
                 best = {inv: {k: max(r[k] for r in rs) for k in rs[0]} for inv, rs in runs.items()}
                 cost = 1 - best[True]["tokens_per_cpu_s"] / best[False]["tokens_per_cpu_s"]
                 row = dict(

@@ -275,6 +275,16 @@ step_cuda_graphs() {
     "$PY" benchmarks/bench_cuda_graphs.py "${GRAPH_ARGS[@]}" --json "$OUT_DIR/cuda-graphs.json"
 }
 
+step_batch_invariant() {
+    # Batch invariance on CUDA (issue 20): the property test of tests/test_batch_invariance.py run on
+    # the GPU (the Triton kernels of kernels/triton_invariant.py, decode CUDA graphs on), then the
+    # throughput cost of --batch-invariant on the demo model (output tokens/s, default vs invariant).
+    LLMCTL_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider \
+        tests/test_batch_invariance.py -k "every_row or quantized" || return 1
+    "$PY" benchmarks/bench_batch_invariant.py --device "$DEVICE" --reps 2 --threads "$THREADS" \
+        --json "$OUT_DIR/batch-invariant.json"
+}
+
 step_throughput() {
     # llmctl's engine against transformers `generate` (static padded batches), both on $DEVICE, bf16,
     # random weights of SmolLM2-135M's shape; prints JSON and writes $OUT_DIR/throughput.json.
@@ -297,6 +307,7 @@ STEPS=(  "env                 60            step_env"
          "triton-native       90            step_triton_native"
          "exactness-cuda      120           step_exactness_cuda"
          "cuda-graphs         90            step_cuda_graphs"
+         "batch-invariant     150           step_batch_invariant"
          "throughput          200           step_throughput"
          "sparse-2of4         120           step_sparse_2of4"
          "compress-smoke      150           step_compress_smoke"

@@ -9,6 +9,8 @@ difference, so tokens alone would prove little there).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -59,8 +61,13 @@ KV_BYTES = 4 * 1024**2
 SMALL_KV_BYTES = 128 * 512
 
 
+# LLMCTL_TEST_DEVICE=cuda runs these checks on a GPU (benchmarks/gpu_check.sh), through the
+# Triton kernels of kernels/triton_invariant.py and the decode CUDA graphs.
+DEVICE = os.environ.get("LLMCTL_TEST_DEVICE", "cpu")
+
+
 def _llm(path, dtype: str, kv_cache_memory: int = KV_BYTES, **kw) -> LLM:
-    return LLM(str(path), dtype=dtype, device="cpu", kv_cache_memory=kv_cache_memory, **kw)
+    return LLM(str(path), dtype=dtype, device=DEVICE, kv_cache_memory=kv_cache_memory, **kw)
 
 
 def _generate(llm: LLM, rows: list, order: list[int]) -> tuple[dict, dict]:
@@ -211,12 +218,17 @@ def test_without_the_c_kernels_rows_still_equal_the_row_run_alone(model_path, dt
         _ALONE.clear()
 
 
-def test_batch_invariant_is_refused_off_the_cpu(model_path):
-    """The Triton kernels are not made batch-invariant yet: a CUDA engine says so up front."""
+def test_batch_invariant_off_the_cpu_needs_cuda_and_triton(model_path, monkeypatch):
+    """CUDA runs take the Triton kernels (kernels/triton_invariant.py): without triton, or on a
+    device they do not serve, the engine says so up front."""
+    from llmctl.engine import model_runner
     from llmctl.models.config import ModelConfig
 
     config = ModelConfig.from_file(model_path / "config.json")
-    with pytest.raises(UsageError, match="CPU only"):
+    with pytest.raises(UsageError, match="CUDA with triton"):
+        ModelRunner(None, config, EngineConfig(batch_invariant=True), "mps", torch.bfloat16)
+    monkeypatch.setattr(model_runner, "_triton_importable", lambda: False)
+    with pytest.raises(UsageError, match="CUDA with triton"):
         ModelRunner(None, config, EngineConfig(batch_invariant=True), "cuda", torch.bfloat16)
 
 

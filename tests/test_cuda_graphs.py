@@ -67,6 +67,20 @@ def test_static_decode_buffers_same_samples_in_bfloat16(llama):
     assert out == ref and graphs.replays > 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_static_decode_buffers_keep_batch_invariant_mode(llama, dtype):
+    """Padded static batches (graph sizes) still take the fixed-order paths: the same tokens and
+    logits as the batch-invariant engine without them."""
+    prompts = random_prompts(160, seed=2)
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    kw = dict(max_num_seqs=5, batch_invariant=True)
+    ref, _ = _generate(llama, "cpu", dtype, "off", prompts, greedy, **kw)
+    out, graphs = _generate(llama, "cpu", dtype, "eager", prompts, greedy, **kw)
+    assert graphs.batch_invariant and graphs.replays > 0
+    assert graphs._meta(3, 7).batch_invariant
+    assert out == ref
+
+
 def test_engine_turns_graphs_on_only_on_cuda(llama):
     llm = LLM(str(llama), dtype="float32", device="cpu", kv_cache_memory=8 * 1024**2)
     assert llm.engine.engine_config.cuda_graphs and llm.engine.runner.graphs is None

@@ -247,9 +247,9 @@ BatchInvariantOpt = Annotated[
     bool,
     typer.Option(
         "--batch-invariant",
-        help="CPU: every row's tokens bit-identical whatever shares its engine steps, however its "
-        "prompt is chunked or its prefix cached (a resumed or split job equals one run); slower, "
-        "see BENCHMARKS.md.",
+        help="CPU, or CUDA with triton: every row's tokens bit-identical whatever shares its "
+        "engine steps, however its prompt is chunked or its prefix cached (a resumed or split job "
+        "equals one run); slower, see BENCHMARKS.md.",
     ),
 ]
 InFlightOpt = Annotated[

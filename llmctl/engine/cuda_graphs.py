@@ -50,8 +50,12 @@ class DecodeGraphs:
         block_size: int,
         device: str | torch.device,
         use_graphs: bool,
+        batch_invariant: bool = False,
     ):
         self.model, self.kv_caches, self.sizes = model, kv_caches, sizes
+        # The fixed-order kernels are row-invariant, so a step padded to a captured size gives
+        # each real row the bits it gets alone (kernels/triton_invariant.py).
+        self.batch_invariant = batch_invariant
         self.block_size, self.use_graphs = block_size, use_graphs
         self.max_blocks = max_blocks
         self.scratch_slot = scratch_block * block_size
@@ -128,6 +132,7 @@ class DecodeGraphs:
             None,
             None,
             max_len,
+            self.batch_invariant,
         )
 
     def _forward(self, b: int, max_len: int) -> torch.Tensor:

@@ -6,8 +6,9 @@ the indices of the tokens whose logits are needed (the last token of each sequen
 and, for requests that asked for prompt logprobs, the hidden states of their prompt positions.
 Decode-only steps go through `cuda_graphs.DecodeGraphs` when enabled (CUDA). With
 `EngineConfig.batch_invariant` every token is laid out as a decode (its own block table and
-context length, prefill chunks included) and the model takes its fixed-order paths, so a token's
-arithmetic does not depend on what else is in the step.
+context length, prefill chunks included) and the model takes its fixed-order paths (on CUDA the
+Triton kernels of kernels/triton_invariant.py), so a token's arithmetic does not depend on what
+else is in the step.
 """
 
 from __future__ import annotations
@@ -95,6 +96,15 @@ def _kv_budget(config: ModelConfig, cfg: EngineConfig, device: str, bytes_per_bl
     return min(DEFAULT_KV_CAP, cfg.max_num_seqs * per_seq)
 
 
+def _triton_importable() -> bool:
+    """kernels/triton_invariant.py imports (triton installed)."""
+    try:
+        import llmctl.kernels.triton_invariant  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -108,9 +118,8 @@ class ModelRunner:
         # Every token's arithmetic independent of its batch (see _step_inputs, kernels/invariant.py)
         self.batch_invariant = engine_config.batch_invariant
         if self.batch_invariant and device != "cpu":
-            raise UsageError(
-                "batch-invariant runs are implemented on the CPU only (not yet the Triton kernels)"
-            )
+            if not (str(device).startswith("cuda") and _triton_importable()):
+                raise UsageError("batch-invariant runs need the CPU, or CUDA with triton")
         if (
             device == "cpu"
             and dtype == torch.float32
@@ -156,6 +165,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             use_graphs,
+            self.batch_invariant,
         )
 
     @property

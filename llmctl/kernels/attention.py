@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from llmctl.kernels import cpu_native, cpu_prefill
+from llmctl.kernels import cpu_native, cpu_prefill, invariant
 
 
 def write_kv(
@@ -225,6 +225,10 @@ def _triton_kernels(t: torch.Tensor):
 def _decode(
     q, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float, triton
 ) -> torch.Tensor:
+    fixed = invariant.triton_kernels(q) if meta.batch_invariant else None
+    if fixed is not None:  # keys in tiles of a fixed size, whatever the block size
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        return fixed.paged_attention(q, k_cache, v_cache, tables, lens, scale, meta.block_size)
     if triton is not None:
         return triton[1](
             q,

@@ -62,7 +62,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fixed_order: bool = False) -> torch.Tensor:
+        """`fixed_order` (batch-invariant mode): one program a row where the Triton kernels apply
+        (kernels/invariant.py); the CPU paths below are one fixed-order reduction a row anyway."""
+        if fixed_order and (out := invariant.rms_norm(x, self.weight, self.eps)) is not None:
+            return out
         if cpu_native.use_rms_norm(
             x, self.weight
         ):  # one pass in C: PyTorch takes 5+ ops, ~20 us a row
@@ -102,7 +106,7 @@ class Attention(nn.Module):
         k = project(self.k_proj, x, fixed_order).view(*lead, self.num_kv_heads, self.head_dim)
         v = project(self.v_proj, x, fixed_order).view(*lead, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q, fixed_order), self.k_norm(k, fixed_order)
         q, k = self._rotary[0](positions, q, k)
         return q, k, v
 
@@ -174,8 +178,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, positions, meta, kv_cache) -> torch.Tensor:
         """The engine's path (inference only): residual adds in place."""
-        x = x.add_(self.self_attn(self.input_layernorm(x), positions, meta, kv_cache))
-        return x.add_(self.mlp(self.post_attention_layernorm(x), meta.batch_invariant))
+        fixed = meta.batch_invariant
+        x = x.add_(self.self_attn(self.input_layernorm(x, fixed), positions, meta, kv_cache))
+        return x.add_(self.mlp(self.post_attention_layernorm(x, fixed), fixed))
 
     def forward_cached(self, x, positions, past):
         a, cache = self.self_attn.forward_cached(self.input_layernorm(x), positions, past)
@@ -218,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer(x, positions, meta, kv)
-        return self.model.norm(x)
+        return self.model.norm(x, meta.batch_invariant)
 
     def _plain_head(self) -> bool:
         """lm_head is our bias-free Linear over a plain tensor (not quantized, not a sparse
