@@ -132,8 +132,8 @@ def notes(state: AdviseState) -> list[str]:
         f"a shared prefix covers {w['shared_prefix_share']:.1%} of the prompt tokens",
     ]
     if state.noise is not None:
-        lines.append(f"noise (two baseline passes): +/-{state.noise:.1%}; gains within it are "
-                     "not advised")  # fmt: skip
+        lines.append(f"noise (two baseline measurements, each the best of {state.req.repeats} "
+                     f"passes): +/-{state.noise:.1%}; gains within it are not advised")  # fmt: skip
     if state.interrupted:
         lines.append("interrupted: the trials measured so far")
     if state.combined_skipped:

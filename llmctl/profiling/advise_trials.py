@@ -141,19 +141,23 @@ class TrialContext:
     base_config: EngineConfig
     quality_ids: list[int]
     tools: AdviseTools
+    repeats: int = 1  # fresh-engine passes per measurement
 
 
 def run_trial(ctx: TrialContext, trial: Trial) -> TrialResult:
     """Measure one trial (quantized ones in a temporary folder, removed afterwards)."""
     config = replace(ctx.base_config, **trial.engine)
+    device = ctx.runtime.device
     if trial.bits is None:
-        engine = ctx.runtime.start_engine(config)
-        return TrialResult(trial, measure(engine, ctx.work, ctx.concurrency, ctx.runtime.device))
+        m = measure(lambda: ctx.runtime.start_engine(config), ctx.work, ctx.concurrency, device,
+                    ctx.repeats)  # fmt: skip
+        return TrialResult(trial, m)
     with tempfile.TemporaryDirectory(prefix="llmctl-advise-") as folder:
         quant = quantized_runtime(ctx.runtime, trial.bits, folder, ctx.tools)
         max_len = ctx.runtime.config.max_position_embeddings
         kl = mean_kl(ctx.runtime.model, quant.model, ctx.quality_ids, max_len)
-        m = measure(quant.start_engine(config), ctx.work, ctx.concurrency, ctx.runtime.device)
+        m = measure(lambda: quant.start_engine(config), ctx.work, ctx.concurrency, device,
+                    ctx.repeats)  # fmt: skip
         return TrialResult(trial, m, kl)
 
 
