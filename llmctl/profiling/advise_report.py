@@ -170,6 +170,8 @@ def commands(state: AdviseState) -> list[str]:
         args += ["--speculative", engine["speculative"]]
         if engine.get("draft_model"):
             args += ["--draft", engine["draft_model"]]
+    if "max_num_seqs" in engine:
+        args += ["--max-num-seqs", str(engine["max_num_seqs"])]
     if "max_num_batched_tokens" in engine:
         args += ["--max-num-batched-tokens", str(engine["max_num_batched_tokens"])]
     return lines + [" ".join(shlex.quote(a) for a in args)]
