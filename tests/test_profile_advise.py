@@ -11,7 +11,14 @@ import pytest
 from llmctl.cli import main
 from llmctl.errors import UsageError
 from llmctl.profiling import advise_trials as t
-from llmctl.profiling.advise import Measurement, Workload, parse_duration, shared_prefix_tokens
+from llmctl.profiling.advise import (
+    AdviseRequest,
+    Measurement,
+    Workload,
+    measure,
+    parse_duration,
+    shared_prefix_tokens,
+)
 
 
 def _workload(tmp_path, n=6, shared=True):
@@ -87,6 +94,10 @@ def test_trials_that_cannot_pay_are_skipped_with_the_reason():
     assert "already fits" in t.skip_reason(trials["budget_8192"], unshared, 8)
     assert "one request at a time" in t.skip_reason(trials["budget_512"], unshared, 1)
     assert t.skip_reason(trials["int4"], unshared, 8) is None
+    assert "the same steps as the default" in t.skip_reason(trials["seqs_half"], unshared, 8)
+    assert "fit in 256 sequences" in t.skip_reason(trials["seqs_double"], unshared, 8)
+    assert t.skip_reason(trials["seqs_half"], unshared, 129) is None
+    assert t.skip_reason(trials["seqs_double"], unshared, 257) is None
     shared = Workload([list(range(64)) + [100 + i] for i in range(4)], [8] * 4, 4, 0)
     assert t.skip_reason(trials["prefix_caching"], shared, 4) is None
 
@@ -119,6 +130,19 @@ def test_max_kl_raised_lets_int4_in_and_commands_apply_it(tmp_path, fake_trials)
     assert quantize.startswith("llmctl quantize ") and "--rtn --bits 4" in quantize
     assert run_batch.startswith("llmctl run-batch ") and "-rtn-w4" in run_batch
     assert "--no-prefix-caching" not in run_batch  # prefix caching is recommended
+
+
+def test_max_num_seqs_trials_run_at_high_concurrency_and_print_the_flag(tmp_path, monkeypatch):
+    many = dict(FAKE, seqs_half=(_m(tps=90.0), None), seqs_double=(_m(tps=125.0), None))
+    monkeypatch.setattr(t, "run_trial", lambda ctx, trial: t.TrialResult(trial, *many[trial.key]))
+    out = tmp_path / "r.json"
+    args = ["profile", "advise", "--workload", str(_workload(tmp_path, n=300)), "--sample", "300"]
+    assert main(args + ["--report-json", str(out), "-q", "--device", "cpu"]) == 0
+    record = json.loads(out.read_text())
+    measured = {tr["key"] for tr in record["trials"] if tr["measurement"]}
+    assert {"seqs_half", "seqs_double"} <= measured
+    assert "seqs_double" in record["recommended"] and "seqs_half" not in record["recommended"]
+    assert "--max-num-seqs 512" in record["commands"][-1]
 
 
 def test_a_combination_worse_than_its_best_trial_is_not_advised(tmp_path, monkeypatch):
@@ -196,3 +220,46 @@ def test_real_run_on_the_demo_model(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| baseline |" in out and "speculative n-gram" in out and "llmctl run-batch" in out
     assert "int4 RTN weights" in out and "skipped: one request at a time" in out
+
+
+class _FakeEngine:
+    """Finishes every request on its next step with this pass's TTFT for it (1 output token/s
+    after the first), so `measure`'s combining of passes can be checked exactly."""
+
+    def __init__(self, ttfts):
+        self.ttfts, self.queue = ttfts, []
+        self.model_config = type("C", (), {"vocab_size": 50})()
+
+    def add_request(self, request_id, prompt, params):
+        self.queue.append((request_id, prompt, params.max_tokens))
+
+    def has_unfinished_requests(self):
+        return bool(self.queue)
+
+    def step(self):
+        from llmctl.engine.params import RequestOutput
+
+        done, self.queue = self.queue, []
+        out = []
+        for rid, prompt, n in done:
+            ttft = self.ttfts.get(rid, 0.0)
+            out.append(RequestOutput(rid, prompt, [1] * n, "", "length", 0.0, ttft, ttft + n - 1))
+        return out
+
+
+def test_measure_keeps_each_requests_best_pass_from_fresh_engines():
+    work = Workload([[1, 2, 3], [4, 5, 6]], [4, 4], 2, 0)
+    # a loaded machine slows a different request in each pass: the best of each is what counts
+    passes = iter([{"advise-0": 0.9, "advise-1": 0.1}, {"advise-0": 0.3, "advise-1": 0.8}])
+    engines = []
+
+    def start_engine():
+        engines.append(_FakeEngine(next(passes)))
+        return engines[-1]
+
+    m = measure(start_engine, work, 2, "cpu", repeats=2)
+    assert len(engines) == 2 and m.passes == 2
+    assert m.ttft_s["n"] == 2 and m.ttft_s["mean"] == pytest.approx(0.2)
+    assert m.tpot_s["mean"] == pytest.approx(1.0)
+    with pytest.raises(UsageError, match="--repeat"):
+        AdviseRequest(workload="w.jsonl", repeats=0).check()

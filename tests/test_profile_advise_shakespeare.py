@@ -1,6 +1,8 @@
 """`profile advise` acceptance on ../shared/models/tinyshakespeare-5m (skipped with a message when
 ../shared is absent): a shared 400-token system prompt makes prefix caching the best TTFT trial;
-long prompts the outputs copy from, one request at a time, make n-gram speculation pay on TPOT."""
+long prompts the outputs copy from, one request at a time, make n-gram speculation pay on TPOT.
+Each measurement is the best of 3 fresh-engine passes per request (advise's --repeat), so a
+loaded machine slows a pass, not the result; the gains asserted are beyond the stated noise."""
 
 from __future__ import annotations
 
@@ -33,12 +35,13 @@ def test_shared_system_prompt_ranks_prefix_caching_first_on_ttft(shakespeare_mod
     rows = [{"prompt": system + text[5000 + 300 * i : 5040 + 300 * i]} for i in range(8)]
     workload = tmp_path / "prefix.jsonl"
     workload.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    record, gains = _advise(
-        shakespeare_model, workload, tmp_path / "r.json", "--objective", "ttft", "--max-tokens", "4"
-    )
+    args = ("--objective", "ttft", "--max-tokens", "4", "--repeat", "3")
+    record, gains = _advise(shakespeare_model, workload, tmp_path / "r.json", *args)
     assert record["workload"]["shared_prefix_share"] > 0.8
     first = next(tr for tr in record["trials"] if tr["measurement"])
-    assert first["key"] == "prefix_caching" and gains["prefix_caching"] > 1.3
+    noise = record["noise"]
+    assert first["key"] == "prefix_caching", (gains, noise)
+    assert gains["prefix_caching"] > max(1.3, 1 + noise), (gains, noise)
     assert "prefix_caching" in record["recommended"]
     assert "--no-prefix-caching" not in record["commands"][-1]
 
@@ -51,9 +54,10 @@ def test_copying_outputs_one_at_a_time_find_ngram_gain_on_tpot(shakespeare_model
         rows.append({"prompt": f"{passage}\n\n{passage}\n\n{passage[:40]}"})
     workload = tmp_path / "copy.jsonl"
     workload.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = ("--objective", "tpot", "--concurrency", "1", "--max-tokens", "64")
+    args = ("--objective", "tpot", "--concurrency", "1", "--max-tokens", "64", "--repeat", "3")
     record, gains = _advise(shakespeare_model, workload, tmp_path / "r.json", *args)
-    assert gains["ngram"] > 1.2 and "ngram" in record["recommended"]
+    noise = record["noise"]
+    assert gains["ngram"] > max(1.2, 1 + noise) and "ngram" in record["recommended"], (gains, noise)
     assert "--speculative ngram" in record["commands"][-1]
     skipped = {tr["key"]: tr["skipped"] for tr in record["trials"] if tr["skipped"]}
     assert "no shared prefixes" in skipped["prefix_caching"]

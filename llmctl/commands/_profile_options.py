@@ -77,7 +77,13 @@ GenLensOpt = Annotated[
 ]
 RepeatOpt = Annotated[
     Optional[int],
-    _opt("--repeat", min=1, panel=SWEEP, help="Measured repeats per point" + _sweep("repeat")),
+    _opt(
+        "--repeat",
+        min=1,
+        panel=SWEEP,
+        help="Measured repeats per point" + _sweep("repeat") + "; profile advise: fresh-engine "
+        "passes per measurement, each request's best kept" + default_of(AdviseRequest, "repeats"),
+    ),
 ]
 WarmupOpt = Annotated[
     Optional[int],

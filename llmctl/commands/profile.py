@@ -281,6 +281,7 @@ def _advise(models: list[str], a: SimpleNamespace) -> None:
         max_kl=a.max_kl,
         dtype=a.dtype,
         seed=a.seed,
+        repeats=a.repeat,
     )
     req = AdviseRequest(
         workload=a.workload,

@@ -2,8 +2,9 @@
 
 Owns: `AdviseRequest` (every advise option and its default), `AdviseTools`, reading a sample of
 the workload with run-batch's parsing (its `open_input`, rows tokenized as run-batch does), the
-share of prompt tokens a shared prefix covers, and `measure` (the sample through one engine at the
-workload's concurrency, greedy with `ignore_eos` so every trial produces the same token count).
+share of prompt tokens a shared prefix covers, and `measure` (the sample through fresh engines at
+the workload's concurrency, greedy with `ignore_eos` so every trial produces the same token count,
+a few passes with each request's best kept: load from other processes only ever adds time).
 Which trials run and how they rank is in `advise_trials`; the record and table in
 `advise_report`.
 """
@@ -40,6 +41,7 @@ class AdviseRequest:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
+    repeats: int = 3  # fresh-engine passes per measurement; each request keeps its best
 
     def check(self) -> None:
         """Every check that needs no model: one-line errors before any work."""
@@ -47,8 +49,8 @@ class AdviseRequest:
             raise UsageError(
                 f"unknown --objective {self.objective!r}; use one of {', '.join(OBJECTIVES)}"
             )
-        if self.sample < 1 or self.max_tokens < 1:
-            raise UsageError("--sample and --max-tokens must be >= 1")
+        if self.sample < 1 or self.max_tokens < 1 or self.repeats < 1:
+            raise UsageError("--sample, --max-tokens and --repeat must be >= 1")
         if self.concurrency is not None and self.concurrency < 1:
             raise UsageError(f"--concurrency must be >= 1, got {self.concurrency}")
         if self.max_kl < 0:
@@ -148,13 +150,16 @@ def shared_prefix_tokens(prompts: list[list[int]], block_size: int) -> int:
 
 @dataclass
 class Measurement:
-    """One pass of the sample: per-request metric summaries, throughput, peak memory, wall."""
+    """The sample's measured passes combined: per-request metric summaries (each request's best
+    TTFT and TPOT over the passes), the best pass's throughput, the highest peak memory, and the
+    wall time of every pass together."""
 
     ttft_s: dict | None
     tpot_s: dict | None
     output_tokens_per_s: float | None
     peak_memory_bytes: int | None
     wall_s: float
+    passes: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -190,19 +195,41 @@ def warm_up(engine: Any, work: Workload, seed: int) -> None:
         engine.step()
 
 
-def measure(engine: Any, work: Workload, concurrency: int, device: str) -> Measurement:
-    """The sample through `engine` once (after a warm-up); engine refusals are one-line errors."""
-    warm_up(engine, work, 0)
-    reset_peak_memory(device)
-    try:
-        outputs, wall = _drive(engine, work, concurrency)
-    except RequestError as e:
-        raise UsageError(f"the engine refused a workload request: {e.message}") from None
-    n_out = sum(len(o.output_token_ids) for o in outputs)
+def _best(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return min(present) if present else None
+
+
+def measure(
+    start_engine: Callable[[], Any], work: Workload, concurrency: int, device: str, repeats: int = 1
+) -> Measurement:
+    """The sample through `repeats` fresh engines (each warmed up first; fresh so a prefix
+    cache never starts a pass holding the previous one's prompts); engine refusals are one-line
+    errors."""
+    ttft: dict[str, list] = {}
+    tpot: dict[str, list] = {}
+    rates, peaks, walls = [], [], []
+    for _ in range(repeats):
+        engine = start_engine()
+        warm_up(engine, work, 0)
+        reset_peak_memory(device)
+        try:
+            outputs, wall = _drive(engine, work, concurrency)
+        except RequestError as e:
+            raise UsageError(f"the engine refused a workload request: {e.message}") from None
+        for o in outputs:
+            ttft.setdefault(o.request_id, []).append(o.ttft)
+            tpot.setdefault(o.request_id, []).append(o.tpot)
+        n_out = sum(len(o.output_token_ids) for o in outputs)
+        rates.append(n_out / wall if wall > 0 else None)
+        peaks.append(peak_memory(device)[0])
+        walls.append(wall)
+    known_peaks = [p for p in peaks if p is not None]
     return Measurement(
-        ttft_s=summarize([o.ttft for o in outputs]),
-        tpot_s=summarize([o.tpot for o in outputs]),
-        output_tokens_per_s=n_out / wall if wall > 0 else None,
-        peak_memory_bytes=peak_memory(device)[0],
-        wall_s=wall,
+        ttft_s=summarize([_best(v) for v in ttft.values()]),
+        tpot_s=summarize([_best(v) for v in tpot.values()]),
+        output_tokens_per_s=max((r for r in rates if r is not None), default=None),
+        peak_memory_bytes=max(known_peaks) if known_peaks else None,
+        wall_s=sum(walls),
+        passes=repeats,
     )

@@ -1,7 +1,8 @@
 """`profile advise MODEL`: one advise run end to end, minus the terminal.
 
-Owns: loading the model and the workload, the baseline (measured twice: the second pass is the
-baseline, the difference between the two is the noise the output states), the trials under the
+Owns: loading the model and the workload, the baseline (measured twice, each measurement the best
+of `repeats` passes: the second is the baseline, the difference between the two is the noise the
+output states), the trials under the
 time budget, the recommended combination measured together, and the versioned record
 (`advise_report.advise_record`). Ctrl-C ends the trials and returns the record of what was
 measured so far, marked interrupted.
@@ -75,7 +76,7 @@ def _context(req: AdviseRequest, target: str | None, tools: AdviseTools):
         seed=req.seed,
     )
     ids = quality_tokens(req, runtime, work.prompts, tools)
-    return t.TrialContext(runtime, work, concurrency, base, ids, tools)
+    return t.TrialContext(runtime, work, concurrency, base, ids, tools, req.repeats)
 
 
 def run_advise(
@@ -92,11 +93,12 @@ def run_advise(
     ctx = _context(req, target, tools)
     state = rep.AdviseState(req, ctx)
     try:
-        progress("baseline (prefix caching off, no speculation), twice")
+        progress(f"baseline (prefix caching off, no speculation), twice, {req.repeats} passes each")
         first = t.run_trial(ctx, t.Trial("baseline", "baseline", "baseline"))
         state.baseline = t.run_trial(ctx, t.Trial("baseline", "baseline", "baseline"))
         state.noise = _noise(req.objective, first.measurement, state.baseline.measurement)
-        estimate_s = max(first.measurement.wall_s, state.baseline.measurement.wall_s) + 0.5
+        walls = (first.measurement.wall_s, state.baseline.measurement.wall_s)
+        estimate_s = max(walls) + 0.5 * req.repeats  # + each pass's engine start and warm-up
 
         def done(result: t.TrialResult) -> None:
             state.results.append(result)

@@ -132,8 +132,8 @@ def notes(state: AdviseState) -> list[str]:
         f"a shared prefix covers {w['shared_prefix_share']:.1%} of the prompt tokens",
     ]
     if state.noise is not None:
-        lines.append(f"noise (two baseline passes): +/-{state.noise:.1%}; gains within it are "
-                     "not advised")  # fmt: skip
+        lines.append(f"noise (two baseline measurements, each the best of {state.req.repeats} "
+                     f"passes): +/-{state.noise:.1%}; gains within it are not advised")  # fmt: skip
     if state.interrupted:
         lines.append("interrupted: the trials measured so far")
     if state.combined_skipped:
@@ -170,6 +170,8 @@ def commands(state: AdviseState) -> list[str]:
         args += ["--speculative", engine["speculative"]]
         if engine.get("draft_model"):
             args += ["--draft", engine["draft_model"]]
+    if "max_num_seqs" in engine:
+        args += ["--max-num-seqs", str(engine["max_num_seqs"])]
     if "max_num_batched_tokens" in engine:
         args += ["--max-num-batched-tokens", str(engine["max_num_batched_tokens"])]
     return lines + [" ".join(shlex.quote(a) for a in args)]

@@ -27,6 +27,7 @@ from llmctl.profiling.advise import (
 DEFAULT = EngineConfig()
 # Below this share of the prompt tokens a prefix cache has too little to reuse to pay.
 MIN_PREFIX_SHARE = 0.05
+HALF_SEQS, DOUBLE_SEQS = DEFAULT.max_num_seqs // 2, DEFAULT.max_num_seqs * 2
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ def candidate_trials(draft: str | None) -> list[Trial]:
     trials += [
         Trial("budget_512", "token budget 512", "budget", {"max_num_batched_tokens": 512}),
         Trial("budget_8192", "token budget 8192", "budget", {"max_num_batched_tokens": 8192}),
+        Trial("seqs_half", f"max-num-seqs {HALF_SEQS}", "seqs", {"max_num_seqs": HALF_SEQS}),
+        Trial("seqs_double", f"max-num-seqs {DOUBLE_SEQS}", "seqs", {"max_num_seqs": DOUBLE_SEQS}),
         Trial("int8", "int8 RTN weights", "quantization", bits=8),
         Trial("int4", "int4 RTN weights", "quantization", bits=4),
     ]
@@ -87,6 +90,12 @@ def skip_reason(trial: Trial, work: Workload, concurrency: int) -> str | None:
         return (
             f"batch already large for speculation: {concurrency} requests at once "
             f"(pays at <= {AUTO_SPEC_MAX_BATCH})"
+        )
+    seqs = trial.engine.get("max_num_seqs")
+    if seqs is not None and concurrency <= min(seqs, DEFAULT.max_num_seqs):
+        return (
+            f"{concurrency} request(s) at once fit in {min(seqs, DEFAULT.max_num_seqs)} "
+            "sequences: the same steps as the default"
         )
     in_flight = sum(sorted((len(p) for p in work.prompts), reverse=True)[:concurrency])
     budget = trial.engine.get("max_num_batched_tokens")
@@ -141,19 +150,23 @@ class TrialContext:
     base_config: EngineConfig
     quality_ids: list[int]
     tools: AdviseTools
+    repeats: int = 1  # fresh-engine passes per measurement
 
 
 def run_trial(ctx: TrialContext, trial: Trial) -> TrialResult:
     """Measure one trial (quantized ones in a temporary folder, removed afterwards)."""
     config = replace(ctx.base_config, **trial.engine)
+    device = ctx.runtime.device
     if trial.bits is None:
-        engine = ctx.runtime.start_engine(config)
-        return TrialResult(trial, measure(engine, ctx.work, ctx.concurrency, ctx.runtime.device))
+        m = measure(lambda: ctx.runtime.start_engine(config), ctx.work, ctx.concurrency, device,
+                    ctx.repeats)  # fmt: skip
+        return TrialResult(trial, m)
     with tempfile.TemporaryDirectory(prefix="llmctl-advise-") as folder:
         quant = quantized_runtime(ctx.runtime, trial.bits, folder, ctx.tools)
         max_len = ctx.runtime.config.max_position_embeddings
         kl = mean_kl(ctx.runtime.model, quant.model, ctx.quality_ids, max_len)
-        m = measure(quant.start_engine(config), ctx.work, ctx.concurrency, ctx.runtime.device)
+        m = measure(lambda: quant.start_engine(config), ctx.work, ctx.concurrency, device,
+                    ctx.repeats)  # fmt: skip
         return TrialResult(trial, m, kl)
 
 
