@@ -1,6 +1,8 @@
 """run-batch --ray on a local Ray cluster of 2 replicas (CPU, the embedded demo model): the output
 equals the single-process run row for row, a replica or the driver killed mid-job loses nothing
-and a rerun completes every row exactly once; without Ray, a one-line error naming the extra.
+and a rerun completes every row exactly once; `--backend vllm` (the stand-in vllm, which the
+cluster's workers import) equals its single-process run; without Ray, a one-line error naming
+the extra.
 
 The Ray tests share one local cluster (module scope) and run the command in this process, where
 it joins that cluster; the driver-kill test runs the command in a child joining it by address."""
@@ -18,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import vllm_stub
 
 from llmctl.batch.journal import load_state, state_path
 from llmctl.cli import main
@@ -171,12 +174,16 @@ def test_a_replica_error_comes_back_as_its_one_line_llmctl_error():
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
+    """The local cluster; its job's workers import the stand-in vllm (tests/vllm_stub.py) from
+    py_modules: replicas are other processes, which this one's sys.modules does not reach."""
     if not HAS_RAY:
         pytest.skip("ray is not installed (pip install -e '.[ray]' runs these tests)")
     import ray
 
-    ctx = ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    stub = vllm_stub.write_package(tmp_path_factory.mktemp("vllm-stub"))
+    env = {"py_modules": [vllm_stub.__file__, str(stub)]}
+    ctx = ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, runtime_env=env)
     yield ctx.address_info["address"]
     ray.shutdown()
 
@@ -220,6 +227,28 @@ def test_unordered_writes_every_row_once(cluster, job, tmp_path):
     assert _run(inp, out, *RAY, *args) == 0
     assert sorted(out.read_bytes().splitlines()) == sorted(ref.splitlines())
     assert json.loads(report.read_text())["speculative"]["proposed_tokens"] > 0
+
+
+@needs_ray
+def test_vllm_backend_in_every_replica_equals_single_process(cluster, job, tmp_path, monkeypatch):
+    """--backend vllm under --ray: each replica loads the stand-in vllm, and the rows equal the
+    single-process --backend vllm run's, row for row; they are the stub's tokens, not those of
+    llmctl's engine (the `job` reference), and this process never imports vllm for them."""
+    inp, ours, _ = job
+    vllm_stub.install(monkeypatch)  # for the single-process reference, in this process
+    ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
+    vllm = ("--backend", "vllm", "--include-token-ids")
+    assert _run(inp, ref, *vllm) == 0
+    monkeypatch.setitem(sys.modules, "vllm", None)  # from here `import vllm` fails in this process
+    assert _run(inp, out, *RAY, "--report-json", str(tmp_path / "s.json"), *vllm) == 0
+    assert out.read_bytes() == ref.read_bytes()
+    rows, llmctl_rows = (list(map(json.loads, b.splitlines())) for b in (ref.read_bytes(), ours))
+    served = [(r, o) for r, o in zip(rows, llmctl_rows) if r["error"] is None]
+    assert len(rows) == len(llmctl_rows) == 17 and len(served) == 15
+    for r, o in served:
+        assert r["text"] == "".join(f"<{t}>" for t in r["token_ids"]) != o["text"]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["output_tokens"] == sum(r["usage"]["completion_tokens"] for r in rows) > 0
 
 
 @needs_ray

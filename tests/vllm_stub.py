@@ -6,7 +6,8 @@ engine that needs no model.
 Each step gives every running request one token (a function of its prompt and position, as
 `llmctl.batch.fake.FakeEngine`), returned as DELTA outputs; a request finishes at max_tokens or
 the context length with "length". `test_real_vllm_api_matches_the_stub` checks these names
-against the real vLLM where it imports.
+against the real vLLM where it imports. `install` puts it in this process's sys.modules;
+`write_package` writes a `vllm` package over it for other processes (Ray replicas).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import enum
 import sys
 import types
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -134,3 +136,23 @@ def install(monkeypatch, device_type: str = "cpu") -> type[StubEngine]:
     for name, mod in modules.items():
         monkeypatch.setitem(sys.modules, name, mod)
     return Engine
+
+
+# The files of a `vllm` package over this module, for processes that import vllm from a path.
+PACKAGE = {
+    "__init__.py": "from vllm_stub import EngineArgs, SamplingParams, StubEngine as LLMEngine\n",
+    "sampling_params.py": "from vllm_stub import RequestOutputKind\n",
+    "platforms.py": "from types import SimpleNamespace\n\n"
+    "current_platform = SimpleNamespace(device_type='cpu')\n",
+    "exceptions.py": "from vllm_stub import VLLMClientError, VLLMValidationError\n",
+}
+
+
+def write_package(parent: Path) -> Path:
+    """Write the `vllm` package folder under `parent`; its importers need this module
+    (`vllm_stub`) on their path too. Returns the folder."""
+    folder = parent / "vllm"
+    folder.mkdir()
+    for name, text in PACKAGE.items():
+        (folder / name).write_text(text)
+    return folder
