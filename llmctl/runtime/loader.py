@@ -15,13 +15,13 @@ from typing import Any
 
 from llmctl.errors import UsageError
 from llmctl.models.config import ModelConfig
-from llmctl.runtime.resolve import DEMO_MODEL_DIR, resolve_device, resolve_dtype, resolve_model_path
-from llmctl.runtime.tokenizer import TextCodec, load_tokenizer, read_generation_eos
+from llmctl.runtime.resolve import resolve_device, resolve_dtype, resolve_model_path
+from llmctl.runtime.tokenizer import TextCodec, TextMethods, load_tokenizer, read_generation_eos
 from llmctl.runtime.weights import load_model
 
 
 @dataclass
-class Runtime:
+class Runtime(TextMethods):
     """A loaded model with its tokenizer, ready to serve through `start_engine`."""
 
     model: Any
@@ -83,19 +83,6 @@ class Runtime:
                 f"target's ({self.config.vocab_size})"
             )
         return DraftModelProposer(draft, self.device)
-
-    @property
-    def model_name(self) -> str:
-        return "llmctl-demo" if self.model_path == DEMO_MODEL_DIR else str(self.model_path)
-
-    def encode(self, text: str) -> list[int]:
-        return self.text.encode(text)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.text.decode(ids)
-
-    def apply_chat_template(self, messages: Any) -> list[int]:
-        return self.text.apply_chat_template(messages)
 
 
 def load_runtime(

@@ -87,3 +87,26 @@ class TextCodec:
             self._chat_template = ChatTemplate(tok)
         text = self._chat_template.render(messages, add_generation_prompt=True)
         return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+class TextMethods:
+    """encode/decode/apply_chat_template/model_name for a runtime holding `text` (a TextCodec) and
+    `model_path`: the part of the runtime protocol every backend shares."""
+
+    text: TextCodec
+    model_path: Any
+
+    @property
+    def model_name(self) -> str:
+        from llmctl.runtime.resolve import DEMO_MODEL_DIR
+
+        return "llmctl-demo" if self.model_path == DEMO_MODEL_DIR else str(self.model_path)
+
+    def encode(self, text: str) -> list[int]:
+        return self.text.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.text.decode(ids)
+
+    def apply_chat_template(self, messages: Any) -> list[int]:
+        return self.text.apply_chat_template(messages)
