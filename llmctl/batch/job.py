@@ -368,17 +368,10 @@ class BatchJob:
         if not force and now - self._last_progress < self.settings.progress_interval_s:
             return
         self._last_progress = now
-        st = self.stats
+        elapsed = now - self._t0
         self._on_progress(
-            Progress(
-                rows_done=st.rows,
-                rows_total=self._rows_total,
-                errors=st.errors,
-                prompt_tokens=st.prompt_tokens,
-                output_tokens=st.output_tokens,
-                session_output_tokens=self._session_output_tokens,
-                session_elapsed_s=now - self._t0,
-                finished=finished,
+            Progress.of(
+                self.stats, self._rows_total, self._session_output_tokens, elapsed, finished
             )
         )
 

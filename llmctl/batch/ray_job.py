@@ -291,16 +291,7 @@ class DriverLoop:
             not force and now - self._last_progress < self.settings.progress_interval_s
         ):
             return
-        self._last_progress, st = now, self.stats
+        self._last_progress = now
         self.on_progress(
-            Progress(
-                rows_done=st.rows,
-                rows_total=self.rows_total,
-                errors=st.errors,
-                prompt_tokens=st.prompt_tokens,
-                output_tokens=st.output_tokens,
-                session_output_tokens=self._session_tokens,
-                session_elapsed_s=now - self._t0,
-                finished=finished,
-            )
+            Progress.of(self.stats, self.rows_total, self._session_tokens, now - self._t0, finished)
         )

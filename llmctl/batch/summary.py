@@ -166,3 +166,24 @@ class Progress:
     session_output_tokens: int  # this session only, for a tokens/s rate
     session_elapsed_s: float
     finished: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        st: "BatchStats",
+        rows_total: int | None,
+        session_tokens: int,
+        elapsed_s: float,
+        finished: bool,
+    ) -> "Progress":
+        """The progress line's values from a job's running totals and this session's counts."""
+        return cls(
+            rows_done=st.rows,
+            rows_total=rows_total,
+            errors=st.errors,
+            prompt_tokens=st.prompt_tokens,
+            output_tokens=st.output_tokens,
+            session_output_tokens=session_tokens,
+            session_elapsed_s=elapsed_s,
+            finished=finished,
+        )
