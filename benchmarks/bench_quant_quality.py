@@ -81,9 +81,12 @@ def make_method(method: str, kw: dict, bits: int, group: int | None):
     return factory(spec, **kw)
 
 
-def data(model_dir: Path, num_samples: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def data(
+    model_dir: Path, num_samples: int, seq_len: int, offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(calibration ids [num_samples, seq_len], held-out ids [n]) as `llmctl quantize` draws
-    them."""
+    them from the training text with its first `offset` tokens dropped (another draw of
+    windows from the same text)."""
     from llmctl.compress.calib_data import load_calibration
     from llmctl.models.config import ModelConfig
     from llmctl.runtime.tokenizer import load_tokenizer, read_generation_eos
@@ -91,10 +94,11 @@ def data(model_dir: Path, num_samples: int, seq_len: int) -> tuple[torch.Tensor,
     tok = load_tokenizer(model_dir)
     text = TEXT.read_text()
     cut = int(len(text) * 0.9)  # characters, as the fixture's train_report.json splits them
-    train, held = list(tok.encode(text[:cut])), list(tok.encode(text[cut:]))
+    train, held = list(tok.encode(text[:cut]))[offset:], list(tok.encode(text[cut:]))
     cache = Path("/tmp/llmctl-bench")
     cache.mkdir(parents=True, exist_ok=True)
-    calib, rest = cache / f"{model_dir.name}-calib.jsonl", cache / f"{model_dir.name}-held.jsonl"
+    calib = cache / f"{model_dir.name}-calib{offset or ''}.jsonl"
+    rest = cache / f"{model_dir.name}-held.jsonl"
     calib.write_text(json.dumps({"prompt_token_ids": train}) + "\n")
     rest.write_text(json.dumps({"prompt_token_ids": held}) + "\n")
     eos = read_generation_eos(model_dir, ModelConfig.from_file(model_dir / "config.json"))
@@ -129,32 +133,43 @@ def run_one(rt, calib, held, method, seq_len: int) -> tuple[float, float, float,
     return ppl, dt, err, edge
 
 
-def run_config(model_dir: Path, rt, calib, held, fp: float, cfg: str, bits: int, g: str) -> dict:
-    """One row of the table: configuration cfg at these bits and group ("channel" or a size); a
+def run_config(model_dir: Path, rt, calibs, held, fp: float, cfg: str, bits: int, g: str) -> dict:
+    """One row of the table: configuration cfg at these bits and group ("channel" or a size),
+    run once per calibration draw in `calibs` (the row holds the mean, and each draw's loss); a
     row with "error" where it failed (the run goes on)."""
     import math
+    import statistics
 
     group = None if g == "channel" else int(g)
     method, kw = parse_config(cfg)
-    try:
-        if method == "llmc":
-            ppl, dt, err, edge = run_llmc(model_dir, calib, held, kw, bits, group, 256)
-        else:
-            ppl, dt, err, edge = run_one(rt, calib, held, make_method(method, kw, bits, group), 256)
-    except Exception as e:  # recorded in the JSON, left out of the table
-        print(f"{model_dir.name} {bits}b g{g} {cfg}: {type(e).__name__}: {e}", flush=True)
-        return dict(bits=bits, group=g, config=cfg, error=f"{type(e).__name__}: {e}")
-    print(
-        f"{model_dir.name} {bits}b g{g} {cfg:28s} ppl {ppl:8.3f} {ppl - fp:+.3f} "
-        f"calib err {err:.5f} edge {edge:.4f} ({dt:.0f}s)",
-        flush=True,
-    )
+    runs = []
+    for d, calib in enumerate(calibs):
+        try:
+            if method == "llmc":
+                run = run_llmc(model_dir, calib, held, kw, bits, group, 256)
+            else:
+                run = run_one(rt, calib, held, make_method(method, kw, bits, group), 256)
+        except Exception as e:  # recorded in the JSON, left out of the table
+            print(f"{model_dir.name} {bits}b g{g} {cfg}: {type(e).__name__}: {e}", flush=True)
+            return dict(bits=bits, group=g, config=cfg, error=f"{type(e).__name__}: {e}")
+        ppl, dt, err, edge = run
+        draw = f" draw {d}" if len(calibs) > 1 else ""
+        print(
+            f"{model_dir.name} {bits}b g{g} {cfg:28s} ppl {ppl:8.3f} {ppl - fp:+.3f} "
+            f"calib err {err:.5f} edge {edge:.4f} ({dt:.0f}s){draw}",
+            flush=True,
+        )
+        runs.append(run)
+    ppl, dt, err, edge = (statistics.fmean(x) for x in zip(*runs))
+    losses = [r[0] - fp for r in runs]
     return dict(
         bits=bits,
         group=g,
         config=cfg,
         ppl=ppl,
         dppl=ppl - fp,
+        dppl_draws=losses,
+        dppl_sd=statistics.stdev(losses) if len(losses) > 1 else None,
         dnll=math.log(ppl) - math.log(fp),
         seconds=round(dt, 2),
         calib_rel_err=err,
@@ -168,7 +183,10 @@ def bench_model(model_dir: Path, args) -> dict:
     from llmctl.runtime.loader import load_runtime
 
     rt = load_runtime(model_dir, dtype="float32", device="cpu")
-    calib, held = data(model_dir, args.num_samples, args.seq_len)
+    # draw d starts d / draws of a window into the text: other windows, the same spread
+    offsets = [d * args.seq_len // args.draws for d in range(args.draws)]
+    calibs = [data(model_dir, args.num_samples, args.seq_len, o)[0] for o in offsets]
+    held = data(model_dir, args.num_samples, args.seq_len)[1]
     fp = perplexity(rt.model, held, args.seq_len).perplexity
     widths = {rt.config.hidden_size, rt.config.intermediate_size}
     widths.add(rt.config.num_heads * rt.config.head_dim)
@@ -181,7 +199,7 @@ def bench_model(model_dir: Path, args) -> dict:
                 print(f"{bits} bits, group {g}: does not divide widths {sorted(widths)}; skipped")
                 continue
             for cfg in args.configs:
-                rows.append(run_config(model_dir, rt, calib, held, fp, cfg, bits, g))
+                rows.append(run_config(model_dir, rt, calibs, held, fp, cfg, bits, g))
     return {"model": str(model_dir), "fp32_ppl": fp, "heldout_tokens": held.numel(), "rows": rows}
 
 
@@ -221,9 +239,10 @@ def markdown(results: list[dict], baselines: list[str]) -> str:
                 continue
             ratios = [r["ratio_to"][b] for b in baselines]
             cells = " | ".join("" if x is None else f"{x:.2f}x" for x in ratios)
+            sd = f" (sd {r['dppl_sd']:.3f})" if r.get("dppl_sd") is not None else ""
             lines.append(
                 f"| {r['bits']} | {r['group']} | {r['config']} | {r['ppl']:.3f} "
-                f"| {r['dppl']:+.3f} | {cells} |"
+                f"| {r['dppl']:+.3f}{sd} | {cells} |"
             )
     return "\n".join(lines)
 
@@ -241,6 +260,9 @@ def main() -> None:
     p.add_argument("--num-samples", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--draws", type=int, default=1, help="calibration draws per row (mean and sd reported)"
+    )
     p.add_argument("--json", type=Path)
     p.add_argument("--jobs", type=int, default=1, help="models benchmarked side by side")
     args = p.parse_args()

@@ -263,3 +263,24 @@ def test_measure_keeps_each_requests_best_pass_from_fresh_engines():
     assert m.tpot_s["mean"] == pytest.approx(1.0)
     with pytest.raises(UsageError, match="--repeat"):
         AdviseRequest(workload="w.jsonl", repeats=0).check()
+
+
+def test_prime_runs_the_samples_shapes_with_nothing_to_share():
+    from llmctl.profiling.advise import PRIME_TOKENS, prime
+
+    work = Workload([[1] * 7, [2] * 3, [3] * 12], [50, 60, 70], 3, 0)
+    engine = _FakeEngine({})
+    seen, in_flight = [], []
+    add = engine.add_request
+
+    def record(rid, prompt, params):
+        seen.append((prompt, params.max_tokens))
+        add(rid, prompt, params)
+        in_flight.append(len(engine.queue))
+
+    engine.add_request = record
+    prime(engine, work, concurrency=2)
+    assert sorted(len(p) for p, _ in seen) == [3, 7, 12]  # every prompt's length, once
+    assert all(n == PRIME_TOKENS for _, n in seen)  # a few tokens, not the workload's outputs
+    assert not any(p in work.prompts for p, _ in seen)  # random tokens: no prefix to reuse
+    assert max(in_flight) == 2  # at the workload's concurrency

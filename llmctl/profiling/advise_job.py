@@ -19,7 +19,14 @@ from llmctl.engine.config import EngineConfig
 from llmctl.errors import UsageError
 from llmctl.profiling import advise_report as rep
 from llmctl.profiling import advise_trials as t
-from llmctl.profiling.advise import AdviseRequest, AdviseTools, parse_duration, read_rows, tokenize
+from llmctl.profiling.advise import (
+    AdviseRequest,
+    AdviseTools,
+    parse_duration,
+    prime,
+    read_rows,
+    tokenize,
+)
 from llmctl.profiling.dtypes import canonical_dtype
 from llmctl.profiling.estimate import kv_bytes_per_sequence
 
@@ -93,6 +100,8 @@ def run_advise(
     ctx = _context(req, target, tools)
     state = rep.AdviseState(req, ctx)
     try:
+        progress("priming: the sample's shapes once, untimed")
+        prime(ctx.runtime.start_engine(ctx.base_config), ctx.work, ctx.concurrency)
         progress(f"baseline (prefix caching off, no speculation), twice, {req.repeats} passes each")
         first = t.run_trial(ctx, t.Trial("baseline", "baseline", "baseline"))
         state.baseline = t.run_trial(ctx, t.Trial("baseline", "baseline", "baseline"))
