@@ -68,27 +68,42 @@ def mse_params(
     norm: float = MSE_NORM,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero [rows] of w [rows, cols]: the shrink of each row's range with the least
-    quantization error (see the module docstring)."""
+    quantization error (see the module docstring); on a tie, the widest range."""
     w = w.float()
     wmin, wmax = _ranges(w, spec)
-    best_scale, best_zero = range_params(wmin, wmax, spec)
-    best_err = _error(w, best_scale, best_zero, spec, norm)
     n = int(round((1.0 - min_shrink) / step))
-    for k in range(1, n + 1):
-        p = 1.0 - k * step
-        scale, zero = range_params(wmin * p, wmax * p, spec)
-        err = _error(w, scale, zero, spec, norm)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_scale = torch.where(better, scale, best_scale)
-        best_zero = torch.where(better, zero, best_zero)
-    return best_scale, best_zero
+    # the factors as float32, as `wmin * p` would round a Python float p: [K]
+    shrink = torch.tensor([1.0 - k * step for k in range(n + 1)], dtype=torch.float32)
+    rows = max(1, _SEARCH_ELEMENTS // max(1, shrink.numel() * w.shape[1]))
+    scales, zeros = [], []
+    for r0 in range(0, w.shape[0], rows):  # chunks of rows bound the [K, rows, cols] temporaries
+        s, z = _search(
+            w[r0 : r0 + rows], wmin[r0 : r0 + rows], wmax[r0 : r0 + rows], shrink, spec, norm
+        )
+        scales.append(s)
+        zeros.append(z)
+    return torch.cat(scales), torch.cat(zeros)
+
+
+_SEARCH_ELEMENTS = 1 << 22  # elements of one chunk's [K, rows, cols] error tensor
+
+
+def _search(w, wmin, wmax, shrink, spec: QuantSpec, norm: float):
+    """All K shrink factors at once for w [rows, cols]: the candidates' scales and zeros
+    [K, rows], their errors [K, rows], and per row the first factor with the least error."""
+    scale, zero = range_params(
+        wmin[None, :] * shrink[:, None], wmax[None, :] * shrink[:, None], spec
+    )
+    err = _error(w[None], scale, zero, spec, norm)  # [K, rows]
+    best = torch.nan_to_num(err, nan=float("inf")).argmin(dim=0, keepdim=True)  # [1, rows]
+    return scale.gather(0, best)[0], zero.gather(0, best)[0]
 
 
 def _error(
     w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: QuantSpec, norm: float
 ) -> torch.Tensor:
-    """sum over columns of |w - Q(w)|^norm, per row of w [rows, cols]: returns [rows]."""
-    s, z = scale[:, None], zero[:, None].float()
+    """sum over columns of |w - Q(w)|^norm, per row of w [..., rows, cols] for the parameters
+    [..., rows]: returns [..., rows]."""
+    s, z = scale[..., None], zero[..., None].float()
     q = torch.clamp(torch.round(w / s) + z, 0, spec.maxq)
-    return ((q - z) * s - w).abs().pow(norm).sum(dim=1)
+    return ((q - z) * s - w).abs().pow(norm).sum(dim=-1)
