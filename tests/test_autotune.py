@@ -240,9 +240,14 @@ def test_engine_tunes_at_start_and_no_autotune_keeps_the_static_rules(shakespear
     model = tuned.runtime.model
     from llmctl.models.llama import Linear
 
-    plans = {type(m.plan) for m in model.modules() if type(m) is Linear}
+    # q/k/v and gate/up are served merged (models/merged.py): the merged linears are tuned.
+    merged = [b.merged for layer in model.layers for b in (layer.self_attn, layer.mlp)]
+    parts = {id(p) for m in merged for p in m.parts}
+    plans = {type(m.plan) for m in model.modules() if type(m) is Linear and id(m) not in parts}
+    plans |= {type(m.linear.plan) for m in merged}
     assert model.lm_head.plan is not None and model.lm_head.plan.max_rows == 256  # max_num_seqs
     assert model.layers[0].mlp.down_proj.plan.max_rows == 64 and plans == {autotune.Plan}
+    assert model.layers[0].mlp.merged.linear.plan.max_rows == 64
     out = [o.output_token_ids for o in tuned.generate(prompts, params)]
     assert autotune.cache_path().exists()
     static = LLM(str(shakespeare_model), dtype="float32", autotune=False)

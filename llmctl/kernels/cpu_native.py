@@ -143,6 +143,11 @@ def library() -> ctypes.CDLL | None:
     lib.rms_norm.restype = None
     lib.silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
     lib.silu_mul.restype = None
+    # The fused element-wise kernels of cpu_fused.py.
+    lib.silu_and_mul.argtypes = lib.silu_mul.argtypes
+    lib.silu_and_mul.restype = None
+    lib.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + lib.rms_norm.argtypes[3:]
+    lib.add_rms_norm.restype = None
     return lib
 
 

@@ -7,6 +7,10 @@
  *
  * bfloat16 follows the reference step by step: normalise in float32, round to bfloat16, then
  * multiply by the bfloat16 weight and round again (two roundings, as `weight * x.to(bf16)` does).
+ *
+ * `add_rms_norm` is vLLM's fused_add_rms_norm: x += r (rounded to x's dtype, as `x.add_(r)`),
+ * then y = RMSNorm(x), in one pass over the row while it is in cache (a decoder layer's residual
+ * add and the next norm; PyTorch reads and writes x twice).
  */
 #include <math.h>
 
@@ -54,5 +58,36 @@ void rms_norm(const void *x, const void *w, void *y, int64_t M, int64_t K, float
         char *ym = (char *)y + m * row;
         if (bf16) norm_row(xm, w, ym, K, eps, 1);
         else norm_row(xm, w, ym, K, eps, 0);
+    }
+}
+
+static inline __attribute__((always_inline)) void add_row(void *x, const void *r, int64_t K,
+                                                          const int bf16) {
+    if (bf16) {
+        uint16_t *xs = x;
+        const uint16_t *rs = r;
+        for (int64_t k = 0; k < K; ++k) xs[k] = to_bf16(from_bf16(xs[k]) + from_bf16(rs[k]));
+    } else {
+        float *xs = x;
+        const float *rs = r;
+        for (int64_t k = 0; k < K; ++k) xs[k] += rs[k];
+    }
+}
+
+/* M rows of K (K % 8 == 0), contiguous: x[m] += r[m], then y[m] = RMSNorm(x[m]). */
+void add_rms_norm(void *x, const void *r, const void *w, void *y, int64_t M, int64_t K, float eps,
+                  int bf16, int threads) {
+    const size_t row = (size_t)K * (bf16 ? 2 : 4);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M >= 64)
+    for (int64_t m = 0; m < M; ++m) {
+        char *xm = (char *)x + m * row, *ym = (char *)y + m * row;
+        const char *rm = (const char *)r + m * row;
+        if (bf16) {
+            add_row(xm, rm, K, 1);
+            norm_row(xm, w, ym, K, eps, 1);
+        } else {
+            add_row(xm, rm, K, 0);
+            norm_row(xm, w, ym, K, eps, 0);
+        }
     }
 }

@@ -5,7 +5,10 @@ Owns: the decoder modules and two forward paths over the same weights:
   (with `meta.batch_invariant`, every projection and the MLP through `project` and
   kernels/invariant.py, whose rows do not depend on each other);
 - `forward_dense(input_ids [B, S])`: plain causal attention with no cache (calibration, eval).
-Parameter names equal Hugging Face's, so checkpoints load (and save) one to one.
+Parameter names equal Hugging Face's, so checkpoints load (and save) one to one. At engine start
+(`tune_linears`) q/k/v and gate/up are merged into one linear each (models/merged.py) for the
+engine's path; the element-wise steps there run fused in C where they can (kernels/cpu_fused.py:
+SiLU-and-multiply, residual add + RMSNorm).
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmctl.kernels import autotune, cpu_bf16, cpu_native, invariant
+from llmctl.kernels import autotune, cpu_bf16, cpu_fused, cpu_native, invariant
 from llmctl.kernels.attention import PagedAttentionMetadata, paged_attention
 from llmctl.kernels.onednn_linear import pack_weight, packed_linear
+from llmctl.models import merged as merging
 from llmctl.models.config import ModelConfig
 from llmctl.models.rope import RotaryEmbedding
 
@@ -79,6 +83,15 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
+    def add_forward(self, x: torch.Tensor, r: torch.Tensor | None, fixed_order: bool = False):
+        """x.add_(r) (inference: x is the residual stream, updated in place), then self(x); one
+        pass in C where it applies (vLLM's fused_add_rms_norm). r None: self(x) alone."""
+        if r is None:
+            return self(x, fixed_order)
+        if not fixed_order and cpu_fused.use_add_rms_norm(x, r, self.weight):
+            return cpu_fused.add_rms_norm(x, r, self.weight, self.eps)
+        return self(x.add_(r), fixed_order)
+
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
@@ -98,13 +111,37 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self._rotary = [rotary]  # a list, so the shared table is not registered once per layer
+        self.merged: merging.Merged | None = None  # q/k/v as one linear (see merge)
+
+    def merge(self) -> merging.Merged | None:
+        """Serve q/k/v through one linear [q_size + 2 kv_size, hidden] (models/merged.py);
+        returns it, or None where they cannot merge."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        if self.merged is None or not self.merged.live(*parts):
+            self.merged = merging.merge(parts, Linear)
+        return self.merged
+
+    def _project_qkv(self, x: torch.Tensor, fixed_order: bool):
+        """x [..., hidden] -> q [..., q_size], k, v [..., kv_size]: one GEMM where merged."""
+        m = self.merged
+        if (
+            m is not None
+            and not fixed_order
+            and not torch.is_grad_enabled()
+            and m.live(self.q_proj, self.k_proj, self.v_proj)
+        ):
+            q, k, v = m.linear(x).split(m.sizes, dim=-1)  # column slices of [..., q + 2 kv]
+            # The RoPE kernel rotates contiguous rows in place; v is read through its strides.
+            return q.contiguous(), k.contiguous(), v
+        return tuple(project(p, x, fixed_order) for p in (self.q_proj, self.k_proj, self.v_proj))
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor, fixed_order: bool = False):
         """x [..., hidden] -> q [..., heads, D], k and v [..., kv_heads, D], RoPE applied."""
         lead = x.shape[:-1]
-        q = project(self.q_proj, x, fixed_order).view(*lead, self.num_heads, self.head_dim)
-        k = project(self.k_proj, x, fixed_order).view(*lead, self.num_kv_heads, self.head_dim)
-        v = project(self.v_proj, x, fixed_order).view(*lead, self.num_kv_heads, self.head_dim)
+        q, k, v = self._project_qkv(x, fixed_order)
+        q = q.view(*lead, self.num_heads, self.head_dim)
+        k = k.view(*lead, self.num_kv_heads, self.head_dim)
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q, fixed_order), self.k_norm(k, fixed_order)
         q, k = self._rotary[0](positions, q, k)
@@ -157,6 +194,15 @@ class MLP(nn.Module):
         self.gate_proj = Linear(h, f, bias=False)
         self.up_proj = Linear(h, f, bias=False)
         self.down_proj = Linear(f, h, bias=False)
+        self.merged: merging.Merged | None = None  # gate/up as one linear (see merge)
+
+    def merge(self) -> merging.Merged | None:
+        """Serve gate/up through one linear [2 intermediate, hidden] (models/merged.py); returns
+        it, or None where they cannot merge."""
+        parts = (self.gate_proj, self.up_proj)
+        if self.merged is None or not self.merged.live(*parts):
+            self.merged = merging.merge(parts, Linear)
+        return self.merged
 
     def forward(self, x: torch.Tensor, fixed_order: bool = False) -> torch.Tensor:
         if torch.is_grad_enabled():
@@ -164,8 +210,18 @@ class MLP(nn.Module):
         if fixed_order:  # batch-invariant mode: see kernels/invariant.py
             gate, up = project(self.gate_proj, x, True), project(self.up_proj, x, True)
             return project(self.down_proj, invariant.silu_mul(gate, up), True)
-        h = F.silu(self.gate_proj(x), inplace=True)  # in place: no [T, intermediate] temporaries
-        return self.down_proj(h.mul_(self.up_proj(x)))
+        m = self.merged
+        if m is not None and m.live(self.gate_proj, self.up_proj):
+            y = m.linear(x)  # [..., 2 intermediate]: gate | up
+            if cpu_fused.use_silu_and_mul(y):
+                return self.down_proj(cpu_fused.silu_and_mul(y))
+            gate, up = y.chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate).mul_(up))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if cpu_native.use_silu_mul(gate, up):  # one pass in C, into gate
+            return self.down_proj(cpu_native.silu_mul(gate, up))
+        h = F.silu(gate, inplace=True)  # in place: no [T, intermediate] temporaries
+        return self.down_proj(h.mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -176,11 +232,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, meta, kv_cache) -> torch.Tensor:
-        """The engine's path (inference only): residual adds in place."""
+    def forward(self, x, positions, meta, kv_cache, delta=None):
+        """The engine's path (inference only): x [T, hidden] the residual stream, updated in
+        place; `delta` [T, hidden] the previous layer's output not yet added to it (None: none).
+        Returns (x, this layer's MLP output): the next layer (or the final norm) adds it, fused
+        with its RMSNorm, as each residual add here is."""
         fixed = meta.batch_invariant
-        x = x.add_(self.self_attn(self.input_layernorm(x, fixed), positions, meta, kv_cache))
-        return x.add_(self.mlp(self.post_attention_layernorm(x, fixed), fixed))
+        h = self.input_layernorm.add_forward(x, delta, fixed)
+        a = self.self_attn(h, positions, meta, kv_cache)
+        return x, self.mlp(self.post_attention_layernorm.add_forward(x, a, fixed), fixed)
 
     def forward_cached(self, x, positions, past):
         a, cache = self.self_attn.forward_cached(self.input_layernorm(x), positions, past)
@@ -220,10 +280,24 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Packed tokens [T] -> final hidden states [T, hidden] (normed); K/V written to the
         caches."""
-        x = self.model.embed_tokens(input_ids)
+        x, delta = self.model.embed_tokens(input_ids), None
         for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, meta, kv)
-        return self.model.norm(x, meta.batch_invariant)
+            x, delta = layer(x, positions, meta, kv, delta)
+        return self.model.norm.add_forward(x, delta, meta.batch_invariant)
+
+    def merge_projections(self) -> tuple[list[Linear], set[int]]:
+        """Merge each decoder layer's q/k/v and gate/up into one linear each for the engine's
+        path (models/merged.py; kept separate where they are not plain `Linear` modules of one
+        dtype, or with LLMCTL_MERGE_LINEARS=0). The parameters keep their names and memory.
+        Returns the merged linears and the ids of the parts they serve."""
+        linears, parts = [], set()
+        for layer in self.model.layers:
+            for block in (layer.self_attn, layer.mlp):
+                block.merged = None if not merging.enabled() else block.merge()
+                if block.merged is not None:
+                    linears.append(block.merged.linear)
+                    parts.update(id(p) for p in block.merged.parts)
+        return linears, parts
 
     def _plain_head(self) -> bool:
         """lm_head is our bias-free Linear over a plain tensor (not quantized, not a sparse
@@ -243,11 +317,14 @@ class LlamaForCausalLM(nn.Module):
     def tune_linears(self, max_rows: int, logit_rows: int, enabled: bool = True) -> None:
         """Choose each plain CPU linear's kernels by measurement (kernels/autotune.py): decoder
         linears see at most `max_rows` rows a call (the token budget), the vocabulary projection
-        `logit_rows`. Not `enabled`: drop the plans (the static rules serve)."""
+        `logit_rows`. Not `enabled`: drop the plans (the static rules serve). Merges the
+        projections first (`merge_projections`): the merged shapes are the ones tuned."""
+        merged, parts = self.merge_projections()
         layers = [
             m
-            for m in self.modules()
+            for m in (*self.modules(), *merged)
             if type(m) is Linear
+            and id(m) not in parts
             and type(m.weight.data) is torch.Tensor
             and m.weight.device.type == "cpu"
             and m.weight.dtype in (torch.float32, torch.bfloat16)
