@@ -103,29 +103,11 @@ def install(engine: str, timers: Timers) -> None:
 
 
 def _generate(engine: str, spec: dict):
-    params_kw = dict(temperature=0, ignore_eos=True)
-    if engine == "vllm":
-        from vllm import LLM, SamplingParams
+    """bench_phases' runner of the workload (vLLM or llmctl, bf16, prefix caching off)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_phases import _generate as generate
 
-        llm = LLM(
-            model=spec["model"],
-            dtype="bfloat16",
-            skip_tokenizer_init=True,
-            max_model_len=spec["max_model_len"],
-            max_num_seqs=256,
-            enable_prefix_caching=False,
-        )
-        prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
-        params = [
-            SamplingParams(max_tokens=o, min_tokens=o, detokenize=False, **params_kw)
-            for o in spec["outputs"]
-        ]
-        return lambda: llm.generate(prompts, params, use_tqdm=False)
-    from llmctl import LLM, SamplingParams
-
-    llm = LLM(spec["model"], dtype="bfloat16", max_num_seqs=256, enable_prefix_caching=False)
-    params = [SamplingParams(max_tokens=o, **params_kw) for o in spec["outputs"]]
-    return lambda: llm.generate(spec["prompts"], params)
+    return generate(engine, spec)
 
 
 def worker(engine: str, spec_path: str) -> None:
