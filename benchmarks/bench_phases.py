@@ -88,7 +88,8 @@ def worker(engine: str, spec_path: str) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def _run(engine: str, spec: dict, python: str) -> dict:
+def _run(engine: str, spec: dict, python: str, script: str = __file__) -> dict:
+    """`script --worker ENGINE SPEC` with `python` in its own process; its RESULT line."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
@@ -96,12 +97,12 @@ def _run(engine: str, spec: dict, python: str) -> dict:
         engine == "llmctl_sdpa"
     ):  # llmctl with PyTorch's SDPA for prefill attention (the AMX kernel off)
         env["LLMCTL_AMX_ATTENTION"] = "0"
-    cmd = [python, __file__, "--worker", engine, f.name]
+    cmd = [python, script, "--worker", engine, f.name]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=7200)
     for line in res.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise RuntimeError(f"{engine} phase run failed:\n{res.stderr[-3000:]}")
+    raise RuntimeError(f"{engine} run failed:\n{res.stderr[-3000:]}")
 
 
 def main() -> None:

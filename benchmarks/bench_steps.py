@@ -18,9 +18,7 @@ import argparse
 import importlib
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -134,15 +132,10 @@ def worker(engine: str, spec_path: str) -> None:
 
 
 def _run(engine: str, spec: dict, python: str) -> dict:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
-    cmd = [python, __file__, "--worker", engine, f.name]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=7200)
-    for line in res.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"{engine} run failed:\n{res.stderr[-3000:]}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_phases import _run as run
+
+    return run(engine, spec, python, __file__)
 
 
 def main() -> None:
