@@ -111,15 +111,11 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self._rotary = [rotary]  # a list, so the shared table is not registered once per layer
-        self.merged: merging.Merged | None = None  # q/k/v as one linear (see merge)
+        self.merged: merging.Merged | None = None  # q/k/v as one linear (merge_projections)
 
-    def merge(self) -> merging.Merged | None:
-        """Serve q/k/v through one linear [q_size + 2 kv_size, hidden] (models/merged.py);
-        returns it, or None where they cannot merge."""
-        parts = (self.q_proj, self.k_proj, self.v_proj)
-        if self.merged is None or not self.merged.live(*parts):
-            self.merged = merging.merge(parts, Linear)
-        return self.merged
+    def projections(self) -> tuple[nn.Module, ...]:
+        """The linears reading x, in the merged weight's row order [q_size + 2 kv_size]."""
+        return self.q_proj, self.k_proj, self.v_proj
 
     def _project_qkv(self, x: torch.Tensor, fixed_order: bool):
         """x [..., hidden] -> q [..., q_size], k, v [..., kv_size]: one GEMM where merged."""
@@ -128,12 +124,12 @@ class Attention(nn.Module):
             m is not None
             and not fixed_order
             and not torch.is_grad_enabled()
-            and m.live(self.q_proj, self.k_proj, self.v_proj)
+            and m.live(*self.projections())
         ):
             q, k, v = m.linear(x).split(m.sizes, dim=-1)  # column slices of [..., q + 2 kv]
             # The RoPE kernel rotates contiguous rows in place; v is read through its strides.
             return q.contiguous(), k.contiguous(), v
-        return tuple(project(p, x, fixed_order) for p in (self.q_proj, self.k_proj, self.v_proj))
+        return tuple(project(p, x, fixed_order) for p in self.projections())
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor, fixed_order: bool = False):
         """x [..., hidden] -> q [..., heads, D], k and v [..., kv_heads, D], RoPE applied."""
@@ -194,15 +190,11 @@ class MLP(nn.Module):
         self.gate_proj = Linear(h, f, bias=False)
         self.up_proj = Linear(h, f, bias=False)
         self.down_proj = Linear(f, h, bias=False)
-        self.merged: merging.Merged | None = None  # gate/up as one linear (see merge)
+        self.merged: merging.Merged | None = None  # gate/up as one linear (merge_projections)
 
-    def merge(self) -> merging.Merged | None:
-        """Serve gate/up through one linear [2 intermediate, hidden] (models/merged.py); returns
-        it, or None where they cannot merge."""
-        parts = (self.gate_proj, self.up_proj)
-        if self.merged is None or not self.merged.live(*parts):
-            self.merged = merging.merge(parts, Linear)
-        return self.merged
+    def projections(self) -> tuple[nn.Module, ...]:
+        """The linears reading x, in the merged weight's row order [2 intermediate]."""
+        return self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor, fixed_order: bool = False) -> torch.Tensor:
         if torch.is_grad_enabled():
@@ -211,7 +203,7 @@ class MLP(nn.Module):
             gate, up = project(self.gate_proj, x, True), project(self.up_proj, x, True)
             return project(self.down_proj, invariant.silu_mul(gate, up), True)
         m = self.merged
-        if m is not None and m.live(self.gate_proj, self.up_proj):
+        if m is not None and m.live(*self.projections()):
             y = m.linear(x)  # [..., 2 intermediate]: gate | up
             if cpu_fused.use_silu_and_mul(y):
                 return self.down_proj(cpu_fused.silu_and_mul(y))
@@ -293,7 +285,7 @@ class LlamaForCausalLM(nn.Module):
         linears, parts = [], set()
         for layer in self.model.layers:
             for block in (layer.self_attn, layer.mlp):
-                block.merged = None if not merging.enabled() else block.merge()
+                block.merged = merging.refreshed(block.merged, block.projections(), Linear)
                 if block.merged is not None:
                     linears.append(block.merged.linear)
                     parts.update(id(p) for p in block.merged.parts)

@@ -92,3 +92,13 @@ def merge(parts: Sequence[nn.Module], linear_type: type) -> Merged | None:
         start += n
     pointers = tuple(p.weight.data_ptr() for p in parts)
     return Merged(linear, tuple(parts), sizes, pointers)
+
+
+def refreshed(current: Merged | None, parts: Sequence[nn.Module], linear_type: type):
+    """`current` where it still serves `parts` (Merged.live), else a new `merge` of them; None
+    where they cannot merge or LLMCTL_MERGE_LINEARS=0."""
+    if not enabled():
+        return None
+    if current is not None and current.live(*parts):
+        return current
+    return merge(parts, linear_type)
