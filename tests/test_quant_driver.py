@@ -77,6 +77,44 @@ def test_groups_are_calibrated_on_outputs_of_processed_groups():
     assert [g.name for g in SUBLAYER_GROUPS] == ["attn_in", "attn_out", "mlp_in", "mlp_out"]
 
 
+class WholeLayerZeroing(Zeroing):
+    whole_layer = True
+
+    def __init__(self):
+        super().__init__()
+        self.forwards = 0
+
+
+def test_whole_layer_method_observes_every_group_on_the_unprocessed_layer():
+    model, m = tiny_model(), WholeLayerZeroing()
+
+    def count(module, inputs):
+        m.forwards += 1
+
+    hooks = [layer.input_layernorm.register_forward_pre_hook(count) for layer in model.model.layers]
+    res = calibrate_layers(model, ids(), m, batch_size=6)
+    for h in hooks:
+        h.remove()
+    assert len(res.records) == 2 * 7
+    # o_proj and down_proj saw the inputs of the layer before v_proj / gate / up were zeroed
+    assert m.seen["model.layers.0.self_attn.o_proj"] > 0
+    assert m.seen["model.layers.0.mlp.down_proj"] > 0
+    # one observing pass and one output pass per layer (the grouped order takes five)
+    assert m.forwards == 2 * 2
+
+
+def test_whole_layer_gptq_records_every_linear_and_differs_from_grouped():
+    spec = QuantSpec(4, 32, True, torch.float32)
+    grouped, whole = tiny_model(), tiny_model()
+    a = calibrate_layers(grouped, ids(), gptq_method(spec)).records
+    b = calibrate_layers(whole, ids(), gptq_method(spec, whole_layer=True)).records
+    assert a.keys() == b.keys() and len(b) == 2 * 7
+    # q/k/v see the same inputs either way; o_proj's differ (v_proj quantized or not before it)
+    q, o = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
+    assert torch.equal(a[q].result.codes, b[q].result.codes)
+    assert not torch.equal(a[o].result.codes, b[o].result.codes)
+
+
 @pytest.mark.parametrize(
     "make", [lambda s: gptq_method(s), lambda s: rtn_method(s), lambda s: AwqMethod(s, n_grid=5)]
 )

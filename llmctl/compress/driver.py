@@ -2,9 +2,10 @@
 
 Owns: `calibrate_layers`, which walks the decoder one layer at a time (only that layer on the
 device), captures the inputs of its linears with forward hooks, hands them to a `LayerMethod`
-sub-layer group by sub-layer group (q/k/v, then o, then gate/up, then down: each group is
-calibrated on the outputs of the groups already processed), then produces the next layer's inputs
-from the processed layer. After each layer it checkpoints (layer weights, the method's records,
+sub-layer group by sub-layer group (q/k/v, then o, then gate/up, then down: each group observed
+on the outputs of the groups already processed, or, for a method with `whole_layer`, all of them
+in one pass over the unprocessed layer), then produces the next layer's inputs from the processed
+layer. After each layer it checkpoints (layer weights, the method's records,
 the next layer's inputs; llmctl.compress.checkpoints: safetensors and JSON) into `checkpoint_dir`,
 so an interrupted run resumes after the last finished layer.
 
@@ -109,15 +110,23 @@ def _calibrate_layer(
     ignore: Callable[[str], bool],
     run: Callable[..., Any],
 ) -> dict[str, Any]:
-    """Layer i's sub-layer groups in order (each observed on the outputs of those before it),
-    then the method's end-of-layer step; returns their records."""
+    """Layer i's sub-layer groups in order, then the method's end-of-layer step; returns their
+    records. A method with `whole_layer` set sees every linear's inputs from one pass over the
+    unprocessed layer; otherwise each group is observed on the outputs of those before it."""
     records: dict[str, Any] = {}
+    groups = []
     for group in SUBLAYER_GROUPS:
         names = [f"model.layers.{i}.{rel}" for rel in group.linears]
-        names = [n for n in names if not ignore(n)]
-        if names:
-            _observe_group(method, layer, group, names, lambda: run(keep=False))
-            records.update(method.process_group(i, layer, group, names))
+        groups.append((group, [n for n in names if not ignore(n)]))
+    groups = [(group, names) for group, names in groups if names]
+    whole = getattr(method, "whole_layer", False)
+    if whole and groups:
+        every = [n for _, names in groups for n in names]
+        _observe(method, layer, every, groups[-1][0].linears[-1], lambda: run(keep=False))
+    for group, names in groups:
+        if not whole:
+            _observe(method, layer, names, group.linears[-1], lambda: run(keep=False))
+        records.update(method.process_group(i, layer, group, names))
     records.update(method.finish_layer(i, layer))
     return records
 
@@ -174,16 +183,15 @@ def calibrate_layers(
     return result
 
 
-def _observe_group(
+def _observe(
     method: LayerMethod,
     layer: nn.Module,
-    group: SubLayerGroup,
     names: list[str],
+    last: str,
     run: Callable[[], None],
 ) -> None:
-    """Run the layer forward (`run`) with hooks that hand the group's inputs to `method`; the hook
-    of the group's last linear stops the forward: later parts are not needed yet."""
-    last = group.linears[-1]
+    """Run the layer forward (`run`) with hooks that hand the inputs of linears `names` to
+    `method`; linear `last` (relative name) stops the forward: later parts are not needed yet."""
     hooks = [
         layer.get_submodule(n.split(".", 3)[3]).register_forward_hook(
             _observer(method, n, stop=n.endswith(last))
@@ -226,12 +234,19 @@ class HessianMethod:
     Linears that read one input tensor (q/k/v, gate/up) share one accumulator, so each batch
     costs one X^T X product for the group, not one per linear; group_fn(names, linears, H),
     when given, then handles such a group in one call (GPTQ quantizes their stacked rows at once).
+    whole_layer: every linear's H from one pass over the layer before any is changed (one
+    forward per layer instead of one per sub-layer group; llm-compressor's pipeline).
     """
 
     def __init__(
-        self, fn: Callable[[str, nn.Linear, torch.Tensor], Any], group_fn: GroupFn | None = None
+        self,
+        fn: Callable[[str, nn.Linear, torch.Tensor], Any],
+        group_fn: GroupFn | None = None,
+        *,
+        whole_layer: bool = False,
     ):
         self.fn, self.group_fn = fn, group_fn
+        self.whole_layer = whole_layer  # observe the whole layer in one pass (see _calibrate_layer)
         self.acc: dict[str, HessianAccumulator] = {}
         self.followers: set[str] = set()  # linears whose accumulator is another's
         # the last input seen and its linear; holding x keeps its memory from being reused, so an

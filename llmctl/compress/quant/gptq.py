@@ -74,6 +74,7 @@ def quantize_gptq(
     mask: torch.Tensor | None = None,
     mse: bool = False,
     refit_groups: bool = False,
+    static_groups: bool = False,
 ) -> QuantResult:
     """Quantize `weight` [out, in] given H [in, in] = 2 X X^T / n.
 
@@ -81,15 +82,17 @@ def quantize_gptq(
     so they dequantize to exactly 0. mse: each group's range from the MSE shrink search
     (llmctl.compress.quant.observer) instead of its min/max. refit_groups (act-order only): fit a
     group's parameters when its first column comes up, on the group's error-updated weights,
-    instead of on the original weights up front.
+    instead of on the original weights up front. static_groups: fit every group on the original
+    weights up front, also without act-order (as llm-compressor does).
     """
     W = weight.detach().float().clone()
     W[:, dead_inputs(H)] = 0.0
     M = mask.clone() if mask is not None else None
     in_f = W.shape[1]
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(in_f)
-    # static groups: with act-order and no refit, parameters from the original weight
-    groups = _plan_groups(W, perm, spec, fit_now=act_order and not refit_groups, mse=mse)
+    # static groups (asked for, or act-order without refit): parameters from the original weight
+    fit_now = static_groups or (act_order and not refit_groups)
+    groups = _plan_groups(W, perm, spec, fit_now=fit_now, mse=mse)
     if act_order:
         W, H = W[:, perm], H[perm][:, perm]
         M = M[:, perm] if M is not None else None

@@ -42,6 +42,8 @@ def gptq_method(
     preserve_zeros: bool = True,
     mse: bool = True,
     refit_groups: bool = True,
+    static_groups: bool = False,
+    whole_layer: bool = False,
 ) -> HessianMethod:
     """GPTQ per linear. RTN and AWQ map an exact zero to its zero point, so they keep zeros by
     construction; GPTQ's error feedback would refill them, hence the mask of exact zeros.
@@ -63,6 +65,7 @@ def gptq_method(
             mask=mask,
             mse=mse,
             refit_groups=refit_groups,
+            static_groups=static_groups,
         )
 
     def fn(name: str, linear: nn.Linear, H: torch.Tensor) -> LinearRecord:
@@ -88,7 +91,7 @@ def gptq_method(
             )
         return records
 
-    return HessianMethod(fn, group_fn)
+    return HessianMethod(fn, group_fn, whole_layer=whole_layer)
 
 
 def _rows(r: QuantResult, a: int, b: int) -> QuantResult:
