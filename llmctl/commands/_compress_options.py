@@ -2,7 +2,8 @@
 
 Owns: `option` (a typer.Option that shows no Typer default: the dataclasses own them) and the
 aliases of the calibration and second-order knobs. Their help quotes the defaults of
-llmctl.compress.args (QuantizeArgs and SparsifyArgs hold the same ones; a test checks it).
+llmctl.compress.args (QuantizeArgs and SparsifyArgs hold the same ones, a test checks it;
+column_block differs).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from llmctl.commands._options import default_of
-from llmctl.compress.args import QuantizeArgs
+from llmctl.compress.args import QuantizeArgs, SparsifyArgs
 from llmctl.runtime.shards import SHARD_SIZE_RULE
 
 
@@ -43,13 +44,14 @@ DampeningOpt = Annotated[
         help="GPTQ and SparseGPT: fraction of the mean Hessian diagonal added to it",
     ),
 ]
+# Not shared: GPTQ's result ignores the block (speed only), SparseGPT picks masks per block
 ColumnBlockOpt = Annotated[
     Optional[int],
-    _shared(
-        "column_block",
+    option(
         "--column-block",
         help="GPTQ and SparseGPT: weight columns per lazy update block (not the KV cache's "
-        "--block-size)",
+        f"--block-size) (default: {QuantizeArgs.column_block} for quantize, "
+        f"{SparsifyArgs.column_block} for sparsify).",
     ),
 ]
 MaxShardSizeOpt = Annotated[

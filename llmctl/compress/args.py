@@ -54,7 +54,9 @@ class QuantizeArgs:
     # "minmax"; None: mse, measured best for every method
     observer: str | None = None
     dampening: float = 0.01
-    column_block: int = 128
+    # GPTQ's result does not depend on it (up to rounding); 32 columns keep the per-column
+    # rank-1 updates in cache: measured faster than 128 (BENCHMARKS.md, GPTQ speed)
+    column_block: int = 32
     overwrite: bool = False
     report_json: str | None = None
     max_shard_size: str = DEFAULT_MAX_SHARD_SIZE  # weights above it go into several files

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from llmctl.compress.hessian import damped_cholesky_inverse, dead_inputs
-from llmctl.compress.quant.rtn import group_params, quantize_with
+from llmctl.compress.quant.rtn import group_params
 from llmctl.runtime.formats.spec import QuantResult, QuantSpec, dequantize
 
 
@@ -115,24 +115,31 @@ def quantize_gptq(
 
 def _quantize_block(W, U, M, codes, groups: _Groups, g_of, spec, b0: int, b1: int, mse: bool):
     """Quantize permuted columns [b0, b1) into codes with error feedback inside the block;
-    returns the block's scaled errors Err [out, b1 - b0] for the update of later columns."""
+    returns the block's scaled errors Err [out, b1 - b0] for the update of later columns.
+    Per column a handful of in-place ops: the loop runs once per input column of every linear."""
     W1 = W[:, b0:b1].clone()  # [out, B] receives intra-block updates immediately
-    Err = torch.zeros_like(W1)
+    Err = torch.zeros_like(W1)  # zero for columns not yet done: _current_columns reads it
+    Q1 = torch.empty_like(W1)  # the block's codes, as floats until the block ends
     U1 = U[b0:b1, b0:b1]
+    diag = U1.diagonal().tolist()
+    g_now = None
     for i in range(b1 - b0):
         col = b0 + i
         g = g_of[col]
         if not groups.fitted and groups.first_list[col]:
             cur = _current_columns(W, W1, Err, U, b0, b1, groups.positions[g])
             groups.scales[:, g], groups.zeros[:, g] = group_params(cur, spec, mse=mse)
-        scale, zero = groups.scales[:, g], groups.zeros[:, g]
+            g_now = None
+        if g != g_now:  # [out] each, reused by every column of the group
+            scale, zero, g_now = groups.scales[:, g].contiguous(), groups.zeros[:, g].float(), g
         w = W1[:, i]
-        q = quantize_with(w[:, None], scale, zero, spec)[:, 0]
+        q = torch.div(w, scale).round_().add_(zero).clamp_(0, spec.maxq)
         if M is not None:
             q = torch.where(M[:, col], zero, q)
-        codes[:, col] = q
-        dq = (q.float() - zero.float()) * scale
-        err = (w - dq) / U1[i, i]  # [out]
-        W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
-        Err[:, i] = err
+        Q1[:, i] = q
+        err = Err[:, i]
+        # err = (w - dq) / U[i, i] with dq = (q - zero) * scale, the rounding of the plain formula
+        torch.sub(q, zero, out=err).mul_(scale).neg_().add_(w).div_(diag[i])
+        W1[:, i:].sub_(err[:, None] * U1[i, i:][None, :])
+    codes[:, b0:b1] = Q1.to(torch.int32)
     return Err

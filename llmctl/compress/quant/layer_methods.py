@@ -38,12 +38,12 @@ def gptq_method(
     *,
     act_order: bool = False,
     dampening: float = 0.01,
-    column_block: int = 128,
+    column_block: int = 32,
     preserve_zeros: bool = True,
     mse: bool = True,
     refit_groups: bool = True,
     static_groups: bool = False,
-    whole_layer: bool = False,
+    whole_layer: bool = True,
 ) -> HessianMethod:
     """GPTQ per linear. RTN and AWQ map an exact zero to its zero point, so they keep zeros by
     construction; GPTQ's error feedback would refill them, hence the mask of exact zeros.

@@ -85,7 +85,7 @@ def mse_params(
     return torch.cat(scales), torch.cat(zeros)
 
 
-_SEARCH_ELEMENTS = 1 << 22  # elements of one chunk's [K, rows, cols] error tensor
+_SEARCH_ELEMENTS = 1 << 18  # elements of one chunk's [K, rows, cols] error tensor (fits L2)
 
 
 def _search(w, wmin, wmax, shrink, spec: QuantSpec, norm: float):
@@ -103,7 +103,9 @@ def _error(
     w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: QuantSpec, norm: float
 ) -> torch.Tensor:
     """sum over columns of |w - Q(w)|^norm, per row of w [..., rows, cols] for the parameters
-    [..., rows]: returns [..., rows]."""
+    [..., rows]: returns [..., rows]. One temporary, updated in place: on the CPU the search is
+    bound by memory traffic and the pow, not by arithmetic."""
     s, z = scale[..., None], zero[..., None].float()
-    q = torch.clamp(torch.round(w / s) + z, 0, spec.maxq)
-    return ((q - z) * s - w).abs().pow(norm).sum(dim=-1)
+    e = w / s  # [..., rows, cols], becomes Q(w) - w, then its error
+    e.round_().add_(z).clamp_(0, spec.maxq).sub_(z).mul_(s).sub_(w).abs_().pow_(norm)
+    return e.sum(dim=-1)
