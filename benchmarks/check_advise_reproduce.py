@@ -10,7 +10,9 @@ advised gain within the noise it states?
    each run in its own process with --report-json, and reads the objective's p50 from each.
 3. Prints the advised gain, the stated noise, and the reproduced ratio (median over the rounds,
    and each round's own), and whether the reproduced ratio is within the stated noise of the
-   advised one (exit 0) or not (exit 1).
+   advised one (exit 0) or not (exit 1). The advised gain and noise are the output's
+   confirmation line (the printed command in fresh processes, advise_confirm) when it has one,
+   else the in-process measurement's (also printed, for comparison).
 
     nice -n 19 python benchmarks/check_advise_reproduce.py --rounds 3
 """
@@ -112,6 +114,12 @@ def main() -> int:
             a = run_batch(rec, cwd, f"rec{r}", key)
             ratios.append(a / b if objective == "throughput" else b / a)
     gain, noise, got = advised_gain(record), record["noise"], statistics.median(ratios)
+    confirmed = record.get("confirmed")
+    if confirmed and confirmed["gain"]:
+        print(f"in-process gain ({objective} p50): {gain:.2f}x, noise +/-{noise:.1%}")
+        gain, noise = confirmed["gain"], confirmed["noise"]
+        print("confirmed by advise with the printed command: rounds "
+              + ", ".join(f"{x:.2f}x" for x in confirmed["rounds"] if x))  # fmt: skip
     print(f"recommended: {', '.join(record['recommended'])}")
     print(f"  {line}")
     print(f"advised gain ({objective} p50): {gain:.2f}x, stated noise +/-{noise:.1%}")

@@ -10,6 +10,7 @@ import pytest
 
 from llmctl.cli import main
 from llmctl.errors import UsageError
+from llmctl.profiling import advise_confirm
 from llmctl.profiling import advise_trials as t
 from llmctl.profiling.advise import (
     AdviseRequest,
@@ -48,6 +49,11 @@ FAKE = {
     "budget_8192": (_m(ttft=0.2), None),
     "int8": (_m(tps=130.0, mem=800, tpot=0.008), 0.001),
     "int4": (_m(tps=300.0, mem=500, tpot=0.003), 0.2),
+    "gptq4": (_m(tps=290.0, mem=500, tpot=0.003), 0.01),
+    "awq4": (_m(tps=280.0, mem=500, tpot=0.003), 0.02),
+    "dtype_bfloat16": (_m(tps=102.0), 0.001),
+    "dtype_float32": (_m(tps=102.0), 0.001),
+    "kv_half": (_m(tps=99.0, mem=900), None),
     "combined": (_m(ttft=0.015, tpot=0.002, tps=400.0, mem=500), None),
 }
 
@@ -63,6 +69,22 @@ def fake_trials(monkeypatch):
         return t.TrialResult(trial, m, kl)
 
     monkeypatch.setattr(t, "run_trial", run_trial)
+    return calls
+
+
+REAL_CONFIRM = advise_confirm.confirm
+
+
+@pytest.fixture(autouse=True)
+def fake_confirm(monkeypatch):
+    """The confirmation's fresh processes are faked (a 1.5x gain) unless a test restores it."""
+    calls = []
+
+    def confirm(state, rounds):
+        calls.append((t.combine(state.chosen), rounds))
+        return advise_confirm.Confirmation(1.5, 0.02, [1.5] * rounds, [1.0], [1.5])
+
+    monkeypatch.setattr(advise_confirm, "confirm", confirm)
     return calls
 
 
@@ -86,8 +108,14 @@ def test_parse_duration_and_shared_prefix():
 
 def test_trials_that_cannot_pay_are_skipped_with_the_reason():
     unshared = Workload([[i, i + 1, i + 2] * 10 for i in range(8)], [8] * 8, 8, 0)
-    trials = {tr.key: tr for tr in t.candidate_trials(draft=None)}
-    assert "draft" not in trials and "draft" in {tr.key for tr in t.candidate_trials("d")}
+    trials = {tr.key: tr for tr in t.candidate_trials(None, None, "float32", 1 << 20)}
+    assert "draft" not in trials and "gptq4" not in trials and "dtype_bfloat16" in trials
+    more = {tr.key for tr in t.candidate_trials("d", "calib.txt", "bfloat16", 1 << 20)}
+    assert {"draft", "gptq4", "awq4", "dtype_float32"} <= more
+    assert "kv_half" not in {tr.key for tr in t.candidate_trials(None, None, "float32", None)}
+    assert trials["kv_half"].engine == {"kv_cache_memory": 1 << 19}
+    assert "one request at a time" in t.skip_reason(trials["kv_half"], unshared, 1)
+    assert t.skip_reason(trials["kv_half"], unshared, 8) is None
     assert "no shared prefixes" in t.skip_reason(trials["prefix_caching"], unshared, 8)
     assert "batch already large" in t.skip_reason(trials["ngram"], unshared, 8)
     assert t.skip_reason(trials["ngram"], unshared, 1) is None
@@ -132,6 +160,59 @@ def test_max_kl_raised_lets_int4_in_and_commands_apply_it(tmp_path, fake_trials)
     assert "--no-prefix-caching" not in run_batch  # prefix caching is recommended
 
 
+def test_calib_adds_gptq_and_awq_and_the_commands_calibrate(tmp_path, fake_trials):
+    calib = tmp_path / "calib.txt"
+    calib.write_text("some text to calibrate on")
+    rc, record = _advise(tmp_path, "--objective", "throughput", "--calib", str(calib))
+    assert rc == 0 and {"gptq4", "awq4"} <= set(fake_trials)
+    assert "int4" not in record["recommended"] and "gptq4" in record["recommended"]
+    quantize, run_batch = record["commands"]
+    assert f"--gptq --bits 4 --calib {calib}" in quantize and "-gptq-w4" in run_batch
+    missing = ["--calib", str(tmp_path / "nope.txt")]
+    assert main(["profile", "advise", "--workload", str(_workload(tmp_path)), *missing]) == 2
+
+
+def test_kv_and_dtype_trials_print_their_flags(tmp_path, monkeypatch):
+    small = dict(FAKE, kv_half=(_m(mem=400), None), int4=(_m(mem=500), 0.2))
+    monkeypatch.setattr(t, "run_trial", lambda ctx, trial: t.TrialResult(trial, *small[trial.key]))
+    rc, record = _advise(tmp_path, "--objective", "memory")
+    assert rc == 0 and record["recommended"][0] == "kv_half"
+    half = record["baseline_kv_cache_bytes"] // 2
+    assert f"--kv-cache-memory {half}" in record["commands"][-1]
+    fast = dict(FAKE, dtype_bfloat16=(_m(tps=150.0), 0.001), dtype_float32=(_m(tps=150.0), 0.001))
+    monkeypatch.setattr(t, "run_trial", lambda ctx, trial: t.TrialResult(trial, *fast[trial.key]))
+    rc, record = _advise(tmp_path, "--objective", "throughput", "--concurrency", "6")
+    chosen = next(k for k in record["recommended"] if k.startswith("dtype_"))
+    assert f"--dtype {chosen[6:]}" in record["commands"][-1]
+
+
+def test_confirm_runs_the_printed_line_against_the_baselines_alternated(tmp_path, monkeypatch):
+    """The real confirm with a fake `run_line`: the words it runs and the gain's arithmetic."""
+    monkeypatch.setattr(advise_confirm, "confirm", REAL_CONFIRM)
+    runs = []
+    ttft = iter([1.0, 0.5, 1.2, 0.4, 1.0, 0.5])  # base, advised, alternated: 2x, 3x, 2x
+
+    def run_line(words):
+        runs.append(words)
+        sample = words[1]
+        rows = open(sample).read().splitlines()
+        assert len(rows) == 6 and "prompt_token_ids" in json.loads(rows[0])
+        return {"ttft_s": {"p50": next(ttft)}}, 1000
+
+    import llmctl.commands.profile as cmd
+
+    monkeypatch.setattr(cmd, "run_line", run_line)
+    monkeypatch.setattr(t, "run_trial", lambda ctx, trial: t.TrialResult(trial, *FAKE[trial.key]))
+    rc, record = _advise(tmp_path, "--objective", "ttft", "--confirm-rounds", "3")
+    assert rc == 0 and len(runs) == 6
+    assert "--no-prefix-caching" in runs[0] and "--no-prefix-caching" not in runs[1]
+    c = record["confirmed"]
+    assert c["rounds"] == pytest.approx([2.0, 3.0, 2.0]) and c["gain"] == pytest.approx(2.0)
+    assert c["noise"] == pytest.approx(0.5)
+    rc, record = _advise(tmp_path, "--objective", "ttft", "--confirm-rounds", "0")
+    assert record["confirmed"] is None and len(runs) == 6
+
+
 def test_max_num_seqs_trials_run_at_high_concurrency_and_print_the_flag(tmp_path, monkeypatch):
     many = dict(FAKE, seqs_half=(_m(tps=90.0), None), seqs_double=(_m(tps=125.0), None))
     monkeypatch.setattr(t, "run_trial", lambda ctx, trial: t.TrialResult(trial, *many[trial.key]))
@@ -164,7 +245,10 @@ def test_json_record_shape(tmp_path, fake_trials):
     assert set(record["baseline"]) >= {"ttft_s", "tpot_s", "output_tokens_per_s", "wall_s"}
     assert record["noise"] >= 0.02 and record["memory_fit"]["max_sequences"] > 0
     keys = [tr["key"] for tr in record["trials"]]
-    assert sorted(keys) == sorted(tr.key for tr in t.candidate_trials(None))
+    dtype = record["environment"]["dtype"]
+    every = t.candidate_trials(None, None, dtype, record["baseline_kv_cache_bytes"])
+    assert sorted(keys) == sorted(tr.key for tr in every)
+    assert record["confirmed"]["gain"] == 1.5 and record["confirm_skipped"] is None
 
 
 def test_budget_skips_trials_that_would_exceed_it(tmp_path, fake_trials, monkeypatch):
@@ -229,6 +313,7 @@ class _FakeEngine:
     def __init__(self, ttfts):
         self.ttfts, self.queue = ttfts, []
         self.model_config = type("C", (), {"vocab_size": 50})()
+        self.scheduler = type("S", (), {"num_preemptions": 0})()
 
     def add_request(self, request_id, prompt, params):
         self.queue.append((request_id, prompt, params.max_tokens))

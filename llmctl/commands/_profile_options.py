@@ -291,6 +291,24 @@ DraftOpt = Annotated[
     Optional[str],
     _opt("--draft", panel=ADVISE, help="Draft model folder: also try speculative draft."),
 ]
+CalibOpt = Annotated[
+    Optional[str],
+    _opt(
+        "--calib",
+        panel=ADVISE,
+        help="Calibration text: also try int4 GPTQ and AWQ weights (quantize --calib).",
+    ),
+]
+ConfirmRoundsOpt = Annotated[
+    Optional[int],
+    _opt(
+        "--confirm-rounds",
+        min=0,
+        panel=ADVISE,
+        help="Rounds of the printed run-batch line against the baseline's, in fresh processes "
+        "on the sample, to confirm the advised gain (0: no confirmation)" + _adv("confirm_rounds"),
+    ),
+]
 QualityDataOpt = Annotated[
     Optional[str],
     _opt(

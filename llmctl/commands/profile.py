@@ -95,6 +95,8 @@ def register(app: typer.Typer) -> None:
         concurrency: o.ConcurrencyOpt = None,
         draft: o.DraftOpt = None,
         quality_data: o.QualityDataOpt = None,
+        calib: o.CalibOpt = None,
+        confirm_rounds: o.ConfirmRoundsOpt = None,
         max_kl: o.MaxKlOpt = None,
         no_autotune: o.NoAutotuneOpt = False,
     ) -> None:
@@ -282,6 +284,7 @@ def _advise(models: list[str], a: SimpleNamespace) -> None:
         dtype=a.dtype,
         seed=a.seed,
         repeats=a.repeat,
+        confirm_rounds=a.confirm_rounds,
     )
     req = AdviseRequest(
         workload=a.workload,
@@ -289,6 +292,7 @@ def _advise(models: list[str], a: SimpleNamespace) -> None:
         concurrency=a.concurrency,
         draft=a.draft,
         quality_data=a.quality_data,
+        calib=a.calib,
         device=_device(a.device),
     )
     req.check()
@@ -309,16 +313,41 @@ def _advise(models: list[str], a: SimpleNamespace) -> None:
 
 
 def _advise_tools():
-    """run-batch's input parsing and quantize's RTN pipeline, lent to profiling (its peers)."""
+    """run-batch's input parsing, quantize's one-shot pipeline and a fresh `llmctl` process,
+    lent to profiling (its peers)."""
     from llmctl.batch.inputs import open_input
     from llmctl.profiling.advise import AdviseTools
     from llmctl.runtime.loader import load_runtime
 
-    def rtn(model: str, folder: str, bits: int) -> None:
+    def quantize(model: str, folder: str, bits: int, method: str, calib: str | None) -> None:
         from llmctl.compress.args import QuantizeArgs
         from llmctl.compress.quantize_job import run_quantize
 
-        args = QuantizeArgs(model=model, output=folder, method="rtn", bits=bits, overwrite=True)
+        args = QuantizeArgs(model=model, output=folder, method=method, bits=bits, calib=calib,
+                            overwrite=True)  # fmt: skip
         run_quantize(args.resolve())
 
-    return AdviseTools(open_input, rtn, lambda *a, **k: load_runtime(*a, **k))
+    return AdviseTools(open_input, quantize, lambda *a, **k: load_runtime(*a, **k), run_line)
+
+
+def run_line(words: list[str]) -> tuple[dict, int | None]:
+    """`llmctl WORDS --report-json R -q` in a fresh interpreter: (the record, the process's peak
+    resident memory from wait4). A failed run is a one-line error with its last stderr line."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="llmctl-line-") as tmp:
+        report = os.path.join(tmp, "report.json")
+        cmd = [sys.executable, "-m", "llmctl.cli", *words, "--report-json", report, "-q"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        err = proc.stderr.read() if proc.stderr else ""
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0 or not os.path.exists(report):
+            last = (err.strip().splitlines() or ["no output"])[-1]
+            raise LlmctlError(f"llmctl {' '.join(words[:2])} failed ({proc.returncode}): {last}")
+        with open(report, encoding="utf-8") as f:
+            return json.load(f), int(usage.ru_maxrss) * 1024

@@ -15,6 +15,7 @@ import random
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from llmctl.engine.params import RequestOutput, SamplingParams
@@ -36,12 +37,14 @@ class AdviseRequest:
     max_tokens: int = 64  # per request, unless its row says max_tokens
     concurrency: int | None = None  # requests in flight at once; None: the whole sample
     draft: str | None = None
+    calib: str | None = None  # calibration text: GPTQ and AWQ trials besides RTN
     quality_data: str | None = None
     max_kl: float = 0.05
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
     repeats: int = 3  # fresh-engine passes per measurement; each request keeps its best
+    confirm_rounds: int = 2  # the printed commands, run in fresh processes, alternated; 0: off
 
     def check(self) -> None:
         """Every check that needs no model: one-line errors before any work."""
@@ -51,6 +54,11 @@ class AdviseRequest:
             )
         if self.sample < 1 or self.max_tokens < 1 or self.repeats < 1:
             raise UsageError("--sample, --max-tokens and --repeat must be >= 1")
+        if self.confirm_rounds < 0:
+            raise UsageError(f"--confirm-rounds must be >= 0, got {self.confirm_rounds}")
+        for flag, path in (("--calib", self.calib), ("--quality-data", self.quality_data)):
+            if path is not None and not Path(path).is_file():
+                raise UsageError(f"{flag} {path}: no such file")
         if self.concurrency is not None and self.concurrency < 1:
             raise UsageError(f"--concurrency must be >= 1, got {self.concurrency}")
         if self.max_kl < 0:
@@ -84,12 +92,16 @@ class Workload:
 @dataclass(frozen=True)
 class AdviseTools:
     """What advise borrows from its peers, passed in by the command (profiling imports neither
-    batch nor compress): run-batch's `open_input(path)` (a row source), quantize's one-shot RTN
-    `quantize(model_path, output_folder, bits)`, and `load_runtime`."""
+    batch nor compress): run-batch's `open_input(path)` (a row source), quantize's one-shot
+    pipeline `quantize(model_path, output_folder, bits, method, calib)` (method rtn, gptq or awq;
+    calib: a text file or None), `load_runtime`, and `run_line(args)`: one `llmctl` command line
+    (the words after `llmctl`) in a fresh process, returning its --report-json record and the
+    process's peak resident memory in bytes (None where unknown)."""
 
     open_input: Callable[[str], Any]
-    quantize: Callable[[str, str, int], None]
+    quantize: Callable[[str, str, int, str, str | None], None]
     load_runtime: Callable[..., Any]
+    run_line: Callable[[list[str]], tuple[dict, int | None]]
 
 
 def read_rows(open_input: Callable[[str], Any], path: str, sample: int) -> tuple[list[Any], int]:
@@ -160,6 +172,7 @@ class Measurement:
     peak_memory_bytes: int | None
     wall_s: float
     passes: int = 1
+    preemptions: int = 0  # sequences the engine preempted (KV cache full), most in one pass
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -224,7 +237,7 @@ def measure(
     errors."""
     ttft: dict[str, list] = {}
     tpot: dict[str, list] = {}
-    rates, peaks, walls = [], [], []
+    rates, peaks, walls, preempted = [], [], [], [0]
     for _ in range(repeats):
         engine = start_engine()
         warm_up(engine, work, 0)
@@ -237,6 +250,7 @@ def measure(
             ttft.setdefault(o.request_id, []).append(o.ttft)
             tpot.setdefault(o.request_id, []).append(o.tpot)
         n_out = sum(len(o.output_token_ids) for o in outputs)
+        preempted.append(engine.scheduler.num_preemptions)
         rates.append(n_out / wall if wall > 0 else None)
         peaks.append(peak_memory(device)[0])
         walls.append(wall)
@@ -248,4 +262,5 @@ def measure(
         peak_memory_bytes=max(known_peaks) if known_peaks else None,
         wall_s=sum(walls),
         passes=repeats,
+        preemptions=max(preempted),
     )

@@ -83,7 +83,7 @@ def _context(req: AdviseRequest, target: str | None, tools: AdviseTools):
         seed=req.seed,
     )
     ids = quality_tokens(req, runtime, work.prompts, tools)
-    return t.TrialContext(runtime, work, concurrency, base, ids, tools, req.repeats)
+    return t.TrialContext(runtime, work, concurrency, base, ids, tools, req.repeats, req.calib)
 
 
 def run_advise(
@@ -113,8 +113,11 @@ def run_advise(
             state.results.append(result)
             progress(f"{result.trial.name}: " + (result.skipped or "measured"))
 
-        t.run_trials(ctx, t.candidate_trials(req.draft), deadline, estimate_s, done)
+        dtype = canonical_dtype(ctx.runtime.dtype)
+        trials = t.candidate_trials(req.draft, req.calib, dtype, ctx.base_config.kv_cache_memory)
+        t.run_trials(ctx, trials, deadline, estimate_s, done)
         _combination(state, deadline, estimate_s, progress)
+        _confirm(state, deadline, progress)
     except KeyboardInterrupt:
         state.interrupted = True
     state.elapsed_s = time.monotonic() - started
@@ -143,3 +146,18 @@ def _combination(state: Any, deadline: float, estimate_s: float, progress: Progr
             f"{state.chosen[0].trial.name} alone ({g_best:.2f}x): advising it alone"
         )
         state.chosen = state.chosen[:1]
+
+
+def _confirm(state: Any, deadline: float, progress: Progress) -> None:
+    """The advice run as the user will run it: the printed command against the baseline's, in
+    fresh processes (advise_confirm)."""
+    from llmctl.profiling.advise_confirm import confirm
+
+    req = state.req
+    if not state.chosen or req.confirm_rounds == 0:
+        return
+    if time.monotonic() > deadline:
+        state.confirm_skipped = "over the --budget"
+        return
+    progress(f"confirming with the printed command: {req.confirm_rounds} alternated rounds")
+    state.confirmed = confirm(state, req.confirm_rounds)

@@ -37,6 +37,8 @@ class AdviseState:
     chosen: list = field(default_factory=list)
     combined: Any = None
     combined_skipped: str | None = None
+    confirmed: Any = None  # advise_confirm.Confirmation: the printed command, in fresh processes
+    confirm_skipped: str | None = None
     interrupted: bool = False
     elapsed_s: float = 0.0
 
@@ -66,11 +68,14 @@ class AdviseState:
                 "concurrency": self.ctx.concurrency,
             },
             "baseline": None if base is None else base.to_dict(),
+            "baseline_kv_cache_bytes": self.ctx.base_config.kv_cache_memory,
             "noise": self.noise,
             "trials": [r.to_dict() for r in self.ranked()],
             "recommended": [r.trial.key for r in self.chosen],
             "combined": None if self.combined is None else self.combined.to_dict(),
             "combined_skipped": self.combined_skipped,
+            "confirmed": None if self.confirmed is None else self.confirmed.to_dict(),
+            "confirm_skipped": self.confirm_skipped,
             "commands": commands(self),
             "memory_fit": memory_fit(self.ctx),
             "interrupted": self.interrupted,
@@ -138,6 +143,7 @@ def notes(state: AdviseState) -> list[str]:
         lines.append("interrupted: the trials measured so far")
     if state.combined_skipped:
         lines.append(state.combined_skipped)
+    lines += _confirm_lines(state)
     if not state.chosen and not state.interrupted:
         lines.append("no trial beat the baseline beyond the noise: keep the baseline")
     fit = rec["memory_fit"]
@@ -145,6 +151,21 @@ def notes(state: AdviseState) -> list[str]:
         lines.append(f"memory: {fit['max_sequences']} sequences of {fit['seq_len']} tokens fit "
                      f"in {format_bytes(fit['memory_bytes'])} next to the weights")  # fmt: skip
     return lines
+
+
+def _confirm_lines(state: AdviseState) -> list[str]:
+    c = state.confirmed
+    if state.confirm_skipped:
+        return [f"not confirmed with the printed command: {state.confirm_skipped}"]
+    if c is None:
+        return []
+    if c.gain is None:
+        return ["the printed command's runs reported no value for the objective"]
+    each = ", ".join("-" if x is None else f"{x:.2f}x" for x in c.rounds)
+    return [
+        f"confirmed with the printed command (the sample, fresh processes, alternated with the "
+        f"baseline's): {c.gain:.2f}x ({each}), +/-{c.noise:.1%}; expect this gain from it"
+    ]
 
 
 def commands(state: AdviseState) -> list[str]:
@@ -155,14 +176,31 @@ def commands(state: AdviseState) -> list[str]:
     trial = t.combine(state.chosen)
     lines = []
     if trial.bits:
-        out = f"{Path(model).name}-rtn-w{trial.bits}"
-        lines.append(f"llmctl quantize {shlex.quote(model)} -o {shlex.quote(out)} --rtn --bits "
-                     f"{trial.bits}")  # fmt: skip
+        out = f"{Path(model).name}-{trial.method}-w{trial.bits}"
+        lines.append(shlex.join(["llmctl"] + quantize_args(model, out, trial, state.req.calib)))
         model = out
-    args = ["llmctl", "run-batch", state.req.workload, "--model", model, "--temperature", "0"]
-    args += ["--max-tokens", str(state.req.max_tokens)]
-    if state.req.concurrency:
+    return lines + [
+        shlex.join(["llmctl"] + run_batch_args(state, trial, state.req.workload, model))
+    ]
+
+
+def quantize_args(model: str, out: str, trial: t.Trial, calib: str | None) -> list[str]:
+    """The `llmctl quantize` words that make a quantized trial's weights."""
+    args = ["quantize", model, "-o", out, f"--{trial.method}", "--bits", str(trial.bits)]
+    return args + (["--calib", calib] if trial.method != "rtn" and calib else [])
+
+
+def run_batch_args(state: AdviseState, trial: t.Trial, workload: str, model: str) -> list[str]:
+    """The `llmctl run-batch` words that serve `workload` as `trial` was measured: greedy, the
+    sample's output lengths, the trial's engine settings (the baseline's otherwise)."""
+    req = state.req
+    args = ["run-batch", workload, "--model", model, "--temperature", "0"]
+    args += ["--max-tokens", str(req.max_tokens)]
+    if req.concurrency:
         args += ["--max-in-flight", str(state.ctx.concurrency)]
+    dtype = trial.dtype or (req.dtype if req.dtype != "auto" else None)
+    args += ["--dtype", dtype] if dtype else []
+    args += ["--device", req.device] if req.device != "auto" else []
     engine = trial.engine
     if not engine.get("enable_prefix_caching"):
         args.append("--no-prefix-caching")
@@ -174,7 +212,9 @@ def commands(state: AdviseState) -> list[str]:
         args += ["--max-num-seqs", str(engine["max_num_seqs"])]
     if "max_num_batched_tokens" in engine:
         args += ["--max-num-batched-tokens", str(engine["max_num_batched_tokens"])]
-    return lines + [" ".join(shlex.quote(a) for a in args)]
+    if "kv_cache_memory" in engine:
+        args += ["--kv-cache-memory", str(engine["kv_cache_memory"])]
+    return args
 
 
 def _machine_memory(device: str) -> int | None:

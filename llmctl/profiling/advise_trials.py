@@ -1,7 +1,8 @@
 """`profile advise`: which trials apply to a workload, running them under the time budget, and
 ranking them by the objective.
 
-Owns: `Trial` (one change to the baseline: engine settings or RTN weight bits), the skip rules
+Owns: `Trial` (one change to the baseline: engine settings, the KV-cache size, the dtype, or
+quantized weights: RTN, or GPTQ/AWQ with --calib), the skip rules
 (trials that cannot pay on this workload, with the reason), the quality cost of quantized
 weights (mean KL to the base model, `runtime.evaluate.perplexity`), `gain` (ratio to the baseline,
 above 1 is better for every objective) and the recommended combination. The measured pass itself
@@ -38,7 +39,9 @@ class Trial:
     name: str
     group: str  # one trial per group joins the recommended combination
     engine: dict = field(default_factory=dict)  # EngineConfig fields set on top of the baseline
-    bits: int | None = None  # RTN weight bits; None: the loaded weights
+    bits: int | None = None  # weight bits; None: the loaded weights
+    method: str = "rtn"  # how weights are quantized when bits is set: rtn, gptq or awq
+    dtype: str | None = None  # the model loaded in another dtype; None: the baseline's
 
 
 @dataclass
@@ -55,13 +58,25 @@ class TrialResult:
             "group": self.trial.group,
             "engine": self.trial.engine,
             "bits": self.trial.bits,
+            "method": self.trial.method if self.trial.bits else None,
+            "dtype": self.trial.dtype,
             "measurement": None if self.measurement is None else self.measurement.to_dict(),
             "mean_kl": self.kl,
             "skipped": self.skipped,
         }
 
 
-def candidate_trials(draft: str | None) -> list[Trial]:
+def other_dtype(dtype: str) -> str:
+    """The dtype trial: bfloat16 for a float32 model, float32 for a 16-bit one (which is faster
+    depends on the CPU's bf16 units: measured, not assumed)."""
+    return "bfloat16" if dtype == "float32" else "float32"
+
+
+def candidate_trials(
+    draft: str | None, calib: str | None, dtype: str, kv_bytes: int | None
+) -> list[Trial]:
+    """Every trial advise knows, in the order they run; `skip_reason` drops those that cannot
+    pay. dtype: the loaded model's; kv_bytes: the baseline's KV cache."""
     trials = [
         Trial("prefix_caching", "prefix caching", "prefix", {"enable_prefix_caching": True}),
         Trial("ngram", "speculative n-gram", "speculative", {"speculative": "ngram"}),
@@ -77,6 +92,16 @@ def candidate_trials(draft: str | None) -> list[Trial]:
         Trial("int8", "int8 RTN weights", "quantization", bits=8),
         Trial("int4", "int4 RTN weights", "quantization", bits=4),
     ]
+    if calib:
+        trials += [
+            Trial("gptq4", "int4 GPTQ weights", "quantization", bits=4, method="gptq"),
+            Trial("awq4", "int4 AWQ weights", "quantization", bits=4, method="awq"),
+        ]
+    other = other_dtype(dtype)
+    trials.append(Trial(f"dtype_{other}", f"dtype {other}", "dtype", dtype=other))
+    if kv_bytes:
+        half = {"kv_cache_memory": kv_bytes // 2}
+        trials.append(Trial("kv_half", "KV cache halved", "kv", half))
     return trials
 
 
@@ -104,6 +129,8 @@ def skip_reason(trial: Trial, work: Workload, concurrency: int) -> str | None:
             return f"every step's prefill ({in_flight} tokens) already fits the default budget"
     if budget is not None and budget < DEFAULT.max_num_batched_tokens and concurrency == 1:
         return "one request at a time: a smaller budget only splits its prefill"
+    if trial.group == "kv" and concurrency == 1:
+        return "one request at a time: the KV cache holds only it already"
     return None
 
 
@@ -125,11 +152,17 @@ def objective_value(objective: str, m: Measurement) -> float | None:
     return None if summary is None else summary["p50"]
 
 
-def quantized_runtime(runtime: Any, bits: int, folder: str, tools: AdviseTools):
-    """RTN-quantize the runtime's model into `folder` (quantize's one-shot pipeline) and load
-    it."""
-    tools.quantize(str(runtime.model_path), folder, bits)
-    return tools.load_runtime(folder, dtype="auto", device=runtime.device)
+def trial_runtime(ctx: TrialContext, trial: Trial, folder: str) -> Any:
+    """The runtime a trial measures: the baseline's, the model in another dtype, or its weights
+    quantized into `folder` (quantize's one-shot pipeline, on --calib for GPTQ and AWQ)."""
+    rt = ctx.runtime
+    if trial.bits:
+        calib = ctx.calib if trial.method != "rtn" else None
+        ctx.tools.quantize(str(rt.model_path), folder, trial.bits, trial.method, calib)
+        return ctx.tools.load_runtime(folder, dtype=trial.dtype or "auto", device=rt.device)
+    if trial.dtype:
+        return ctx.tools.load_runtime(str(rt.model_path), dtype=trial.dtype, device=rt.device)
+    return rt
 
 
 def mean_kl(base: Any, model: Any, quality_ids: list[int], max_len: int) -> float:
@@ -151,22 +184,24 @@ class TrialContext:
     quality_ids: list[int]
     tools: AdviseTools
     repeats: int = 1  # fresh-engine passes per measurement
+    calib: str | None = None  # --calib, for the GPTQ and AWQ trials
 
 
 def run_trial(ctx: TrialContext, trial: Trial) -> TrialResult:
-    """Measure one trial (quantized ones in a temporary folder, removed afterwards)."""
+    """Measure one trial (quantized ones in a temporary folder, removed afterwards); trials that
+    change the weights (bits, dtype) also get their KL to the baseline model."""
     config = replace(ctx.base_config, **trial.engine)
-    device = ctx.runtime.device
-    if trial.bits is None:
-        m = measure(lambda: ctx.runtime.start_engine(config), ctx.work, ctx.concurrency, device,
-                    ctx.repeats)  # fmt: skip
-        return TrialResult(trial, m)
     with tempfile.TemporaryDirectory(prefix="llmctl-advise-") as folder:
-        quant = quantized_runtime(ctx.runtime, trial.bits, folder, ctx.tools)
-        max_len = ctx.runtime.config.max_position_embeddings
-        kl = mean_kl(ctx.runtime.model, quant.model, ctx.quality_ids, max_len)
-        m = measure(lambda: quant.start_engine(config), ctx.work, ctx.concurrency, device,
-                    ctx.repeats)  # fmt: skip
+        rt = trial_runtime(ctx, trial, folder)
+        if rt.dtype != ctx.runtime.dtype and config.kv_cache_memory:  # as many tokens as before
+            kv = config.kv_cache_memory * rt.dtype.itemsize // ctx.runtime.dtype.itemsize
+            config = replace(config, kv_cache_memory=kv)
+        kl = None
+        if rt is not ctx.runtime:
+            max_len = ctx.runtime.config.max_position_embeddings
+            kl = mean_kl(ctx.runtime.model, rt.model, ctx.quality_ids, max_len)
+        m = measure(lambda: rt.start_engine(config), ctx.work, ctx.concurrency,
+                    ctx.runtime.device, ctx.repeats)  # fmt: skip
         return TrialResult(trial, m, kl)
 
 
@@ -181,7 +216,7 @@ def run_trials(
     (measured or skipped) as it comes, so an interrupted run keeps what was measured."""
     for trial in trials:
         reason = skip_reason(trial, ctx.work, ctx.concurrency)
-        cost = estimate_s * (3 if trial.bits else 1.2)  # quantizing and the KL pass cost more
+        cost = estimate_s * (3 if trial.bits or trial.dtype else 1.2)  # loads and the KL pass
         if reason is None and time.monotonic() + cost > deadline:
             reason = f"over the --budget: it would take about {cost:.0f} s more"
         done(TrialResult(trial, skipped=reason) if reason else run_trial(ctx, trial))
@@ -203,11 +238,15 @@ def recommended(
 
 
 def combine(chosen: list[TrialResult]) -> Trial:
-    """The chosen trials as one trial (their engine settings together, the weights' bits)."""
+    """The chosen trials as one trial (their engine settings together, the weights' bits and
+    method, the dtype)."""
     engine: dict = {}
-    bits = None
+    weights: dict = {}
     for r in chosen:
         engine.update(r.trial.engine)
-        bits = r.trial.bits if r.trial.bits is not None else bits
+        if r.trial.bits is not None:
+            weights.update(bits=r.trial.bits, method=r.trial.method)
+        if r.trial.dtype is not None:
+            weights["dtype"] = r.trial.dtype
     name = " + ".join(r.trial.name for r in chosen)
-    return Trial("combined", name, "combined", engine, bits)
+    return Trial("combined", name, "combined", engine, **weights)
