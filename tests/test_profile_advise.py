@@ -173,12 +173,20 @@ def test_calib_adds_gptq_and_awq_and_the_commands_calibrate(tmp_path, fake_trial
 
 
 def test_kv_and_dtype_trials_print_their_flags(tmp_path, monkeypatch):
-    small = dict(FAKE, kv_half=(_m(mem=400), None), int4=(_m(mem=500), 0.2))
+    preempting = _m(mem=400)
+    preempting.preemptions = 3
+    small = dict(FAKE, kv_half=(preempting, None), int4=(_m(mem=500), 0.2))
     monkeypatch.setattr(t, "run_trial", lambda ctx, trial: t.TrialResult(trial, *small[trial.key]))
     rc, record = _advise(tmp_path, "--objective", "memory")
     assert rc == 0 and record["recommended"][0] == "kv_half"
     half = record["baseline_kv_cache_bytes"] // 2
     assert f"--kv-cache-memory {half}" in record["commands"][-1]
+    kv = next(tr for tr in record["trials"] if tr["key"] == "kv_half")
+    assert kv["measurement"]["preemptions"] == 3
+    from llmctl.profiling import advise_report as rep
+
+    row = rep._row("1", "kv", "memory", _m(), t.TrialResult(t.Trial("k", "k", "kv"), preempting), 1)
+    assert row[-1] == "3 preemption(s)"
     fast = dict(FAKE, dtype_bfloat16=(_m(tps=150.0), 0.001), dtype_float32=(_m(tps=150.0), 0.001))
     monkeypatch.setattr(t, "run_trial", lambda ctx, trial: t.TrialResult(trial, *fast[trial.key]))
     rc, record = _advise(tmp_path, "--objective", "throughput", "--concurrency", "6")

@@ -44,7 +44,7 @@ class AdviseRequest:
     device: str = "auto"
     seed: int = 0
     repeats: int = 3  # fresh-engine passes per measurement; each request keeps its best
-    confirm_rounds: int = 2  # the printed commands, run in fresh processes, alternated; 0: off
+    confirm_rounds: int = 3  # the printed commands, run in fresh processes, alternated; 0: off
 
     def check(self) -> None:
         """Every check that needs no model: one-line errors before any work."""

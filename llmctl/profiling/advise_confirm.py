@@ -3,9 +3,10 @@
 Owns: `Confirmation` and `confirm`. The sample is written as rows of token ids; the printed
 `llmctl run-batch` line (after its `llmctl quantize` line, into a temporary folder) and the
 baseline's line run alternately in fresh processes, `rounds` times. The confirmed gain is the
-median of the rounds' ratios and its noise their largest distance from it (at least the noise
-floor): what a user gets from the printed line, process start and first calls included, which the
-in-process measurements (warm engines, each request's best pass) leave out.
+median of the rounds' ratios and its noise their whole range relative to it (at least the noise
+floor; fresh processes differ more than passes in one process: BENCHMARKS.md, run A21c): what a
+user gets from the printed line, process start and first calls included, which the in-process
+measurements (warm engines, each request's best pass) leave out.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ NOISE_FLOOR = 0.02  # as advise_job's: two runs never agree better than this
 @dataclass
 class Confirmation:
     gain: float | None  # median over the rounds of advised vs baseline (> 1: better)
-    noise: float  # the rounds' largest relative distance from that median
+    noise: float  # (largest - smallest round) / median
     rounds: list[float | None]  # each round's gain
     baseline: list[float | None]  # the objective's value per baseline run
     advised: list[float | None]  # ... per run of the printed line
@@ -83,5 +84,5 @@ def confirm(state: Any, rounds: int) -> Confirmation:
     ratios = [_ratio(objective, b, a) for b, a in zip(values["base"], values["advised"])]
     known = [x for x in ratios if x is not None]
     gain = statistics.median(known) if known else None
-    noise = max([NOISE_FLOOR] + [abs(x / gain - 1) for x in known] if gain else [NOISE_FLOOR])
+    noise = max(NOISE_FLOOR, (max(known) - min(known)) / gain) if gain else NOISE_FLOOR
     return Confirmation(gain, noise, ratios, values["base"], values["advised"])

@@ -101,6 +101,8 @@ def _row(rank: str, name: str, objective: str, base: Any, r: Any, max_kl: float)
     g = t.gain(objective, base, m)
     kl = "-" if r.kl is None else f"{r.kl:.4f}"
     note = f"KL above --max-kl {max_kl}: not advised" if r.kl is not None and r.kl > max_kl else ""
+    if m.preemptions:  # the KV cache ran full: sequences were recomputed
+        note = "; ".join(x for x in (note, f"{m.preemptions} preemption(s)") if x)
     mem = "-" if m.peak_memory_bytes is None else format_bytes(m.peak_memory_bytes)
     tps = "-" if m.output_tokens_per_s is None else f"{m.output_tokens_per_s:.1f}"
     ratio = "-" if g is None else f"{g:.2f}x"
