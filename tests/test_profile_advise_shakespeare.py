@@ -35,7 +35,7 @@ def test_shared_system_prompt_ranks_prefix_caching_first_on_ttft(shakespeare_mod
     rows = [{"prompt": system + text[5000 + 300 * i : 5040 + 300 * i]} for i in range(8)]
     workload = tmp_path / "prefix.jsonl"
     workload.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = ("--objective", "ttft", "--max-tokens", "4", "--repeat", "3")
+    args = ("--objective", "ttft", "--max-tokens", "4", "--repeat", "3", "--confirm-rounds", "2")
     record, gains = _advise(shakespeare_model, workload, tmp_path / "r.json", *args)
     assert record["workload"]["shared_prefix_share"] > 0.8
     first = next(tr for tr in record["trials"] if tr["measurement"])
@@ -46,7 +46,7 @@ def test_shared_system_prompt_ranks_prefix_caching_first_on_ttft(shakespeare_mod
     assert "--no-prefix-caching" not in record["commands"][-1]
     # the printed command, in fresh processes against the baseline's, confirms a gain too
     confirmed = record["confirmed"]
-    assert confirmed["gain"] > 1 + confirmed["noise"] and len(confirmed["rounds"]) == 3, confirmed
+    assert confirmed["gain"] > 1 + confirmed["noise"] and len(confirmed["rounds"]) == 2, confirmed
 
 
 def test_copying_outputs_one_at_a_time_find_ngram_gain_on_tpot(shakespeare_model, tmp_path):
