@@ -194,7 +194,9 @@ def test_kv_and_dtype_trials_print_their_flags(tmp_path, monkeypatch):
     assert f"--dtype {chosen[6:]}" in record["commands"][-1]
 
 
-def test_confirm_runs_the_printed_line_against_the_baselines_alternated(tmp_path, monkeypatch):
+def test_confirm_runs_the_printed_line_against_the_baselines_alternated(
+    tmp_path, monkeypatch, capsys
+):
     """The real confirm with a fake `run_line`: the words it runs and the gain's arithmetic."""
     monkeypatch.setattr(advise_confirm, "confirm", REAL_CONFIRM)
     runs = []
@@ -217,8 +219,13 @@ def test_confirm_runs_the_printed_line_against_the_baselines_alternated(tmp_path
     c = record["confirmed"]
     assert c["rounds"] == pytest.approx([2.0, 3.0, 2.0]) and c["gain"] == pytest.approx(2.0)
     assert c["noise"] == pytest.approx(0.5)
+    ttft = iter([1.0, 1.1])  # one round, slower: no spread, and not a gain
+    rc, record = _advise(tmp_path, "--objective", "ttft", "--confirm-rounds", "1", "--markdown")
+    assert record["confirmed"]["noise"] is None and len(runs) == 8
+    out = capsys.readouterr().out
+    assert "one round: spread unknown" in out and "keep the baseline" in out
     rc, record = _advise(tmp_path, "--objective", "ttft", "--confirm-rounds", "0")
-    assert record["confirmed"] is None and len(runs) == 6
+    assert record["confirmed"] is None and len(runs) == 8
 
 
 def test_max_num_seqs_trials_run_at_high_concurrency_and_print_the_flag(tmp_path, monkeypatch):

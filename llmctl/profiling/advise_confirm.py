@@ -27,7 +27,7 @@ NOISE_FLOOR = 0.02  # as advise_job's: two runs never agree better than this
 @dataclass
 class Confirmation:
     gain: float | None  # median over the rounds of advised vs baseline (> 1: better)
-    noise: float  # (largest - smallest round) / median
+    noise: float | None  # (largest - smallest round) / median; None: under two rounds
     rounds: list[float | None]  # each round's gain
     baseline: list[float | None]  # the objective's value per baseline run
     advised: list[float | None]  # ... per run of the printed line
@@ -84,5 +84,7 @@ def confirm(state: Any, rounds: int) -> Confirmation:
     ratios = [_ratio(objective, b, a) for b, a in zip(values["base"], values["advised"])]
     known = [x for x in ratios if x is not None]
     gain = statistics.median(known) if known else None
-    noise = max(NOISE_FLOOR, (max(known) - min(known)) / gain) if gain else NOISE_FLOOR
+    noise = None
+    if gain and len(known) > 1:
+        noise = max(NOISE_FLOOR, (max(known) - min(known)) / gain)
     return Confirmation(gain, noise, ratios, values["base"], values["advised"])

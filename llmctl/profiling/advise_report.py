@@ -164,10 +164,14 @@ def _confirm_lines(state: AdviseState) -> list[str]:
     if c.gain is None:
         return ["the printed command's runs reported no value for the objective"]
     each = ", ".join("-" if x is None else f"{x:.2f}x" for x in c.rounds)
-    return [
+    spread = "one round: spread unknown" if c.noise is None else f"+/-{c.noise:.1%}"
+    line = (
         f"confirmed with the printed command (the sample, fresh processes, alternated with the "
-        f"baseline's): {c.gain:.2f}x ({each}), +/-{c.noise:.1%}; expect this gain from it"
-    ]
+        f"baseline's): {c.gain:.2f}x ({each}), {spread}"
+    )
+    if c.gain <= 1 + (c.noise or 0):
+        return [line + "; not a gain in fresh processes: keep the baseline"]
+    return [line + "; expect this gain from it"]
 
 
 def commands(state: AdviseState) -> list[str]:
