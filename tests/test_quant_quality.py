@@ -173,3 +173,24 @@ def test_awq_default_ranges_the_unclipped_q_k_with_mse_and_leaves_the_rest():
             assert not torch.equal(a.codes, b.codes), name
         elif name == "model.layers.0.self_attn.v_proj":
             assert torch.equal(a.weight, b.weight), name
+
+
+def test_gptq_method_defaults_static_groups_without_act_order_and_refits_with_it():
+    """The command's GPTQ: groups fitted on the original weights up front (llm-compressor's
+    rule), unless act-order, where each group is refitted when its first column comes up."""
+    from llmctl.compress.quant.layer_methods import gptq_method
+
+    w, x = _layer()
+    H = _hessian(x)
+    spec = QuantSpec(4, 32, True, torch.float32)
+    for act_order, expected in (
+        (False, dict(static_groups=True)),
+        (True, dict(act_order=True, refit_groups=True)),
+    ):
+        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        linear.weight.data.copy_(w)
+        got = gptq_method(spec, act_order=act_order).fn("x", linear, H).result
+        want = quantize_gptq(w, H, spec, mse=True, column_block=32, **expected)
+        assert torch.equal(got.codes, want.codes), act_order
+        if not act_order:  # and it is not the fit at each group's first column
+            assert not torch.equal(quantize_gptq(w, H, spec, mse=True).scales, got.scales)

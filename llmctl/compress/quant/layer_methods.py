@@ -42,15 +42,18 @@ def gptq_method(
     preserve_zeros: bool = True,
     mse: bool = True,
     refit_groups: bool = True,
-    static_groups: bool = False,
+    static_groups: bool = True,
     whole_layer: bool = True,
 ) -> HessianMethod:
     """GPTQ per linear. RTN and AWQ map an exact zero to its zero point, so they keep zeros by
     construction; GPTQ's error feedback would refill them, hence the mask of exact zeros.
 
-    Defaults (measured, benchmarks/bench_quant_quality.py): no act-order and the MSE range
-    search; with act-order, groups refitted on the error-updated weights (static groups from the
-    original weights lost to RTN on a trained model)."""
+    Defaults (measured, benchmarks/bench_quant_quality.py; BENCHMARKS.md Q17g): no act-order,
+    the MSE range search, every linear of a layer observed on the unquantized layer
+    (whole_layer), and without act-order every group fitted on the original weights up front
+    (static_groups, llm-compressor's rule: better than fitting each group on the error-updated
+    weights when its first column comes up). With act-order, refit_groups decides instead
+    (static groups from the original weights lost to RTN there on a trained model)."""
 
     def quantize(name: str, w: torch.Tensor, H: torch.Tensor):
         # exact zeros stay exactly zero (sparse-then-quantize); a dense weight has next to none
@@ -65,7 +68,7 @@ def gptq_method(
             mask=mask,
             mse=mse,
             refit_groups=refit_groups,
-            static_groups=static_groups,
+            static_groups=static_groups and not act_order,
         )
 
     def fn(name: str, linear: nn.Linear, H: torch.Tensor) -> LinearRecord:
