@@ -21,8 +21,6 @@ from typing import Any
 from llmctl.profiling import advise_report as rep
 from llmctl.profiling import advise_trials as t
 
-NOISE_FLOOR = 0.02  # as advise_job's: two runs never agree better than this
-
 
 @dataclass
 class Confirmation:
@@ -44,12 +42,6 @@ def _value(objective: str, report: dict, peak: int | None) -> float | None:
         return report.get("output_tokens_per_s")
     summary = report.get(f"{objective}_s")
     return None if not summary else summary.get("p50")
-
-
-def _ratio(objective: str, base: float | None, advised: float | None) -> float | None:
-    if not base or not advised:
-        return None
-    return advised / base if objective == "throughput" else base / advised
 
 
 def write_sample(work: Any, path: Path) -> None:
@@ -81,10 +73,10 @@ def confirm(state: Any, rounds: int) -> Confirmation:
                 out = folder / f"{key}{r}.jsonl"
                 report, peak = ctx.tools.run_line(words + ["-o", str(out)])
                 values[key].append(_value(objective, report, peak))
-    ratios = [_ratio(objective, b, a) for b, a in zip(values["base"], values["advised"])]
+    ratios = [t.ratio(objective, b, a) for b, a in zip(values["base"], values["advised"])]
     known = [x for x in ratios if x is not None]
     gain = statistics.median(known) if known else None
     noise = None
     if gain and len(known) > 1:
-        noise = max(NOISE_FLOOR, (max(known) - min(known)) / gain)
+        noise = max(t.NOISE_FLOOR, (max(known) - min(known)) / gain)
     return Confirmation(gain, noise, ratios, values["base"], values["advised"])

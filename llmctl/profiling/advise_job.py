@@ -32,7 +32,6 @@ from llmctl.profiling.estimate import kv_bytes_per_sequence
 
 Progress = Callable[[str], None]  # one line per stage
 QUALITY_TOKENS = 4096  # tokens of quality data the KL is measured on, at most
-NOISE_FLOOR = 0.02  # a gain within 2% of the baseline is never advised
 
 
 def quality_tokens(
@@ -56,7 +55,7 @@ def quality_tokens(
 
 def _noise(objective: str, a: Any, b: Any) -> float:
     g = t.gain(objective, a, b)
-    return max(NOISE_FLOOR, abs(g - 1) if g is not None else 0.0)
+    return max(t.NOISE_FLOOR, abs(g - 1) if g is not None else 0.0)
 
 
 def _context(req: AdviseRequest, target: str | None, tools: AdviseTools):

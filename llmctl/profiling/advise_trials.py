@@ -26,6 +26,7 @@ from llmctl.profiling.advise import (
 )
 
 DEFAULT = EngineConfig()
+NOISE_FLOOR = 0.02  # two measurements never agree better than this: a smaller gain is not advised
 # Below this share of the prompt tokens a prefix cache has too little to reuse to pay.
 MIN_PREFIX_SHARE = 0.05
 HALF_SEQS, DOUBLE_SEQS = DEFAULT.max_num_seqs // 2, DEFAULT.max_num_seqs * 2
@@ -136,10 +137,15 @@ def skip_reason(trial: Trial, work: Workload, concurrency: int) -> str | None:
 
 def gain(objective: str, base: Measurement, m: Measurement) -> float | None:
     """How many times better than the baseline (> 1: better), on the objective's value."""
-    b, v = objective_value(objective, base), objective_value(objective, m)
-    if b is None or v is None or b <= 0 or v <= 0:
+    return ratio(objective, objective_value(objective, base), objective_value(objective, m))
+
+
+def ratio(objective: str, base: float | None, value: float | None) -> float | None:
+    """`value` against `base` for the objective, > 1 when better: throughput is better higher,
+    times and memory lower; None when either is missing or not positive."""
+    if base is None or value is None or base <= 0 or value <= 0:
         return None
-    return v / b if objective == "throughput" else b / v
+    return value / base if objective == "throughput" else base / value
 
 
 def objective_value(objective: str, m: Measurement) -> float | None:
