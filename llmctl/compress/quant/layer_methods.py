@@ -48,12 +48,8 @@ def gptq_method(
     """GPTQ per linear. RTN and AWQ map an exact zero to its zero point, so they keep zeros by
     construction; GPTQ's error feedback would refill them, hence the mask of exact zeros.
 
-    Defaults (measured, benchmarks/bench_quant_quality.py; BENCHMARKS.md Q17g): no act-order,
-    the MSE range search, every linear of a layer observed on the unquantized layer
-    (whole_layer), and without act-order every group fitted on the original weights up front
-    (static_groups, llm-compressor's rule: better than fitting each group on the error-updated
-    weights when its first column comes up). With act-order, refit_groups decides instead
-    (static groups from the original weights lost to RTN there on a trained model)."""
+    Defaults measured (BENCHMARKS.md Q17g): no act-order, MSE ranges, the layer observed whole,
+    groups fitted on the original weights (llm-compressor's rules); act-order refits instead."""
 
     def quantize(name: str, w: torch.Tensor, H: torch.Tensor):
         # exact zeros stay exactly zero (sparse-then-quantize); a dense weight has next to none
