@@ -85,19 +85,25 @@ def measure_machine(dtype: str = "bfloat16", seconds: float = 1.0) -> dict:
     }
 
 
+# The flags that decide which kernels run: the machine kind of every number.
+KIND_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
 def environment() -> dict:
-    cpu = platform.processor()
+    cpu, flags = platform.processor(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
     return {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu": cpu,
+        "cpu_flags": [f for f in KIND_FLAGS if f in flags],
         "date": time.strftime("%Y-%m-%d"),
     }
 

@@ -1,5 +1,6 @@
-"""The AMX prefill-attention kernel (kernels/cpu_prefill.py) against float32 attention written out
-by hand, and its place in chunk_attention."""
+"""The bf16 prefill-attention kernel (kernels/cpu_prefill.py), in each mode this CPU runs (AMX
+tiles, AVX512-BF16 registers), against float32 attention written out by hand, and its place in
+chunk_attention."""
 
 from __future__ import annotations
 
@@ -10,10 +11,20 @@ import torch.nn.functional as F
 from llmctl.kernels import cpu_prefill
 from llmctl.kernels.attention import chunk_attention, write_kv
 
-amx = pytest.mark.skipif(
-    not cpu_prefill.available(),
-    reason="needs a CPU with AMX-BF16 (amx_bf16 in /proc/cpuinfo), Linux's AMX permission and cc",
-)
+
+@pytest.fixture(params=cpu_prefill.MODES)
+def mode(request, monkeypatch):
+    """The kernel in one mode: amx needs amx_bf16 in /proc/cpuinfo and Linux's AMX permission,
+    dpbf16 avx512_bf16 (an AMX CPU runs both); both need cc."""
+    monkeypatch.setenv("LLMCTL_PREFILL_ATTENTION", request.param)
+    cpu_prefill._loaded.cache_clear()
+    if cpu_prefill.mode() != request.param:
+        cpu_prefill._loaded.cache_clear()
+        pytest.skip(f"this CPU or compiler cannot run the {request.param} prefill kernel")
+    yield request.param
+    cpu_prefill._loaded.cache_clear()
+    monkeypatch.undo()
+    cpu_prefill._loaded.cache_clear()
 
 
 def _reference(q, k, v, nc, scale):
@@ -43,7 +54,6 @@ def _case(tq, nc, heads, kvh, d, seed=0):
     return q, k, torch.randn(nc + tq, kvh, d, generator=g).bfloat16()
 
 
-@amx
 @pytest.mark.parametrize(
     "tq,nc,heads,kvh,d",
     [
@@ -57,7 +67,7 @@ def _case(tq, nc, heads, kvh, d, seed=0):
         (512, 0, 9, 3, 64),  # the SmolLM2-135M shape of the issue's prefill
     ],
 )
-def test_prefill_kernel_matches_float32_attention(tq, nc, heads, kvh, d):
+def test_prefill_kernel_matches_float32_attention(tq, nc, heads, kvh, d, mode):
     q, k, v = _case(tq, nc, heads, kvh, d)
     scale = d**-0.5
     ref = _reference(q, k, v, nc, scale)
@@ -71,8 +81,7 @@ def test_prefill_kernel_matches_float32_attention(tq, nc, heads, kvh, d):
     assert err.max() < 3e-2
 
 
-@amx
-def test_prefill_kernel_reads_strided_views_and_threads_agree():
+def test_prefill_kernel_reads_strided_views_and_threads_agree(mode):
     q, k, v = _case(70, 30, 6, 2, 64, seed=1)
     ref = cpu_prefill.prefill_attention(q, k, v, 30, 0.125)
     # head-major caches, as chunk_attention gathers them: [KVH, L, D] viewed as [L, KVH, D]
@@ -96,18 +105,17 @@ def test_prefill_kernel_refuses_what_it_cannot_serve():
 
 
 def test_env_switch_turns_the_kernel_off(monkeypatch):
-    monkeypatch.setenv("LLMCTL_AMX_ATTENTION", "0")
-    cpu_prefill._library.cache_clear()
+    monkeypatch.setenv("LLMCTL_PREFILL_ATTENTION", "sdpa")
+    cpu_prefill._loaded.cache_clear()
     try:
-        assert not cpu_prefill.available()
+        assert not cpu_prefill.available() and cpu_prefill.mode() is None
     finally:
         monkeypatch.undo()
-        cpu_prefill._library.cache_clear()
+        cpu_prefill._loaded.cache_clear()
 
 
-@amx
 @pytest.mark.parametrize("prefix", [0, 37])
-def test_chunk_attention_routes_bf16_to_the_kernel(prefix, monkeypatch):
+def test_chunk_attention_routes_bf16_to_the_kernel(prefix, mode, monkeypatch):
     """chunk_attention in bf16 with the kernel against its SDPA route, with and without a cached
     prefix in a paged (scattered slots) cache."""
     heads, kvh, d, tq = 9, 3, 64, 50

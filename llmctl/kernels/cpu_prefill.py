@@ -1,10 +1,12 @@
-"""Causal prefill attention in bfloat16 on AMX tiles (kernels/cpu_prefill_attention.c).
+"""Causal prefill attention in bfloat16 (kernels/cpu_prefill_attention.c): AMX tiles or AVX512-BF16.
 
 Owns: building and loading that kernel (through cpu_native.build, the same cache and rules),
-whether it can serve a chunk (`supports`), and the tensor-level call `prefill_attention`. The
-kernel exists only where the CPU has AMX-BF16 and Linux grants the process its tile state (asked
-once); elsewhere, with no compiler, or with LLMCTL_NATIVE_KERNELS=0 or LLMCTL_AMX_ATTENTION=0,
-`available()` is False and chunk_attention keeps PyTorch's SDPA, which the tests compare against.
+which of its two modes this CPU runs (`mode`), whether it can serve a chunk (`supports`), and the
+tensor-level call `prefill_attention`. Mode "amx" where the CPU has AMX-BF16 and Linux grants the
+process its tile state (asked once); mode "dpbf16" (`vdpbf16ps` on zmm registers) where it has
+AVX512-BF16 only. Elsewhere, with no compiler, or with LLMCTL_NATIVE_KERNELS=0 or
+LLMCTL_PREFILL_ATTENTION=sdpa, `available()` is False and chunk_attention keeps PyTorch's SDPA,
+which the tests compare against. LLMCTL_PREFILL_ATTENTION=dpbf16 skips AMX where both exist.
 """
 
 from __future__ import annotations
@@ -17,22 +19,27 @@ from pathlib import Path
 
 import torch
 
-from llmctl.kernels import cpu_native
+from llmctl.kernels import cpu_dpbf16, cpu_native
 
 SOURCE = Path(__file__).with_name("cpu_prefill_attention.c")
 
 
+MODES = ("amx", "dpbf16")
+
+
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    if not cpu_native.enabled() or os.environ.get("LLMCTL_AMX_ATTENTION", "1") in ("0", "no"):
+def _loaded() -> tuple[ctypes.CDLL, str] | None:
+    """The library and the mode it runs here; None where neither mode can."""
+    wanted = os.environ.get("LLMCTL_PREFILL_ATTENTION", "auto")
+    if not cpu_native.enabled() or wanted == "sdpa" or not cpu_dpbf16.cpu_has_dpbf16():
         return None
     try:
         lib = ctypes.CDLL(str(cpu_native.build((SOURCE,))))
     except (RuntimeError, OSError) as e:
-        warnings.warn(f"AMX prefill attention unavailable: {e}", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"bf16 prefill attention unavailable: {e}", RuntimeWarning, stacklevel=2)
         return None
-    lib.prefill_amx_available.restype = ctypes.c_int
-    if not lib.prefill_amx_available():  # no AMX-BF16 here, or the kernel refused the tile state
+    lib.prefill_amx_available.restype = lib.prefill_dpbf16_available.restype = ctypes.c_int
+    if not lib.prefill_dpbf16_available():  # the compiler lacked the AVX512-BF16 intrinsics
         return None
     fn = lib.prefill_attention_bf16
     fn.argtypes = (
@@ -40,14 +47,22 @@ def _library() -> ctypes.CDLL | None:
         + [ctypes.c_int64] * 2
         + [ctypes.c_int] * 3
         + [ctypes.c_int64] * 6
-        + [ctypes.c_float, ctypes.c_int]
+        + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     )
     fn.restype = ctypes.c_int
-    return lib
+    # AMX only when asked for or left to us, and granted (the probe asks Linux for tile state).
+    amx = wanted in ("auto", "amx") and lib.prefill_amx_available()
+    return lib, "amx" if amx else "dpbf16"
+
+
+def mode() -> str | None:
+    """ "amx", "dpbf16", or None where chunk_attention keeps SDPA."""
+    loaded = _loaded()
+    return None if loaded is None else loaded[1]
 
 
 def available() -> bool:
-    return _library() is not None
+    return _loaded() is not None
 
 
 def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -78,7 +93,8 @@ def prefill_attention(
     if k.stride() != v.stride():
         k, v = k.contiguous(), v.contiguous()
     out = torch.empty(tq, heads, d, dtype=q.dtype)
-    failed = _library().prefill_attention_bf16(
+    lib, how = _loaded()
+    failed = lib.prefill_attention_bf16(
         q.data_ptr(),
         k.data_ptr(),
         v.data_ptr(),
@@ -96,7 +112,10 @@ def prefill_attention(
         out.stride(1),
         scale,
         torch.get_num_threads(),
+        how == "amx",
     )
+    if failed == 2:
+        raise ValueError(f"prefill_attention: head_dim {d}, {heads} heads over {k.shape[1]}")
     if failed:
         raise MemoryError("prefill_attention: out of memory for its packed K/V")
     return out

@@ -1,7 +1,8 @@
-/* Causal prefill attention in bfloat16 on AMX tiles: one multi-token chunk of one sequence, after
- * `nc` cached positions, GQA. Compiled on first use by llmctl/kernels/cpu_prefill.py with
- * -march=native: on a CPU without AMX-BF16 (or a compiler without its intrinsics) only
- * `prefill_amx_available` exists and returns 0, and the caller keeps PyTorch's SDPA.
+/* Causal prefill attention in bfloat16: one multi-token chunk of one sequence, after `nc` cached
+ * positions, GQA, on AMX tiles or on AVX512-BF16 `vdpbf16ps`. Compiled on first use by
+ * llmctl/kernels/cpu_prefill.py with -march=native: on a CPU without AVX512-BF16 (or a compiler
+ * without its intrinsics) only the `prefill_*_available` probes exist and return 0, and the caller
+ * keeps PyTorch's SDPA.
  *
  * Layouts (element strides; bfloat16 passed as its uint16 bits):
  *   q, out   [Tq, H, D]   token stride qt / ot, head stride qh / oh
@@ -10,20 +11,27 @@
  *
  * Why: PyTorch's CPU flash kernel ran at a fraction of the matmul peak on the engine's prefill
  * shapes (one call per sequence and layer, head_dim 64). Here K and V are packed once per call
- * into AMX's VNNI tiles and shared by the G = H / KVH query heads of each KV head; a work item is
- * (query head, 16 query rows): S = Q K^T on tiles into a float row buffer [16, keys], an exact
- * softmax per row in float32 (scale, max, exp, sum), P rounded to bfloat16 as SDPA's bf16 path
- * does, O = P V on tiles, divided by the row sum in float32, rounded once.
+ * into VNNI pairs (AMX's tile layout, which is also `vdpbf16ps`'s: 16 columns x 2 consecutive K
+ * elements per 64 bytes) and shared by the G = H / KVH query heads of each KV head; a work item is
+ * (query head, 16 query rows): S = Q K^T into a float row buffer [16, keys], an exact softmax per
+ * row in float32 (scale, max, exp, sum), P rounded to bfloat16 as SDPA's bf16 path does,
+ * O = P V, divided by the row sum in float32, rounded once. The two products run on AMX tiles
+ * where the CPU has them (mode 1), else on zmm registers with `vdpbf16ps` (mode 0).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #include <math.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+int prefill_dpbf16_available(void) { return 1; }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -48,6 +56,10 @@ static void configure(void) {
     for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
     _tile_loadconfig(&c);
 }
+
+#else
+int prefill_amx_available(void) { return 0; }
+#endif /* AMX */
 
 static inline uint16_t to_bf16(float f) { /* round to nearest even (values are finite) */
     uint32_t u;
@@ -132,6 +144,7 @@ typedef struct {
     float scale;
 } job;
 
+#ifdef HAVE_AMX
 /* One work item: query head hq, query rows i0 .. i0 + 15. Scratch: s [16, 32 nk32] floats,
  * p [16, 32 nk32] bf16, o [16, 64] floats, qpad [16, D] bf16, all 64-byte aligned. */
 static void item(const job *J, int hq, int64_t i0, float *s, uint16_t *p, float *o,
@@ -193,11 +206,103 @@ static void item(const job *J, int hq, int64_t i0, float *s, uint16_t *p, float 
     }
 }
 
-/* Returns 0, 1 when scratch could not be allocated, 2 when D is unsupported. */
+#endif /* HAVE_AMX */
+
+/* S for MR query rows (row m at qa + m * qt) against NT 16-key tiles of packed K from tile t0
+ * (tile t: [D / 2 pairs][16 keys][2] at kp + 16 D t, pack_k's layout) into s [MR, stride].
+ * MR x NT zmm accumulators; each K load serves MR rows, each broadcast Q pair NT tiles. */
+static inline __attribute__((always_inline)) void s_tiles(const uint16_t *qa, int64_t qt,
+                                                          const uint16_t *kp, int D, int64_t t0,
+                                                          const int MR, const int NT, float *s,
+                                                          int64_t stride) {
+    __m512 acc[4][4];
+    for (int m = 0; m < MR; ++m)
+        for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_setzero_ps();
+    const uint16_t *kt = kp + t0 * 16 * D;
+    for (int r = 0; r < D / 2; ++r) {
+        __m512bh b[4];
+        for (int n = 0; n < NT; ++n) b[n] = (__m512bh)_mm512_load_si512(kt + n * 16 * D + r * 32);
+        for (int m = 0; m < MR; ++m) {
+            uint32_t pair;
+            memcpy(&pair, qa + m * qt + 2 * r, 4);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], a, b[n]);
+        }
+    }
+    for (int m = 0; m < MR; ++m)
+        for (int n = 0; n < NT; ++n) _mm512_storeu_ps(s + m * stride + 16 * (t0 + n), acc[m][n]);
+}
+
+/* O [MR rows, 64 columns from 64 c4] = P V over npairs key pairs, divided by the row sums and
+ * rounded into out (row m at om + m * ot). P row m: bf16 at p + m * pstride; V pair j, column
+ * block c (16 wide) at vp + 32 D (j / 16) + 512 c + 32 (j % 16) (pack_v's layout). */
+static inline __attribute__((always_inline)) void o_rows(const uint16_t *p, int64_t pstride,
+                                                         const uint16_t *vp, int D, int64_t npairs,
+                                                         int c4, const int MR, const float *sum,
+                                                         uint16_t *om, int64_t ot) {
+    __m512 acc[4][4];
+    for (int m = 0; m < MR; ++m)
+        for (int n = 0; n < 4; ++n) acc[m][n] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < npairs; ++j) {
+        const uint16_t *vr = vp + (j >> 4) * 32 * D + 4 * c4 * 512 + (j & 15) * 32;
+        __m512bh b[4];
+        for (int n = 0; n < 4; ++n) b[n] = (__m512bh)_mm512_load_si512(vr + n * 512);
+        for (int m = 0; m < MR; ++m) {
+            uint32_t pair;
+            memcpy(&pair, p + m * pstride + 2 * j, 4);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int n = 0; n < 4; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], a, b[n]);
+        }
+    }
+    for (int m = 0; m < MR; ++m) {
+        const __m512 inv = _mm512_set1_ps(1.f / sum[m]);
+        for (int n = 0; n < 4; ++n)
+            _mm256_storeu_si256((__m256i *)(om + m * ot + 64 * c4 + 16 * n),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[m][n], inv)));
+    }
+}
+
+/* The same work item as the AMX one on zmm registers: rows in groups of up to 4 (constant MR for
+ * each instantiation, so the accumulators stay in registers). */
+static void item_dp(const job *J, int hq, int64_t i0, float *s, uint16_t *p) {
+    const int D = J->D, rows = J->tq - i0 < 16 ? (int)(J->tq - i0) : 16;
+    const int64_t h = hq / J->G, last = J->nc + i0 + rows;
+    const int64_t nkb = (last + 31) / 32, stride = 32 * J->nk32 + 16, pstride = 32 * nkb + 32;
+    const uint16_t *qa = J->q + i0 * J->qt + hq * J->qh;
+    const uint16_t *kp = J->kp + h * J->nk32 * 32 * D, *vp = J->vp + h * J->nk32 * 32 * D;
+#define S_CASE(M)                                                                               \
+    case M:                                                                                     \
+        if (2 * nkb - t >= 4) s_tiles(qa + m0 * J->qt, J->qt, kp, D, t, M, 4, sm, stride);      \
+        else s_tiles(qa + m0 * J->qt, J->qt, kp, D, t, M, 2, sm, stride);                       \
+        break;
+    for (int m0 = 0; m0 < rows; m0 += 4) {
+        float *sm = s + m0 * stride;
+        for (int64_t t = 0; t < 2 * nkb; t += 4) switch (rows - m0 < 4 ? rows - m0 : 4) {
+                S_CASE(1) S_CASE(2) S_CASE(3) S_CASE(4)
+            }
+    }
+#undef S_CASE
+    float sum[16];
+    softmax_rows(s, p, stride, pstride, nkb, J->nc + i0, rows, J->scale, sum);
+#define O_CASE(M)                                                                               \
+    case M: o_rows(p + m0 * pstride, pstride, vp, D, 16 * nkb, c4, M, sum + m0, om, J->ot); break;
+    for (int c4 = 0; c4 < D / 64; ++c4)
+        for (int m0 = 0; m0 < rows; m0 += 4) {
+            uint16_t *om = J->out + (i0 + m0) * J->ot + hq * J->oh;
+            switch (rows - m0 < 4 ? rows - m0 : 4) { O_CASE(1) O_CASE(2) O_CASE(3) O_CASE(4) }
+        }
+#undef O_CASE
+}
+
+/* amx: 1 for AMX tiles (where prefill_amx_available() said 1), 0 for vdpbf16ps.
+ * Returns 0, 1 when scratch could not be allocated, 2 when D or the mode is unsupported. */
 int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
                            int64_t tq, int64_t nc, int H, int KVH, int D, int64_t qt, int64_t qh,
                            int64_t kt, int64_t kh, int64_t ot, int64_t oh, float scale,
-                           int threads) {
+                           int threads, int amx) {
+#ifndef HAVE_AMX
+    if (amx) return 2;
+#endif
     if (D % 64 || H % KVH) return 2;
     const int64_t L = nc + tq, nk32 = (L + 31) / 32, nqb = (tq + 15) / 16;
     const size_t head = (size_t)nk32 * 32 * D;
@@ -225,12 +330,25 @@ int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t 
         }
 #pragma omp barrier
         if (!failed) {
-            configure();
+#ifdef HAVE_AMX
+            if (amx) configure();
+#endif
             /* heaviest first: the last query blocks see the most keys */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t it = 0; it < (int64_t)H * nqb; ++it)
-                item(&J, (int)(it % H), 16 * (nqb - 1 - it / H), s, p, o, qpad);
-            _tile_release();
+            for (int64_t it = 0; it < (int64_t)H * nqb; ++it) {
+                const int hq = (int)(it % H);
+                const int64_t i0 = 16 * (nqb - 1 - it / H);
+#ifdef HAVE_AMX
+                if (amx) {
+                    item(&J, hq, i0, s, p, o, qpad);
+                    continue;
+                }
+#endif
+                item_dp(&J, hq, i0, s, p);
+            }
+#ifdef HAVE_AMX
+            if (amx) _tile_release();
+#endif
         }
         free(s), free(o), free(p), free(qpad);
     }
@@ -238,15 +356,17 @@ int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t 
     return failed;
 }
 
-#else /* no AMX-BF16 on this CPU or compiler: the caller keeps SDPA */
+#else /* no AVX512-BF16 on this CPU or compiler: the caller keeps SDPA */
 int prefill_amx_available(void) { return 0; }
+int prefill_dpbf16_available(void) { return 0; }
 
 int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
                            int64_t tq, int64_t nc, int H, int KVH, int D, int64_t qt, int64_t qh,
                            int64_t kt, int64_t kh, int64_t ot, int64_t oh, float scale,
-                           int threads) {
+                           int threads, int amx) {
     (void)q, (void)k, (void)v, (void)out, (void)tq, (void)nc, (void)H, (void)KVH, (void)D;
     (void)qt, (void)qh, (void)kt, (void)kh, (void)ot, (void)oh, (void)scale, (void)threads;
+    (void)amx;
     return 2;
 }
 #endif
