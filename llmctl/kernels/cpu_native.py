@@ -2,8 +2,9 @@
 and called through ctypes on tensors' data pointers.
 
 Owns: building (once per set of sources, compiler and CPU; cached under ~/.cache/llmctl/kernels or
-$LLMCTL_CACHE_DIR), loading, and the tensor-level wrappers `paged_decode_attention` and `linear`
-(with `use_linear`, the rule for when it beats F.linear). Everything here is optional: with no
+$LLMCTL_CACHE_DIR), loading, and the tensor-level wrappers `paged_decode_attention` (bf16 on the
+AVX512-BF16 kernel where the CPU has it, see `use_decode_dpbf16`) and `linear` (with `use_linear`,
+the rule for when it beats F.linear). Everything here is optional: with no
 compiler, a failed build, or LLMCTL_NATIVE_KERNELS=0, `library()` is None and the callers use the
 plain-PyTorch references (attention.py, F.linear), which the tests compare against.
 No torch headers are involved, so a build takes about a second and needs only `cc`.
@@ -28,7 +29,13 @@ from llmctl.kernels import cpu_bf16
 
 SOURCES = tuple(
     Path(__file__).with_name(n)
-    for n in ("cpu_paged_attention.c", "cpu_linear.c", "cpu_norm.c", "cpu_act.c")
+    for n in (
+        "cpu_paged_attention.c",
+        "cpu_paged_attention_dpbf16.c",
+        "cpu_linear.c",
+        "cpu_norm.c",
+        "cpu_act.c",
+    )
 )
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by the sources: part of the cache key
 # -ffast-math at compile time only: it lets the reductions vectorise and expf use the vector libm;
@@ -117,7 +124,7 @@ def library() -> ctypes.CDLL | None:
         + [ctypes.c_int] * 4
         + [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int64, ctypes.c_int]
     )
-    for name in ("paged_decode_f32", "paged_decode_bf16"):
+    for name in ("paged_decode_f32", "paged_decode_bf16", "paged_decode_dpbf16"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
     lib.linear.argtypes = [
@@ -154,6 +161,26 @@ def library() -> ctypes.CDLL | None:
 _KERNELS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 
 
+@functools.cache
+def decode_dpbf16_available() -> bool:
+    """Whether the AVX512-BF16 decode kernel (cpu_paged_attention_dpbf16.c) runs here: the CPU's
+    flags, and a compiler that had the intrinsics."""
+    from llmctl.kernels.cpu_dpbf16 import cpu_has_dpbf16  # it imports this module
+
+    lib = library()
+    return cpu_has_dpbf16() and lib is not None and bool(lib.paged_decode_dpbf16_built())
+
+
+def use_decode_dpbf16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """bf16 query and cache where the kernel runs, unless LLMCTL_DECODE_DPBF16=0. A float32 query
+    keeps paged_decode_bf16, which does not round it to bf16."""
+    if q.dtype is not torch.bfloat16 or k_cache.dtype is not torch.bfloat16:
+        return False
+    if os.environ.get("LLMCTL_DECODE_DPBF16", "1") in ("0", "false", "no"):
+        return False
+    return decode_dpbf16_available()
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether paged_decode_attention can serve these tensors: CPU, fp32/bf16 cache,
     D % 16 == 0."""
@@ -174,9 +201,10 @@ def paged_decode_attention(
     scale: float,
     block_size: int,
     max_len: int,  # max(context_lens), known to the caller without a tensor read
+    dpbf16: bool | None = None,  # the AVX512-BF16 kernel; None: where use_decode_dpbf16 says
 ) -> torch.Tensor:
     """The same contract as attention.decode_attention, without gathering K/V; returns [B, heads, D]
-    in q's dtype. Call only where `supports(q, k_cache)`."""
+    in q's dtype. Call only where `supports(q, k_cache)` (and `use_decode_dpbf16` for dpbf16)."""
     b, heads, d = q.shape
     kvh, slots, _ = k_cache.shape
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype):
@@ -188,11 +216,13 @@ def paged_decode_attention(
             f"paged_decode_attention: {heads} heads of {d} over {kvh} KV heads, max_len {max_len} "
             f"for {block_tables.shape[1]} blocks of {block_size}"
         )
-    qf = q.to(torch.float32).contiguous()
+    if dpbf16 is None:
+        dpbf16 = use_decode_dpbf16(q, k_cache)
+    qf = q.contiguous() if dpbf16 else q.to(torch.float32).contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
     out = torch.empty_like(qf)
-    fn = getattr(library(), _KERNELS[k_cache.dtype])
+    fn = getattr(library(), "paged_decode_dpbf16" if dpbf16 else _KERNELS[k_cache.dtype])
     failed = fn(
         qf.data_ptr(),
         k_cache.data_ptr(),

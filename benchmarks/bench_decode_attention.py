@@ -1,0 +1,88 @@
+"""Milliseconds per call and effective GB/s (K/V bytes read) of the CPU paged decode attention
+kernel on a bf16 cache: the generic kernel (paged_decode_bf16, cpu_paged_attention.c) against the
+AVX512-BF16 one (paged_decode_dpbf16, cpu_paged_attention_dpbf16.c; skipped where the CPU lacks it).
+
+Workload: batch 64, context lengths drawn uniformly from 16-900, blocks of 16 scattered at random
+over the cache, SmolLM2-135M (9 heads, 3 KV heads, D 64) and Qwen2.5-0.5B (14, 2, 64) head shapes.
+Each call reads another layer's cache (as many layers as make --mib of K/V, so the cache comes
+from memory as in a forward pass, not from the last call's L3); median of --calls calls.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_decode_attention.py --threads 1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from llmctl.kernels import cpu_native  # noqa: E402
+
+SHAPES = {"smollm2-135m": (9, 3, 64), "qwen2.5-0.5b": (14, 2, 64)}
+BS = 16
+
+
+def make_layers(heads, kvh, d, lens, mib, seed=0):
+    """Caches of as many layers as make `mib` MiB of K/V in all, with one shared block table of
+    scattered blocks: (q, [(k, v)], tables, bytes of K/V one call reads)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // BS) for n in lens]
+    num_blocks = sum(need) + 8
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(lens), max(need), dtype=torch.long)
+    used = 0
+    for i, n in enumerate(need):
+        tables[i, :n], used = perm[used : used + n], used + n
+    layer_bytes = 2 * kvh * num_blocks * BS * d * 2
+    layers = [
+        tuple(torch.randn(kvh, num_blocks * BS, d, generator=g).bfloat16() for _ in range(2))
+        for _ in range(max(1, mib * 2**20 // layer_bytes))
+    ]
+    q = torch.randn(len(lens), heads, d, generator=g).bfloat16()
+    return q, layers, tables, 2 * kvh * sum(lens) * d * 2
+
+
+def time_calls(q, layers, tables, lens, max_len, kernels, calls) -> list[float]:
+    """Median seconds of one call per kernel (dpbf16 False/True), each call on the next layer's
+    cache; the kernels take turns call by call, so load from other processes hits both alike."""
+    times = [[] for _ in kernels]
+    for i in range(calls + 2):  # two warm-up calls
+        for j, dp in enumerate(kernels):
+            k, v = layers[(i * len(kernels) + j) % len(layers)]
+            t0 = time.perf_counter()
+            cpu_native.paged_decode_attention(q, k, v, tables, lens, 0.125, BS, max_len, dp)
+            times[j].append(time.perf_counter() - t0)
+    return [statistics.median(t[2:]) for t in times]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--calls", type=int, default=15)
+    ap.add_argument("--mib", type=int, default=160, help="K/V of all layers cycled through")
+    args = ap.parse_args()
+    lens = torch.randint(16, 901, (64,), generator=torch.Generator().manual_seed(1))
+    max_len = int(lens.max())
+    kernels = [False] + [True] * cpu_native.decode_dpbf16_available()
+    print(f"batch 64, contexts 16-900 (mean {lens.float().mean():.0f}), blocks of {BS}, bf16")
+    print(f"{'shape':14} {'threads':>7} {'kernel':>7} {'ms':>8} {'GB/s':>6} {'speedup':>7}")
+    for name, (heads, kvh, d) in SHAPES.items():
+        q, layers, tables, nbytes = make_layers(heads, kvh, d, lens.tolist(), args.mib)
+        for threads in [int(t) for t in args.threads.split(",")]:
+            torch.set_num_threads(threads)
+            times = time_calls(q, layers, tables, lens, max_len, kernels, args.calls)
+            for dp, t in zip(kernels, times):
+                print(
+                    f"{name:14} {threads:>7} {'dpbf16' if dp else 'old':>7} {t * 1e3:8.3f} "
+                    f"{nbytes / t / 1e9:6.1f} {times[0] / t:6.2f}x"
+                )
+
+
+if __name__ == "__main__":
+    main()
