@@ -40,7 +40,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def test_buckets_and_nearest():
-    assert autotune.buckets(2048) == (1, 8, 32, 128, 2048)
+    assert autotune.buckets(2048) == (1, 8, 32, 64, 128, 2048)
     assert autotune.buckets(20) == (1, 8, 20)
     assert autotune.buckets(1) == (1,)
     assert [autotune.nearest(r, (1, 8, 32)) for r in (1, 2, 3, 5, 16, 17, 100)] == [
