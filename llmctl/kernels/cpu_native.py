@@ -37,7 +37,8 @@ SOURCES = tuple(
         "cpu_act.c",
     )
 )
-HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by the sources: part of the cache key
+# included by the sources: part of the cache key
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_vec.h", "cpu_exp512.h"))
 # -ffast-math at compile time only: it lets the reductions vectorise and expf use the vector libm;
 # not at link time, where it would add crtfastmath and flush denormals for the whole process.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]

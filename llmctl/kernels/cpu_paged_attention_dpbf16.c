@@ -34,6 +34,8 @@
 #include <immintrin.h>
 #include <math.h>
 
+#include "cpu_exp512.h"
+
 #define INLINE static inline __attribute__((always_inline))
 
 /* K blocks prefetched ahead (measured 8 better than 1, 2 or 4, equal to 16, on the benchmark). */
@@ -42,22 +44,6 @@ enum { AHEAD = 8 };
 /* Elements [c, c + 32) of a row of D: a mask for the 16-element tail when D % 32 == 16. */
 INLINE __mmask32 cols(int c, int D) {
     return D - c >= 32 ? ~(__mmask32)0 : D - c > 0 ? (__mmask32)((1u << (D - c)) - 1) : 0;
-}
-
-/* exp(x) for x <= 0 on 16 lanes, as exp_neg in cpu_prefill_attention.c: 2^n * p(f) with p of
- * degree 5 (relative error about 2e-7, far below P's bf16 rounding); below -87 it flushes to 0. */
-INLINE __m512 exp_neg(__m512 x) {
-    const __m512 y = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)),
-                                   _mm512_set1_ps(1.44269504f));
-    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(y, n);
-    __m512 p = _mm512_set1_ps(1.3333558e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6180447e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* Lane t of the result = the sum of the 16 lanes of v[t]: 45 shuffles and adds for 16 sums, each

@@ -28,6 +28,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "cpu_exp512.h"
+
 int prefill_dpbf16_available(void) { return 1; }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -90,23 +92,6 @@ static void pack_v(const uint16_t *v, int64_t kt, int64_t L, int D, int64_t j, u
                 for (int n = 0; n < 16; ++n)
                     dst[r * 32 + 2 * n + p] = t < L ? v[t * kt + 16 * c + n] : 0;
             }
-}
-
-/* exp(x) for x <= 0 on 16 lanes: 2^n * p(f), x log2(e) = n + f, f in [-0.5, 0.5], p of degree 5
- * (relative error about 2e-7, far below bf16's rounding of P; libmvec's expf cost 3x more here,
- * where the exponentials bound the kernel). Lanes below -87 flush to 0. */
-static inline __m512 exp_neg(__m512 x) {
-    const __m512 y = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)),
-                                   _mm512_set1_ps(1.44269504f));
-    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(y, n);
-    __m512 p = _mm512_set1_ps(1.3333558e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6180447e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* Softmax of the 16 score rows s [16, stride] into p (bf16 [16, pstride], unnormalised, zero up to
