@@ -148,7 +148,8 @@ def test_a_corrupt_cache_is_ignored_with_a_warning(cache):
         autotune.tune([layer(24, 16)], [8], measure=fake)
     assert fake.calls
     assert json.loads(path.read_text())["version"] == autotune.CACHE_VERSION  # rewritten
-    path.write_text(json.dumps({"version": autotune.CACHE_VERSION, "entries": {"x": {"1": "no-such-kernel"}}}))
+    stale = {"version": autotune.CACHE_VERSION, "entries": {"x": {"1": "no-such-kernel"}}}
+    path.write_text(json.dumps(stale))
     assert autotune.load_cache(path) == {"x": {}}  # unknown kernels are dropped
 
 
