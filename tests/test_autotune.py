@@ -76,6 +76,28 @@ def test_packed_copy_needs_a_clear_win():
     assert autotune.choose({"torch": 1.0, "packed": 0.8}) == "packed"
     assert autotune.choose({"torch": 1.0, "native": 0.5}) == "native"
     assert autotune.choose({}) is None
+    # the shape holds a packed copy for another bucket: its memory is spent, the fastest wins
+    assert autotune.choose({"torch": 1.0, "packed": 0.95}, packed_already=True) == "packed"
+    assert autotune.choose({"torch": 0.9, "packed": 0.95}, packed_already=True) == "torch"
+
+
+def test_once_packed_every_bucket_takes_its_fastest(cache):
+    # packed: a clear win at 8 rows, a small one (under MEMORY_MARGIN) at 32 and 128, none at 64
+    fake = FakeTimer({("packed", 8): 0.5, ("packed", 32): 0.95, ("packed", 128): 0.95})
+    plans = autotune.tune([layer(24, 16)], [128], measure=fake)
+    assert plans[0].choices[8] == plans[0].choices[32] == plans[0].choices[128] == "packed"
+    saved = json.loads(autotune.cache_path().read_text())["entries"]
+    assert list(saved.values())[0] == {
+        "1": plans[0].choices[1],
+        "8": "packed",
+        "32": "packed",
+        "64": "torch",
+        "128": "packed",
+    }
+    # no bucket with a clear win: no packed copy at all
+    fake = FakeTimer({("packed", 8): 0.95, ("packed", 32): 0.95})
+    plans = autotune.tune([layer(40, 16)], [32], measure=fake)
+    assert not plans[0].packs
 
 
 def test_large_models_get_no_packed_copies(cache, monkeypatch):

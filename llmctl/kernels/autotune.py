@@ -35,7 +35,8 @@ MEMORY_MARGIN = 1.2  # a packed copy (more memory) must beat the best plain kern
 # Packed copies double the memory of the linears they serve: only where all the tuned weights
 # together are at most this large (a model of a few hundred million parameters).
 PACK_MAX_BYTES = 1 << 30
-CACHE_VERSION = 2  # 2: bucket 64 and timings over up to TIMED_LAYERS weights
+# 2: bucket 64, timings over TIMED_LAYERS weights; 3: a shape packed once is packed where fastest
+CACHE_VERSION = 3
 MAX_CALLS, MIN_SECONDS = 8, 0.004  # timed calls per measurement: at most, and enough to stop
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, Any, Any], torch.Tensor]  # (x, weight, bias, packed)
@@ -102,15 +103,17 @@ def nearest(rows: int, measured: Sequence[int]) -> int:
     return min(measured, key=lambda b: (abs(math.log(rows / b)), b))
 
 
-def choose(times: dict[str, float]) -> str | None:
+def choose(times: dict[str, float], packed_already: bool = False) -> str | None:
     """The fastest candidate of one bucket (seconds per call); a packing one only where it beats
-    the best plain one by MEMORY_MARGIN; None for no times."""
+    the best plain one by MEMORY_MARGIN, unless the shape holds a packed copy for another bucket
+    anyway (its memory is spent: then simply the fastest); None for no times."""
+    margin = 1.0 if packed_already else MEMORY_MARGIN
     plain = {n: t for n, t in times.items() if not BY_NAME[n].packs}
     best = min(plain, key=plain.get) if plain else None
     packed = {n: t for n, t in times.items() if BY_NAME[n].packs}
     if packed:
         p = min(packed, key=packed.get)
-        if best is None or packed[p] * MEMORY_MARGIN < plain[best]:
+        if best is None or packed[p] * margin < plain[best]:
             return p
     return best
 
@@ -271,6 +274,19 @@ def _time_bucket(g: _Group, layers, rows: int, measure: Measure, over: Callable[
     return times
 
 
+def _rechoose_packed(g: _Group) -> dict[int, str]:
+    """Where some bucket of the group chose a packed copy, every timed bucket takes its fastest
+    candidate, packed or not; returns the buckets whose choice changed."""
+    if not any(BY_NAME[c].packs for c in g.choices.values()):
+        return {}
+    changed = {}
+    for rows, times in g.timed.items():
+        best = choose(times, packed_already=True)
+        if best is not None and best != g.choices[rows]:
+            g.choices[rows] = changed[rows] = best
+    return changed
+
+
 def tune(
     layers: Sequence[Any],
     max_rows: Sequence[int],
@@ -308,6 +324,9 @@ def tune(
                 for c in g.alive
                 if not c.few_rows or times.get(c.name, 0.0) <= DROP_RATIO * fastest
             ]
+    for g in groups:
+        for rows, best in _rechoose_packed(g).items():
+            fresh.setdefault(g.key, {})[rows] = best
     if fresh:
         save_cache(path, fresh)
     plans = [None] * len(layers)
