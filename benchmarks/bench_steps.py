@@ -25,6 +25,7 @@ from pathlib import Path
 WORKLOADS = {  # name: (prompts, prompt range, output range)
     "decode": (64, (16, 16), (128, 128)),
     "mixed": (24, (16, 700), (32, 200)),  # a slice of the issue's mixed workload
+    "issue": (96, (16, 700), (32, 200)),  # the issue's whole mixed workload
 }
 
 # (module, class, method, component) per engine; the first entry is the whole step.
