@@ -32,8 +32,11 @@ KV_TILE = 16  # keys per online-softmax step, independent of the KV block size
 
 
 def _interpreting() -> bool:
-    """Under TRITON_INTERPRET=1 (tests on the CPU): triton 3.9's interpreter multiplies a 16-bit
-    float's uint16 storage in tl.dot, so the linear widens its tiles to float32 there."""
+    """Under TRITON_INTERPRET=1 (tests on the CPU) tl.dot is numpy's matmul, i.e. the host BLAS,
+    whose microkernel may sum a row in an order set by the row's place in the tile (seen with
+    OpenBLAS on AMD Zen 5): the linear then reduces each tile as a broadcast product summed over K
+    in order instead, which a GPU's MMA does implicitly. (The interpreter's tl.dot would also
+    multiply a 16-bit float's uint16 storage.)"""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -53,6 +56,7 @@ def _linear_kernel(
     stride_om,
     HAS_BIAS: tl.constexpr,
     WIDEN: tl.constexpr,
+    INTERPRETED: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -76,7 +80,9 @@ def _linear_kernel(
             mask=(rn[None, :] < N) & (kk[:, None] < K),
             other=0.0,
         )  # [BK, BN]
-        if WIDEN:  # float32 products, no TF32 rounding (exact for 16-bit inputs)
+        if INTERPRETED:  # [BM, BK, 1] * [1, BK, BN] summed over K: a row's order ignores its place
+            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        elif WIDEN:  # float32 products, no TF32 rounding (exact for 16-bit inputs)
             acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:  # 16-bit inputs on the tensor cores, float32 accumulation
             acc += tl.dot(a, b)
@@ -109,7 +115,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
             w.stride(0),
             out.stride(0),
             HAS_BIAS=bias is not None,
-            WIDEN=x.dtype == torch.float32 or _interpreting(),
+            WIDEN=x.dtype == torch.float32,
+            INTERPRETED=_interpreting(),
             BM=BLOCK_M,
             BN=BLOCK_N,
             BK=BLOCK_K,
