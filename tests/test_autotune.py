@@ -66,9 +66,25 @@ def test_choice_is_the_fastest_per_bucket(cache):
     assert plans[0].kernel(20) is run["packed"].run and plans[0].kernel(500) is run["packed"].run
     assert plans[0].packs
     assert {c[0] for c in fake.calls} == {"24x16", "40x16"}  # each shape timed once per bucket
-    assert len([c for c in fake.calls if c[2] == 1]) == 2 * len(
+    assert len([c for c in fake.calls if c[2] == 1]) == 2 * autotune.ROUNDS * len(
         [c for c in autotune.CANDIDATES if c.applies(layers[0].weight)]
     )
+
+
+def test_candidates_are_timed_in_turn_so_a_drift_weighs_on_all(cache):
+    # a machine slowing down steadily as tuning goes on; torch, timed first, is 10% slower than the
+    # others at any moment: timed in one block each, it would win on the drift alone
+    seen, now = [], [0.0]
+
+    def drifting(key, name, rows, run):
+        seen.append(name)
+        now[0] += 1.0
+        return now[0] * (1.1 if name == "torch" else 1.0)
+
+    plans = autotune.tune([layer(24, 16)], [1], measure=drifting)
+    n = len(seen) // autotune.ROUNDS
+    assert seen[0] == "torch" and autotune.ROUNDS == 2 and seen[n:] == seen[:n][::-1]
+    assert plans[0].choices[1] != "torch"
 
 
 def test_packed_copy_needs_a_clear_win():
@@ -129,7 +145,11 @@ def test_the_budget_stops_timing_and_leaves_the_static_rule(cache):
 
     n_cand = len([c for c in autotune.CANDIDATES if c.applies(layer(24, 16).weight)])
     plans = autotune.tune(
-        [layer(24, 16)], [128], measure=measure, clock=clock, budget_s=n_cand + 0.5
+        [layer(24, 16)],
+        [128],
+        measure=measure,
+        clock=clock,
+        budget_s=n_cand * autotune.ROUNDS + 0.5,
     )
     assert sorted(plans[0].choices) == [1]  # bucket 1 complete, bucket 8 cut short
     assert plans[0].kernel(1) is not None and plans[0].kernel(8) is None  # static rule

@@ -29,15 +29,20 @@ import torch.nn.functional as F
 from llmctl.kernels import cpu_bf16, cpu_dpbf16, cpu_native, onednn_linear
 
 BUCKETS = (1, 8, 32, 64, 128)  # and the caller's largest row count (the token budget)
-BUDGET_S = 3.0  # wall seconds of timing per model at most
+BUDGET_S = 6.0  # wall seconds of timing per model at most
 DROP_RATIO = 3.0  # a few-rows kernel this much slower than a bucket's best: not timed above it
 MEMORY_MARGIN = 1.2  # a packed copy (more memory) must beat the best plain kernel by this much
 # Packed copies double the memory of the linears they serve: only where all the tuned weights
 # together are at most this large (a model of a few hundred million parameters).
 PACK_MAX_BYTES = 1 << 30
-# 2: bucket 64, timings over TIMED_LAYERS weights; 3: a shape packed once is packed where fastest
-CACHE_VERSION = 3
+# 2: bucket 64, timings over TIMED_LAYERS weights; 3: a shape packed once is packed where fastest;
+# 4: ROUNDS interleaved measurements
+CACHE_VERSION = 4
 MAX_CALLS, MIN_SECONDS = 8, 0.004  # timed calls per measurement: at most, and enough to stop
+# Measurements per candidate and bucket, taken in turn with the other candidates and averaged: on
+# a VM whose memory bandwidth drifts (seen 38-67 GB/s within an hour, AMD EPYC Zen 5), one block
+# per candidate let the drift pick the kernel (choices flipped between runs).
+ROUNDS = 2
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, Any, Any], torch.Tensor]  # (x, weight, bias, packed)
 
@@ -254,14 +259,14 @@ def _groups(layers: Sequence[Any], max_rows: Sequence[int], cache: dict) -> list
 
 
 def _time_bucket(g: _Group, layers, rows: int, measure: Measure, over: Callable[[], bool]):
-    """Candidate -> seconds per call at `rows` rows; None when the budget ran out first."""
+    """Candidate -> seconds per call at `rows` rows: the mean of ROUNDS measurements, the
+    candidates taken in turn and the order reversed each round (so a steady drift of the machine
+    weighs on all alike); None when the budget ran out."""
     picked = [layers[i] for i in g.members[:TIMED_LAYERS]]
     w0 = picked[0].weight
     x = torch.randn(rows, w0.shape[1], generator=torch.Generator().manual_seed(0)).to(w0.dtype)
-    times: dict[str, float] = {}
+    runs = {}
     for cand in g.alive:
-        if over():
-            return None
         packs = [onednn_linear.pack_weight(m.weight) for m in picked] if cand.packs else None
         if cand.packs and any(p is None for p in packs):
             continue
@@ -270,7 +275,15 @@ def _time_bucket(g: _Group, layers, rows: int, measure: Measure, over: Callable[
             m = picked[i % len(picked)]
             return cand.run(x, m.weight, m.bias, packs[i % len(picked)] if packs else None)
 
-        times[cand.name] = measure(g.key, cand.name, rows, run)
+        runs[cand.name] = run
+    times = dict.fromkeys(runs, 0.0)
+    order = list(runs)
+    for _ in range(ROUNDS):
+        for name in order:
+            if over():
+                return None
+            times[name] += measure(g.key, name, rows, runs[name]) / ROUNDS
+        order.reverse()
     return times
 
 
