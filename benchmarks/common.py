@@ -69,20 +69,24 @@ def measure_machine(dtype: str = "bfloat16", seconds: float = 1.0) -> dict:
     """
     flops = _matmul_gflops(getattr(torch, dtype), seconds)
     fp32 = flops if dtype == "float32" else _matmul_gflops(torch.float32, seconds)
-    x = torch.ones(256 * 1024**2 // 4, dtype=torch.float32)  # 256 MiB, far beyond the caches
-    x.sum()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        x.sum()
-        n += 1
-    bw = x.numel() * 4 * n / (time.perf_counter() - t0)
     return {
         "matmul_dtype": dtype,
         "matmul_gflops": flops,
         "float32_matmul_gflops": fp32,
         "compute_peak_gflops": max(flops, fp32),
-        "memory_read_gbs": bw / 1e9,
+        "memory_read_gbs": memory_read_gbs(seconds),
     }
+
+
+def memory_read_gbs(seconds: float = 1.0) -> float:
+    """GB/s of summing a 256 MiB float32 tensor (far beyond the caches) on torch's threads."""
+    x = torch.ones(256 * 1024**2 // 4, dtype=torch.float32)
+    x.sum()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        x.sum()
+        n += 1
+    return x.numel() * 4 * n / (time.perf_counter() - t0) / 1e9
 
 
 # The flags that decide which kernels run: the machine kind of every number.
