@@ -284,3 +284,29 @@ def test_rms_norm_threads_and_refusals():
     assert not cpu_native.use_rms_norm(x, w.bfloat16())  # dtypes differ
     assert not cpu_native.use_rms_norm(torch.randn(4, 60), torch.randn(60))  # K % 8
     assert not cpu_native.use_rms_norm(x, w.clone().requires_grad_())  # training needs autograd
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [16, 300])  # one thread's loop; the tokens split over threads
+def test_write_kv_in_c_equals_index_copy(dtype, tokens):
+    from llmctl.kernels import attention
+
+    g = torch.Generator().manual_seed(1)
+    kvh, d, nslots = 3, 64, 1000
+    # k contiguous (after RoPE), v a column slice of a merged q/k/v output: a token stride of 960
+    qkv = torch.randn(tokens, 576 + 2 * kvh * d, generator=g).to(dtype)
+    k = qkv[:, 576 : 576 + kvh * d].contiguous().view(tokens, kvh, d)
+    v = qkv[:, 576 + kvh * d :].view(tokens, kvh, d)
+    slots = torch.randperm(nslots, generator=g)[:tokens]
+    kc = torch.randn(kvh, nslots, d, generator=g).to(dtype)
+    vc = torch.zeros(kvh, nslots, d, dtype=dtype)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    ref_k.index_copy_(1, slots, k.transpose(0, 1))
+    ref_v.index_copy_(1, slots, v.transpose(0, 1))
+    assert cpu_native.use_write_kv(kc, vc, k, v, slots)
+    attention.write_kv(kc, vc, k, v, slots)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)  # untouched slots kept too
+    # not served: too few tokens, or heads not contiguous within a token
+    assert not cpu_native.use_write_kv(kc, vc, k[:2], v[:2], slots[:2])
+    head_strided = k.transpose(1, 2).contiguous().transpose(1, 2)  # [T, KVH, D], stride(1) == 1
+    assert not cpu_native.use_write_kv(kc, vc, head_strided, v, slots)

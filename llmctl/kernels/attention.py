@@ -26,6 +26,8 @@ def write_kv(
     slots: torch.Tensor,
 ) -> None:
     """k, v [T, kv_heads, D] into the flat slots [T] of the caches."""
+    if cpu_native.use_write_kv(k_cache, v_cache, k, v, slots):
+        return cpu_native.write_kv(k_cache, v_cache, k, v, slots)
     k_cache.index_copy_(1, slots, k.transpose(0, 1))
     v_cache.index_copy_(1, slots, v.transpose(0, 1))
 

@@ -156,7 +156,82 @@ def library() -> ctypes.CDLL | None:
     lib.silu_and_mul.restype = None
     lib.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + lib.rms_norm.argtypes[3:]
     lib.add_rms_norm.restype = None
+    lib.write_kv.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int64,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
+    lib.write_kv.restype = None
     return lib
+
+
+def _rows_of_heads(x: torch.Tensor, cache: torch.Tensor) -> bool:
+    """x [T, KVH, D] of the cache's dtype, heads and D, each token's heads contiguous."""
+    return (
+        x.dim() == 3
+        and x.dtype is cache.dtype
+        and x.shape[1:] == (cache.shape[0], cache.shape[2])
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+    )
+
+
+# Fewer tokens than this: two index_copy_ calls cost no more than the C call's fixed overhead
+# (8 against 10 us at 1 token; 25 against 11 us at 64, 369 against 58 at 2048; bf16, 2 threads).
+WRITE_KV_MIN_ROWS = 16
+
+
+def use_write_kv(k_cache, v_cache, k, v, slots) -> bool:
+    """Whether `write_kv` should serve: at least WRITE_KV_MIN_ROWS tokens, CPU caches [KVH, slots,
+    D] of one dtype, contiguous; k and v [T, KVH, D] with contiguous heads; slots int64 [T]."""
+    return (
+        slots.numel() >= WRITE_KV_MIN_ROWS
+        and k_cache.device.type == "cpu"
+        and k_cache.dim() == 3
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and v_cache.shape == k_cache.shape
+        and v_cache.dtype is k_cache.dtype
+        and _rows_of_heads(k, k_cache)
+        and _rows_of_heads(v, k_cache)
+        and k.shape[0] == v.shape[0] == slots.numel()
+        and slots.dtype is torch.int64
+        and slots.is_contiguous()
+        and library() is not None
+    )
+
+
+def write_kv(k_cache, v_cache, k, v, slots) -> None:
+    """k, v [T, KVH, D] into the flat slots [T] of the caches [KVH, slots, D], in one C call.
+    Call only where `use_write_kv(...)`."""
+    t = k.shape[0]
+    if t:
+        kvh, nslots, d = k_cache.shape
+        library().write_kv(
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slots.data_ptr(),
+            t,
+            kvh,
+            d,
+            nslots,
+            k_cache.element_size(),
+            torch.get_num_threads(),
+        )
 
 
 _KERNELS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}

@@ -147,3 +147,22 @@ int paged_decode_bf16(const float *q, const void *kc, const void *vc, const int6
     return run(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale, max_len,
                threads, 1);
 }
+
+/* The K and V rows of T new tokens into their cache slots, one call for both caches (two
+ * index_copy_ calls took ~25-60 us per layer and step). k, v [T, KVH, D] with token strides ldk,
+ * ldv in elements (v may be a column slice of the merged q/k/v output) and head stride D; caches
+ * [KVH, nslots, D]; elements of `esize` bytes (any dtype). Slots come from the engine's block
+ * tables (in range by construction); the Python caller checks shapes, strides and dtypes. Long
+ * writes (prefill chunks) are split over the threads by token. */
+void write_kv(const char *k, int64_t ldk, const char *v, int64_t ldv, char *kc, char *vc,
+              const int64_t *slots, int64_t T, int KVH, int D, int64_t nslots, int esize,
+              int threads) {
+    const size_t row = (size_t)D * (size_t)esize;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T >= 256)
+    for (int64_t t = 0; t < T; ++t)
+        for (int h = 0; h < KVH; ++h) {
+            const size_t dst = ((size_t)h * (size_t)nslots + (size_t)slots[t]) * row;
+            memcpy(kc + dst, k + ((size_t)t * (size_t)ldk + (size_t)h * D) * esize, row);
+            memcpy(vc + dst, v + ((size_t)t * (size_t)ldv + (size_t)h * D) * esize, row);
+        }
+}
