@@ -142,3 +142,15 @@ def test_prompt_too_long_is_a_request_error(shakespeare_model):
         [list(range(3, 30))], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     )[0]
     assert out.finish_reason == "length" and len(out.output_token_ids) == 5  # capped by the context
+
+
+def test_greedy_is_argmax_on_ties_and_nans():
+    from llmctl.engine.sampler import greedy
+
+    g = torch.Generator().manual_seed(0)
+    for vocab in (7, 49152):  # a short row and one long enough for the vectorised reduction
+        ties = torch.randint(0, 4, (16, vocab), generator=g).float()  # many equal maxima per row
+        assert torch.equal(greedy(ties), ties.argmax(dim=-1))
+        nans = torch.randn(4, vocab, generator=g)
+        nans[1, [3, vocab - 1]] = float("nan")
+        assert torch.equal(greedy(nans), nans.argmax(dim=-1)) and greedy(nans)[1] == 3

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from llmctl.engine.params import SamplingParams
-from llmctl.engine.sampler import sampling_probs
+from llmctl.engine.sampler import greedy, sampling_probs
 
 
 class NgramProposer:
@@ -84,7 +84,7 @@ def verify(
     """logits [len(drafts) + 1, V] of the target at the positions that predict each draft and the
     token after them. Returns the accepted drafts followed by one corrected or bonus token."""
     if params.greedy:
-        target = logits.argmax(dim=-1).tolist()
+        target = greedy(logits).tolist()
         out = []
         for d, t in zip(drafts, target):
             if d != t:
