@@ -96,3 +96,18 @@ def test_prefix_caching_off_never_hits():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     admit(bm, seq("a", list(range(10))))
     assert bm.find_cached_prefix(seq("b", list(range(10)))) == []
+
+
+def test_reset_frees_in_id_order_and_forgets_the_cache():
+    import pytest
+
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq("a", list(range(10)))
+    admit(bm, a)
+    with pytest.raises(RuntimeError, match="3 blocks in use"):
+        bm.reset()
+    bm.free(a)
+    assert list(bm.free_queue)[:3] != [0, 1, 2]  # freed blocks go to the tail
+    bm.reset()
+    assert list(bm.free_queue) == list(range(8)) and not bm.hash_to_block
+    assert admit(bm, seq("b", list(range(10)))) == []  # no prefix hit left behind

@@ -122,3 +122,19 @@ def test_prefix_caching_hits_shared_prompts(stories_model):
     prompts = [[1] + p for p in random_prompts(512, seed=4)]
     _, engine = engine_greedy(stories_model, prompts + prompts, kv_cache_memory=8 * 1024**2)
     assert engine.block_manager.prefix_hits >= 32
+
+
+def test_warm_up_leaves_no_trace(tmp_path):
+    # run-batch warms the engine before its job clock starts: afterwards the engine must be as
+    # new (blocks in id order, no prefix cache, zero statistics) and give the same tokens
+    path = make_random_model(tmp_path / "m", "llama")
+    prompts = random_prompts(vocab=128)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    fresh, warmed = LLM(str(path), dtype="float32"), LLM(str(path), dtype="float32")
+    warmed.engine.warm_up()
+    bm = warmed.engine.block_manager
+    assert list(bm.free_queue) == list(range(bm.num_blocks)) and not bm.hash_to_block
+    assert warmed.engine.stats.steps == 0 and warmed.engine.stats.prompt_tokens == 0
+    assert [r.output_token_ids for r in warmed.generate(prompts, params)] == [
+        r.output_token_ids for r in fresh.generate(prompts, params)
+    ]

@@ -144,6 +144,9 @@ def _load_model(
         return connect(opts, load_runtime, ui), None
     runtime = load_backend_runtime(opts, load_runtime)
     engine = runtime.start_engine(engine_config)
+    warm_up = getattr(engine, "warm_up", None)  # our engine: one-time costs before the job clock
+    if warm_up is not None:
+        warm_up()
     if engine_config.gpu_memory_utilization is not None:
         if not str(getattr(runtime, "device", "cpu")).startswith("cuda"):
             ui.info(

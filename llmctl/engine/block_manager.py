@@ -41,6 +41,17 @@ class BlockManager:
         self.prefix_hits = 0  # tokens served from the prefix cache
         self.prefix_queries = 0  # prompt tokens looked up
 
+    def reset(self) -> None:
+        """Back to a new manager's state: every block free in id order, nothing cached. Only while
+        no sequence holds a block."""
+        if self.num_used_blocks:
+            raise RuntimeError(f"reset with {self.num_used_blocks} blocks in use")
+        for block in self.blocks:
+            block.reset()
+        self.free_queue = OrderedDict((i, None) for i in range(self.num_blocks))
+        self.hash_to_block.clear()
+        self.prefix_hits = self.prefix_queries = 0
+
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
