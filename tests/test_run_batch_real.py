@@ -138,13 +138,19 @@ def test_interrupted_real_run_resumes_to_the_same_bytes(tmp_path, monkeypatch):
 
     load = rb._load_runtime
 
-    def load_and_interrupt(*a, **k):  # the real engine, stopped by a Ctrl-C at its 3rd step
+    def load_and_interrupt(*a, **k):  # the real engine, stopped by a Ctrl-C at the job's 3rd step
         runtime = load(*a, **k)
         start = runtime.start_engine
 
         def start_interrupted(cfg):
             engine = start(cfg)
-            monkeypatch.setattr(engine, "step", interrupting(engine.step))
+            warm_up = engine.warm_up  # its steps (before the job) are not counted
+
+            def warm_up_then_interrupt():
+                warm_up()
+                monkeypatch.setattr(engine, "step", interrupting(engine.step))
+
+            monkeypatch.setattr(engine, "warm_up", warm_up_then_interrupt)
             return engine
 
         monkeypatch.setattr(runtime, "start_engine", start_interrupted)

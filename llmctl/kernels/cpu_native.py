@@ -3,7 +3,8 @@ and called through ctypes on tensors' data pointers.
 
 Owns: building (once per set of sources, compiler and CPU; cached under ~/.cache/llmctl/kernels or
 $LLMCTL_CACHE_DIR), loading, and the tensor-level wrappers `paged_decode_attention` (bf16 on the
-AVX512-BF16 kernel where the CPU has it, see `use_decode_dpbf16`) and `linear` (with `use_linear`,
+AVX512-BF16 kernel where the CPU has it, see `use_decode_dpbf16`), `write_kv` (new K/V rows into
+the paged caches, with `use_write_kv`), `rms_norm`, `silu_mul` and `linear` (with `use_linear`,
 the rule for when it beats F.linear). Everything here is optional: with no
 compiler, a failed build, or LLMCTL_NATIVE_KERNELS=0, `library()` is None and the callers use the
 plain-PyTorch references (attention.py, F.linear), which the tests compare against.
