@@ -157,21 +157,9 @@ def library() -> ctypes.CDLL | None:
     lib.silu_and_mul.restype = None
     lib.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + lib.rms_norm.argtypes[3:]
     lib.add_rms_norm.restype = None
-    lib.write_kv.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int64,
-        ctypes.c_int,
-        ctypes.c_int,
-    ]
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    # (k, ldk, v, ldv, k_cache, v_cache, slots, T, KVH, D, nslots, esize, threads)
+    lib.write_kv.argtypes = [ptr, i64] * 2 + [ptr] * 3 + [i64, i32, i32, i64, i32, i32]
     lib.write_kv.restype = None
     return lib
 
