@@ -154,6 +154,14 @@ def batch1_decode(
     }
 
 
+def emit(report: dict, path: str | None) -> None:
+    """The report on stdout, and into `path` when given."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if path:
+        Path(path).write_text(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -214,16 +222,10 @@ def main() -> None:
     }
     if args.batch1_only:
         report["llmctl_batch1"] = batch1_decode(folder, args.dtype, vocab)
-        print(json.dumps(report, indent=2))
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2))
-        return
+        return emit(report, args.json)
     if args.cli_only:
         report["llmctl_run_batch"] = run_llmctl_cli(folder, prompts, outs, args.dtype, args.threads)
-        print(json.dumps(report, indent=2))
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2))
-        return
+        return emit(report, args.json)
     python = os.environ.get("VLLM_PYTHON", "/work/venvs/vllm/bin/python")
     # Repeats alternate the engines (vLLM, llmctl, vLLM, llmctl, ...): on a VM whose speed drifts
     # with its host's load, the median of alternated runs is a fairer ratio than one run each.
@@ -262,9 +264,7 @@ def main() -> None:
         report["llmctl_over_transformers"] = (
             report["llmctl"]["output_tok_s"] / report["transformers"]["output_tok_s"]
         )
-    print(json.dumps(report, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    emit(report, args.json)
 
 
 if __name__ == "__main__":
