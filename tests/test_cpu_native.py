@@ -310,3 +310,35 @@ def test_write_kv_in_c_equals_index_copy(dtype, tokens):
     assert not cpu_native.use_write_kv(kc, vc, k[:2], v[:2], slots[:2])
     head_strided = k.transpose(1, 2).contiguous().transpose(1, 2)  # [T, KVH, D], stride(1) == 1
     assert not cpu_native.use_write_kv(kc, vc, head_strided, v, slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152])
+def test_argmax_kernel_equals_torch_max(dtype, vocab):
+    """cpu_argmax.c against torch.max's indices: ties (first index), NaNs (the first NaN of any
+    sign), +-inf, -0.0 == +0.0, rows of a strided view; only where it is built (AVX-512)."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(12, vocab, generator=g).to(dtype)
+    x[1] = torch.randint(0, 3, (vocab,), generator=g).to(dtype)  # many equal maxima
+    x[2, vocab // 2] = float("nan")
+    x[3, :] = 0.0
+    x[3, vocab - 1] = -0.0
+    x[4, :] = -float("inf")
+    x[5, -1] = float("inf")
+    x[6, 0] = -float("nan")
+    x[6, -1] = float("nan")
+    x[7, :] = -0.0
+    if not cpu_native.use_argmax(x):
+        assert cpu_native.library() is None or cpu_native.library().argmax_rows_built() == 0
+        pytest.skip("the argmax kernel is built with AVX-512 only")
+    assert torch.equal(cpu_native.argmax(x), x.max(dim=-1).indices)
+    assert torch.equal(cpu_native.argmax(x[1::3]), x[1::3].max(dim=-1).indices)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_native.argmax(x), x.max(dim=-1).indices)
+    finally:
+        torch.set_num_threads(before)
+    assert not cpu_native.use_argmax(x.t()) or vocab == 1  # columns are not contiguous
+    assert not cpu_native.use_argmax(x[0])  # one-dimensional
+    assert not cpu_native.use_argmax(x.to(torch.float16))

@@ -154,3 +154,31 @@ def test_greedy_is_argmax_on_ties_and_nans():
         nans = torch.randn(4, vocab, generator=g)
         nans[1, [3, vocab - 1]] = float("nan")
         assert torch.equal(greedy(nans), nans.argmax(dim=-1)) and greedy(nans)[1] == 3
+        # bf16 logits as the engine hands them over: the argmax of their float32 widening
+        assert torch.equal(greedy(nans.bfloat16()), nans.bfloat16().float().argmax(dim=-1))
+        assert torch.equal(greedy(ties.bfloat16()), ties.argmax(dim=-1))
+
+
+def test_engine_hands_the_sampler_logits_in_the_model_dtype(shakespeare_model):
+    """A bf16 model's greedy steps read bf16 logits (no float32 copy); penalties and sampling
+    widen them first, so seeded and penalised requests still compute in float32."""
+
+    seen = []
+    orig = Sampler.__call__
+
+    def spy(self, logits, seqs):
+        seen.append(logits.dtype)
+        return orig(self, logits, seqs)
+
+    llm = LLM(str(shakespeare_model), dtype="bfloat16", device="cpu")
+    Sampler.__call__ = spy
+    try:
+        greedy_out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+        llm.generate(
+            [[5, 6, 7]],
+            SamplingParams(max_tokens=4, temperature=0.8, seed=3, repetition_penalty=1.3),
+        )
+    finally:
+        Sampler.__call__ = orig
+    assert seen and set(seen) == {torch.bfloat16}
+    assert len(greedy_out.output_token_ids) == 4

@@ -263,7 +263,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch):
-        """Run one step; returns float32 logits on the CPU, 1 + len(spec_token_ids) rows per
+        """Run one step; returns logits on the CPU in the model's dtype (the sampler widens them
+        where it computes more than an argmax), 1 + len(spec_token_ids) rows per
         sampling sequence, in order, those sequences, and (sequence, first position, hidden
         [m, H]) for the prompt positions whose logprobs were asked."""
         st = self._step_inputs(batch)
@@ -283,7 +284,7 @@ class ModelRunner:
         prompt = [(seq, p, hidden[o : o + m]) for seq, p, o, m in st.prompt_rows]
         if not sampling:
             return torch.empty(0, self.config.vocab_size), sampling, prompt
-        logits = self.model.compute_logits(hidden[logits_idx], self.batch_invariant)
+        logits = self.model.compute_logits(hidden[logits_idx], self.batch_invariant, float32=False)
         return logits.cpu(), sampling, prompt
 
 

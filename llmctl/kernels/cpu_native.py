@@ -36,6 +36,7 @@ SOURCES = tuple(
         "cpu_linear.c",
         "cpu_norm.c",
         "cpu_act.c",
+        "cpu_argmax.c",
     )
 )
 # included by the sources: part of the cache key
@@ -161,6 +162,9 @@ def library() -> ctypes.CDLL | None:
     # (k, ldk, v, ldv, k_cache, v_cache, slots, T, KVH, D, nslots, esize, threads)
     lib.write_kv.argtypes = [ptr, i64] * 2 + [ptr] * 3 + [i64, i32, i32, i64, i32, i32]
     lib.write_kv.restype = None
+    lib.argmax_rows.argtypes = [ptr, i64, i64, i64, i32, ptr, i32]
+    lib.argmax_rows.restype = None
+    lib.argmax_rows_built.restype = ctypes.c_int
     return lib
 
 
@@ -453,3 +457,34 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             torch.get_num_threads(),
         )
     return gate
+
+
+def use_argmax(x: torch.Tensor) -> bool:
+    """x [rows, 1 <= n < 2^31] float32 or bfloat16 on the CPU, each row contiguous; the kernels
+    built with AVX-512 (without it torch.max measured faster than a scalar loop)."""
+    return (
+        x.dtype in _LINEAR
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and 0 < x.shape[1] < 2**31
+        and x.stride(1) == 1
+        and library() is not None
+        and library().argmax_rows_built() == 1
+    )
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """int64 [rows]: each row's first index of its maximum, or of its first NaN (cpu_argmax.c;
+    torch.max(dim=-1)'s indices). Call only where `use_argmax(x)`."""
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if x.shape[0]:
+        library().argmax_rows(
+            x.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            x.stride(0),
+            int(x.dtype is torch.bfloat16),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+    return out

@@ -331,13 +331,17 @@ class LlamaForCausalLM(nn.Module):
             if not plan.packs or packed is not None:
                 m.plan, m.packed = plan, packed
 
-    def compute_logits(self, hidden: torch.Tensor, fixed_order: bool = False) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab]; `fixed_order`: batch-invariant."""
+    def compute_logits(
+        self, hidden: torch.Tensor, fixed_order: bool = False, float32: bool = True
+    ) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab]: float32, or with `float32=False` as the
+        projection gives them (the model's dtype: the engine's greedy steps read bf16 logits
+        as they are); `fixed_order`: batch-invariant."""
         if fixed_order:
-            return project(self.lm_head, hidden, True).float()
+            logits = project(self.lm_head, hidden, True)
         # Few rows: the native kernel inside lm_head (1.1-1.3x the packed weight at 4-16 rows, both
         # shapes, 1 thread); more rows: the packed weight (1.2-1.5x F.linear at 16-64 rows).
-        if (
+        elif (
             self.packed_head is not None
             and hidden.dim() == 2
             and hidden.dtype == torch.float32
@@ -346,8 +350,10 @@ class LlamaForCausalLM(nn.Module):
             and self.lm_head.plan is None
             and not cpu_native.use_linear(hidden, self.lm_head.weight)
         ):
-            return packed_linear(hidden, self.packed_head)
-        return self.lm_head(hidden).float()
+            logits = packed_linear(hidden, self.packed_head)
+        else:
+            logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
     def forward_cached(self, input_ids: torch.Tensor, start: int, cache: list | None):
         """Tokens [S] at positions start.. after a dense per-layer cache (None: empty).
