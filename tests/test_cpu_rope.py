@@ -60,3 +60,27 @@ def test_native_rope_leaves_float32_and_gradients_to_torch():
     assert not cpu_rope.use_rope(q, k, rot.cos, pos)
     qb = q.bfloat16().requires_grad_()
     assert not cpu_rope.use_rope(qb, k.bfloat16(), rot.cos, pos)
+
+
+@pytest.mark.parametrize("rows", [2, 5, 70])  # one token: a contiguous view, rotated in place
+def test_native_rope_reads_the_merged_projection_slices(rows):
+    """q and k as column slices of the merged q/k/v output [T, q + 2 kv] (tokens strided): rotated
+    into new contiguous tensors, the same bits as rotating contiguous copies, the source left
+    as it was (v still reads it)."""
+    heads, kvh, d = 9, 3, 64
+    rot = _rotary(d)
+    g = torch.Generator().manual_seed(rows)
+    merged = (torch.randn(rows, (heads + 2 * kvh) * d, generator=g) * 3).bfloat16()
+    before = merged.clone()
+    q, k, _ = merged.split([heads * d, kvh * d, kvh * d], dim=-1)
+    q, k = q.view(rows, heads, d), k.view(rows, kvh, d)
+    positions = torch.randint(0, 4096, (rows,), generator=g)
+    assert not q.is_contiguous() and cpu_rope.use_rope(q, k, rot.cos, positions)
+    with torch.inference_mode():
+        want_q, want_k = rot(positions, q.contiguous(), k.contiguous())
+        got_q, got_k = rot(positions, q, k)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    assert torch.equal(got_q.view(torch.int16), want_q.view(torch.int16))
+    assert torch.equal(got_k.view(torch.int16), want_k.view(torch.int16))
+    assert torch.equal(merged.view(torch.int16), before.view(torch.int16))
+    assert not cpu_rope.use_rope(q.transpose(1, 2), k, rot.cos, positions)  # heads not rows

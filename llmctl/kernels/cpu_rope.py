@@ -3,7 +3,8 @@
 Owns: building and loading that kernel (through cpu_native.build: the same cache and rules),
 `use_rope` (when it applies) and `rope`. Bit-identical to models/rope.py's in-place bf16 path,
 which it replaces on the CPU at inference; with no compiler or LLMCTL_NATIVE_KERNELS=0 the
-PyTorch path runs.
+PyTorch path runs. q and k may be column slices of the merged q/k/v projection's output (their
+tokens strided): they are then rotated into new contiguous tensors, in place otherwise.
 """
 
 from __future__ import annotations
@@ -29,25 +30,26 @@ def _library() -> ctypes.CDLL | None:
     except (RuntimeError, OSError) as e:
         warnings.warn(f"native RoPE unavailable: {e}", RuntimeWarning, stacklevel=2)
         return None
-    lib.rope_bf16.argtypes = (
-        [ctypes.c_void_p] * 2
-        + [ctypes.c_int64]
-        + [ctypes.c_int] * 3
-        + [ctypes.c_void_p] * 3
-        + [ctypes.c_int]
-    )
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    # (q, ldq, k, ldk, q_out, k_out, rows, heads, kv_heads, D, cos, sin, positions, threads)
+    lib.rope_bf16.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, ptr, ptr, ptr, i32]
     lib.rope_bf16.restype = None
     return lib
 
 
+def _token_rows(x: torch.Tensor) -> bool:
+    """x [T, heads, D] with each token's heads contiguous (tokens any stride apart)."""
+    return x.stride(2) == 1 and (x.stride(1) == x.shape[2] or x.shape[1] == 1)
+
+
 def use_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, positions: torch.Tensor) -> bool:
-    """q [T, heads, D], k [T, kv_heads, D] contiguous bf16 on the CPU, no gradients; a float32
-    table; int64 positions [T]."""
+    """q [T, heads, D], k [T, kv_heads, D] bf16 on the CPU, each token's heads contiguous, no
+    gradients; a contiguous float32 table; int64 positions [T]."""
     if q.dtype is not torch.bfloat16 or k.dtype is not torch.bfloat16 or not q.is_cpu:
         return False
     if q.dim() != 3 or k.dim() != 3 or positions.dim() != 1 or positions.dtype is not torch.int64:
         return False
-    if not (q.is_contiguous() and k.is_contiguous() and cos.is_contiguous()):
+    if not (_token_rows(q) and _token_rows(k) and cos.is_contiguous()):
         return False
     if cos.dtype is not torch.float32 or q.shape[-1] % 2 or positions.shape[0] != q.shape[0]:
         return False
@@ -57,12 +59,19 @@ def use_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, positions: tor
 
 
 def rope(q, k, cos, sin, positions) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotates q and k in place by the table rows at `positions` (every position < the table's
-    length: the caller's contract, as for the indexing it replaces); returns (q, k)."""
+    """q and k rotated by the table rows at `positions` (every position < the table's length: the
+    caller's contract, as for the indexing it replaces): in place where contiguous, else into new
+    contiguous tensors; returns them."""
     positions = positions if positions.is_contiguous() else positions.contiguous()
+    q_out = q if q.is_contiguous() else torch.empty(q.shape, dtype=q.dtype)
+    k_out = k if k.is_contiguous() else torch.empty(k.shape, dtype=k.dtype)
     _library().rope_bf16(
         q.data_ptr(),
+        q.stride(0),
         k.data_ptr(),
+        k.stride(0),
+        q_out.data_ptr(),
+        k_out.data_ptr(),
         q.shape[0],
         q.shape[1],
         k.shape[1],
@@ -72,4 +81,4 @@ def rope(q, k, cos, sin, positions) -> tuple[torch.Tensor, torch.Tensor]:
         positions.data_ptr(),
         torch.get_num_threads(),
     )
-    return q, k
+    return q_out, k_out

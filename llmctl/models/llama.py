@@ -126,22 +126,25 @@ class Attention(nn.Module):
             and not torch.is_grad_enabled()
             and m.live(*self.projections())
         ):
-            q, k, v = m.linear(x).split(m.sizes, dim=-1)  # column slices of [..., q + 2 kv]
-            # The RoPE kernel rotates contiguous rows in place; v is read through its strides.
-            return q.contiguous(), k.contiguous(), v
+            return m.linear(x).split(m.sizes, dim=-1)  # column slices of [..., q + 2 kv]
         return tuple(project(p, x, fixed_order) for p in self.projections())
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor, fixed_order: bool = False):
-        """x [..., hidden] -> q [..., heads, D], k and v [..., kv_heads, D], RoPE applied."""
+        """x [..., hidden] -> q [..., heads, D], k and v [..., kv_heads, D], RoPE applied; q and
+        k contiguous, v possibly a column slice of the merged projection (read through its
+        strides)."""
         lead = x.shape[:-1]
         q, k, v = self._project_qkv(x, fixed_order)
         q = q.view(*lead, self.num_heads, self.head_dim)
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q, fixed_order), self.k_norm(k, fixed_order)
+        if self.q_norm is not None:  # the norm kernels read contiguous rows
+            q = self.q_norm(q.contiguous(), fixed_order)
+            k = self.k_norm(k.contiguous(), fixed_order)
+        # The bf16 RoPE kernel reads merged slices and writes new contiguous q and k (no copies
+        # first); elsewhere the rotation runs in place and the copies follow.
         q, k = self._rotary[0](positions, q, k)
-        return q, k, v
+        return q.contiguous(), k.contiguous(), v
 
     def forward(self, x, positions, meta: PagedAttentionMetadata, kv_cache) -> torch.Tensor:
         fixed = meta.batch_invariant
