@@ -168,14 +168,19 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def heads_contiguous(x: torch.Tensor) -> bool:
+    """x [T, heads, D] with each token's heads contiguous (tokens any stride apart, as in a column
+    slice of the merged q/k/v projection's output)."""
+    return x.stride(2) == 1 and (x.stride(1) == x.shape[2] or x.shape[1] == 1)
+
+
 def _rows_of_heads(x: torch.Tensor, cache: torch.Tensor) -> bool:
     """x [T, KVH, D] of the cache's dtype, heads and D, each token's heads contiguous."""
     return (
         x.dim() == 3
         and x.dtype is cache.dtype
         and x.shape[1:] == (cache.shape[0], cache.shape[2])
-        and x.stride(2) == 1
-        and x.stride(1) == x.shape[2]
+        and heads_contiguous(x)
     )
 
 

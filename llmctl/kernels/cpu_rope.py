@@ -37,11 +37,6 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def _token_rows(x: torch.Tensor) -> bool:
-    """x [T, heads, D] with each token's heads contiguous (tokens any stride apart)."""
-    return x.stride(2) == 1 and (x.stride(1) == x.shape[2] or x.shape[1] == 1)
-
-
 def use_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, positions: torch.Tensor) -> bool:
     """q [T, heads, D], k [T, kv_heads, D] bf16 on the CPU, each token's heads contiguous, no
     gradients; a contiguous float32 table; int64 positions [T]."""
@@ -49,9 +44,11 @@ def use_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, positions: tor
         return False
     if q.dim() != 3 or k.dim() != 3 or positions.dim() != 1 or positions.dtype is not torch.int64:
         return False
-    if not (_token_rows(q) and _token_rows(k) and cos.is_contiguous()):
+    if not (cpu_native.heads_contiguous(q) and cpu_native.heads_contiguous(k)):
         return False
-    if cos.dtype is not torch.float32 or q.shape[-1] % 2 or positions.shape[0] != q.shape[0]:
+    if not cos.is_contiguous() or cos.dtype is not torch.float32 or q.shape[-1] % 2:
+        return False
+    if positions.shape[0] != q.shape[0]:
         return False
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         return False
