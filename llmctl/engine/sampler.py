@@ -30,7 +30,6 @@ class Sampler:
             logits = apply_penalties(logits.to(torch.float32, copy=True), seqs)
         if all(p.greedy for p in params):
             return greedy(logits).tolist()
-        logits = logits.float()
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         probs = sampling_probs(logits, params)
         tokens = self._draw(probs, seqs)
@@ -67,11 +66,11 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 def sampling_probs(logits: torch.Tensor, params) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p applied: the distribution each row samples from,
-    [B, V]."""
+    [B, V] float32 (logits of any float dtype, widened here)."""
     temps = torch.tensor(
         [p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32
     )
-    logits = logits / temps[:, None].to(logits.device)
+    logits = logits.float() / temps[:, None].to(logits.device)
     probs = torch.softmax(apply_top_k_top_p(logits, params), dim=-1)
     min_ps = [p.min_p for p in params]
     if any(min_ps):

@@ -91,7 +91,7 @@ def verify(
                 break
             out.append(d)
         return out + [target[len(out)]]
-    probs = sampling_probs(logits.float(), [params] * logits.shape[0])  # [k + 1, V]
+    probs = sampling_probs(logits, [params] * logits.shape[0])  # [k + 1, V]
     u = torch.rand(len(drafts), generator=generator).tolist()
     out = []
     for i, d in enumerate(drafts):

@@ -474,8 +474,15 @@ def use_argmax(x: torch.Tensor) -> bool:
         and 0 < x.shape[1] < 2**31
         and x.stride(1) == 1
         and library() is not None
-        and library().argmax_rows_built() == 1
+        and _argmax_built()
     )
+
+
+@functools.cache
+def _argmax_built() -> bool:
+    """cpu_argmax.c was compiled with AVX-512 (fixed by the CPU and compiler: asked once). Call
+    only where library() is not None."""
+    return library().argmax_rows_built() == 1
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
