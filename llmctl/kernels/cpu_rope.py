@@ -22,7 +22,7 @@ SOURCE = Path(__file__).with_name("cpu_rope.c")
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     if not cpu_native.enabled():
         return None
     try:
@@ -52,7 +52,7 @@ def use_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, positions: tor
         return False
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         return False
-    return _library() is not None
+    return library() is not None
 
 
 def rope(q, k, cos, sin, positions) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +62,7 @@ def rope(q, k, cos, sin, positions) -> tuple[torch.Tensor, torch.Tensor]:
     positions = positions if positions.is_contiguous() else positions.contiguous()
     q_out = q if q.is_contiguous() else torch.empty(q.shape, dtype=q.dtype)
     k_out = k if k.is_contiguous() else torch.empty(k.shape, dtype=k.dtype)
-    _library().rope_bf16(
+    library().rope_bf16(
         q.data_ptr(),
         q.stride(0),
         k.data_ptr(),

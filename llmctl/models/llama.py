@@ -8,7 +8,8 @@ Owns: the decoder modules and two forward paths over the same weights:
 Parameter names equal Hugging Face's, so checkpoints load (and save) one to one. At engine start
 (`tune_linears`) q/k/v and gate/up are merged into one linear each (models/merged.py) for the
 engine's path; the element-wise steps there run fused in C where they can (kernels/cpu_fused.py:
-SiLU-and-multiply, residual add + RMSNorm).
+SiLU-and-multiply, residual add + RMSNorm). Decode-only steps on the CPU in bf16 run as
+models/decode_program.py's flat sequence of those kernels instead, where it applies.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from llmctl.kernels.attention import PagedAttentionMetadata, paged_attention
 from llmctl.kernels.onednn_linear import pack_weight, packed_linear
 from llmctl.models import merged as merging
 from llmctl.models.config import ModelConfig
+from llmctl.models.decode_program import DecodeProgram
 from llmctl.models.rope import RotaryEmbedding
 
 
@@ -265,6 +267,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.packed_head: torch.Tensor | None = None  # see pack_lm_head
+        self.decode_program: DecodeProgram | None = None  # built by tune_linears
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -275,6 +278,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Packed tokens [T] -> final hidden states [T, hidden] (normed); K/V written to the
         caches."""
+        program = self.decode_program
+        if program is not None and program.serves(input_ids, positions, meta, kv_caches):
+            return program.run(input_ids, positions, meta, kv_caches)
         x, delta = self.model.embed_tokens(input_ids), None
         for layer, kv in zip(self.model.layers, kv_caches):
             x, delta = layer(x, positions, meta, kv, delta)
@@ -313,7 +319,8 @@ class LlamaForCausalLM(nn.Module):
         """Choose each plain CPU linear's kernels by measurement (kernels/autotune.py): decoder
         linears see at most `max_rows` rows a call (the token budget), the vocabulary projection
         `logit_rows`. Not `enabled`: drop the plans (the static rules serve). Merges the
-        projections first (`merge_projections`): the merged shapes are the ones tuned."""
+        projections first (`merge_projections`): the merged shapes are the ones tuned. Then
+        builds the decode program over the result (models/decode_program.py)."""
         merged, parts = self.merge_projections()
         layers = [
             m
@@ -326,13 +333,13 @@ class LlamaForCausalLM(nn.Module):
         ]
         for m in layers:
             m.plan = m.packed = None
-        if not enabled or not layers:
-            return
-        rows = [logit_rows if m is self.lm_head else max_rows for m in layers]
-        for m, plan in zip(layers, autotune.tune(layers, rows)):
-            packed = pack_weight(m.weight) if plan.packs else None
-            if not plan.packs or packed is not None:
-                m.plan, m.packed = plan, packed
+        if enabled and layers:
+            rows = [logit_rows if m is self.lm_head else max_rows for m in layers]
+            for m, plan in zip(layers, autotune.tune(layers, rows)):
+                packed = pack_weight(m.weight) if plan.packs else None
+                if not plan.packs or packed is not None:
+                    m.plan, m.packed = plan, packed
+        self.decode_program = DecodeProgram.build(self)
 
     def compute_logits(
         self, hidden: torch.Tensor, fixed_order: bool = False, float32: bool = True
