@@ -18,6 +18,7 @@ steps, gradients, other dtypes and devices. LLMCTL_DECODE_PROGRAM=0 turns it off
 
 from __future__ import annotations
 
+import operator
 import os
 
 import torch
@@ -70,21 +71,27 @@ class _Reads:
         return self._read(owner.__dict__, name)
 
     def unchanged(self) -> bool:
-        if any(where.get(key) is not value for where, key, value in self.found):
+        """Every read finds what it found at build, every tensor its memory (map: runs per step)."""
+        wheres, keys, values = zip(*self.found)
+        if not all(map(operator.is_, map(dict.get, wheres, keys), values)):
             return False
-        return all(t.data_ptr() == ptr for t, ptr in self.memory)
+        tensors, pointers = zip(*self.memory)
+        return all(map(operator.eq, map(torch.Tensor.data_ptr, tensors), pointers))
 
 
 class _Linear:
     """One linear of a layer: the module (Linear.forward serves where the plan does not pick the
     dot-product kernel) and, for that kernel, its weight and bias."""
 
-    __slots__ = ("module", "weight", "bias", "n", "k")
+    __slots__ = ("module", "weight", "bias", "n", "k", "pointers")
 
     def __init__(self, module: nn.Linear, reads: _Reads):
         self.module = module
         self.weight, self.bias = reads.param(module, "weight"), reads.param(module, "bias")
         self.n, self.k = self.weight.shape
+        # (weight, bias) pointers: `current` checks each step that the memory is still there
+        bias = None if self.bias is None else self.bias.data_ptr()
+        self.pointers = (self.weight.data_ptr(), bias)
 
     def buildable(self) -> bool:
         return _plain(self.weight) and _plain(self.bias) and self.weight.dim() == 2
@@ -95,12 +102,10 @@ class _Linear:
         plan = self.module.plan
         if plan is None or plan.kernel(step.rows) is not _DPBF16:
             return type(self.module).forward(self.module, x)
-        bias = self.bias
         step.dot.linear_dpbf16(
             x.data_ptr(),
             x.stride(0),
-            self.weight.data_ptr(),
-            None if bias is None else bias.data_ptr(),
+            *self.pointers,
             out.data_ptr(),
             step.rows,
             self.n,
@@ -147,7 +152,11 @@ def _hooked(modules: list[nn.Module]) -> bool:
     """Forward hooks on any of `modules` or globally: the module path must run, for them."""
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+    return any(map(_FORWARD_HOOKS, modules)) or any(map(_FORWARD_PRE_HOOKS, modules))
+
+
+_FORWARD_HOOKS = operator.attrgetter("_forward_hooks")
+_FORWARD_PRE_HOOKS = operator.attrgetter("_forward_pre_hooks")
 
 
 class DecodeProgram:
