@@ -3,6 +3,8 @@ and give way to it wherever the model changed or a step is not one-token decodes
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import make_random_model
@@ -167,3 +169,22 @@ def test_prefill_and_batch_invariant_steps_take_the_module_path(tiny):
     program.run = lambda *a: served.append(1) or run(*a)
     inv.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert not served
+
+
+def test_a_context_beyond_its_block_table_is_refused(tiny):
+    """The kernels index by the metadata: the program checks it as the attention wrapper does."""
+    llm = _engine(tiny)
+    program = llm.runtime.model.decode_program
+    errors, run = [], program.run
+
+    def too_long(input_ids, positions, meta, kv_caches):
+        bad = copy.copy(meta)
+        bad.decode_max_len = meta.decode_block_tables.shape[1] * meta.block_size + 1
+        with pytest.raises(ValueError, match="max_len"):
+            run(input_ids, positions, bad, kv_caches)
+        errors.append(1)
+        return run(input_ids, positions, meta, kv_caches)
+
+    program.run = too_long
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert errors

@@ -266,6 +266,18 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
+def check_decode_shapes(
+    heads: int, d: int, kvh: int, max_blocks: int, block_size: int, max_len: int
+) -> None:
+    """Raises ValueError unless the decode kernels can trust these (they index by them): whole
+    groups of query heads per KV head, D % 16 == 0, every context within its block table."""
+    if heads % kvh or d % 16 or max_len > max_blocks * block_size:
+        raise ValueError(
+            f"paged_decode_attention: {heads} heads of {d} over {kvh} KV heads, max_len {max_len} "
+            f"for {max_blocks} blocks of {block_size}"
+        )
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [B, heads, D]
     k_cache: torch.Tensor,  # [kv_heads, slots, D], float32 or bfloat16, contiguous
@@ -283,13 +295,7 @@ def paged_decode_attention(
     kvh, slots, _ = k_cache.shape
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype):
         raise ValueError("paged_decode_attention needs contiguous K/V caches of one dtype")
-    if (
-        heads % kvh or d % 16 or max_len > block_tables.shape[1] * block_size
-    ):  # the kernel trusts these
-        raise ValueError(
-            f"paged_decode_attention: {heads} heads of {d} over {kvh} KV heads, max_len {max_len} "
-            f"for {block_tables.shape[1]} blocks of {block_size}"
-        )
+    check_decode_shapes(heads, d, kvh, block_tables.shape[1], block_size, max_len)
     if dpbf16 is None:
         dpbf16 = use_decode_dpbf16(q, k_cache)
     qf = q.contiguous() if dpbf16 else q.to(torch.float32).contiguous()

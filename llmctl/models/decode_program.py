@@ -94,7 +94,9 @@ class _Linear:
         self.pointers = (self.weight.data_ptr(), bias)
 
     def buildable(self) -> bool:
-        return _plain(self.weight) and _plain(self.bias) and self.weight.dim() == 2
+        """Our Linear (it has a plan) over plain bf16 tensors."""
+        plain = _plain(self.weight) and _plain(self.bias) and self.weight.dim() == 2
+        return plain and hasattr(self.module, "plan")
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor, step: _Step) -> torch.Tensor:
         """x [T, K] (rows contiguous) -> [T, N]: into `out` through the dot-product kernel where
@@ -217,10 +219,14 @@ class DecodeProgram:
             return False
         if positions.dim() != 1 or not positions.is_contiguous() or positions.shape[0] != t:
             return False
-        if meta.slot_mapping.dtype is not torch.int64 or not meta.slot_mapping.is_contiguous():
+        slots = meta.slot_mapping
+        if slots.dtype is not torch.int64 or not slots.is_contiguous() or slots.shape[0] != t:
             return False
-        for k, v in kv_caches:
-            if k.dtype is not BF16 or not (k.is_contiguous() and v.is_contiguous()):
+        shape = kv_caches[0][0].shape
+        for k, v in kv_caches:  # the kernels read every layer's cache by pointer, as layer 0's
+            if k.dtype is not BF16 or v.dtype is not BF16 or k.shape != shape:
+                return False
+            if v.shape != shape or not (k.is_contiguous() and v.is_contiguous()):
                 return False
         return self.current()
 
@@ -252,6 +258,10 @@ class _Step:
         self.tables = meta.decode_block_tables.to(torch.int64).contiguous()
         self.lens = meta.decode_context_lens.to(torch.int64).contiguous()
         self.kv_shape = k_cache0.shape  # [KVH, slots, D], every layer's
+        cpu_native.check_decode_shapes(
+            c.num_heads, c.head_dim, self.kv_shape[0], self.tables.shape[1], meta.block_size,
+            meta.decode_max_len,
+        )  # fmt: skip
         nq = c.q_size + 2 * c.kv_size
 
         def buf(*shape):
