@@ -69,11 +69,15 @@ def _plans(model, name: str, max_rows: int = 256) -> None:
 KERNELS = ["static", "torch"] + (["dpbf16"] if cpu_dpbf16.library() is not None else [])
 
 
+@pytest.mark.parametrize("attention", ["default", "generic"])
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_program_steps_equal_the_module_path(tiny, kernel):
+def test_program_steps_equal_the_module_path(tiny, kernel, attention, monkeypatch):
     """Batches of 1, 5 and 70 decodes (the KV write and RoPE switch paths at 16 and 64 rows),
     each linear through the static rules, F.linear, or the bf16 dot-product kernel (into the
-    program's buffers)."""
+    program's buffers); decode attention through the AVX512-BF16 kernel where the CPU has it, or
+    the generic bf16 one (what CPUs without it run)."""
+    if attention == "generic":
+        monkeypatch.setenv("LLMCTL_DECODE_DPBF16", "0")
     llm = _engine(tiny)
     model = llm.runtime.model
     assert model.decode_program is not None

@@ -70,12 +70,16 @@ class _Reads:
     def attr(self, owner: nn.Module, name: str):
         return self._read(owner.__dict__, name)
 
+    def seal(self) -> None:
+        """The reads as columns, once, for `unchanged` (transposing costs more than testing)."""
+        self.columns = tuple(zip(*self.found)), tuple(zip(*self.memory))
+
     def unchanged(self) -> bool:
-        """Every read finds what it found at build, every tensor its memory (map: runs per step)."""
-        wheres, keys, values = zip(*self.found)
+        """Every read finds what it found at build, every tensor its memory (`seal` first; map:
+        this runs every step)."""
+        (wheres, keys, values), (tensors, pointers) = self.columns
         if not all(map(operator.is_, map(dict.get, wheres, keys), values)):
             return False
-        tensors, pointers = zip(*self.memory)
         return all(map(operator.eq, map(torch.Tensor.data_ptr, tensors), pointers))
 
 
@@ -175,6 +179,7 @@ class DecodeProgram:
         layers = reads.module(inner, "layers")
         self.layers = [_Layer(reads.module(layers, str(i)), reads) for i in range(len(layers))]
         reads.found.append((layers._modules, str(len(layers)), None))  # no layer added
+        reads.seal()
         self.modules = list(model.modules())
 
     @classmethod
