@@ -4,6 +4,8 @@ and give way to it wherever the model changed or a step is not one-token decodes
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -125,6 +127,9 @@ def test_a_hook_sends_steps_back_to_the_module_path(tiny):
     assert 1 in calls  # the hook saw the one-row decode steps
     handle.remove()
     assert _decode_step_taken(llm)
+    handle = model.rotary.register_forward_hook(lambda m, args, out: None)
+    assert not _decode_step_taken(llm)
+    handle.remove()
     handle = nn.modules.module.register_module_forward_pre_hook(lambda m, args: None)
     try:
         assert not _decode_step_taken(llm)
@@ -192,3 +197,20 @@ def test_a_context_beyond_its_block_table_is_refused(tiny):
     program.run = too_long
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert errors
+
+
+def test_the_program_keeps_no_dropped_model_alive(tiny):
+    """The model holds its program; the program must not hold the model (a cycle would keep the
+    weights until the garbage collector runs)."""
+    from llmctl.runtime.weights import load_model
+
+    model, _ = load_model(tiny, "bfloat16", "cpu")
+    model.tune_linears(64, 8, enabled=False)
+    assert model.decode_program is not None
+    ref = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -169,7 +169,8 @@ class DecodeProgram:
     """See the module docstring. Build with `DecodeProgram.build(model)`."""
 
     def __init__(self, model: nn.Module):
-        self.model = model
+        # No reference to `model` itself: the model holds the program, and a cycle would keep a
+        # dropped model's weights alive until the garbage collector runs.
         self.config = model.config
         self.reads = reads = _Reads()
         inner = reads.module(model, "model")
@@ -180,7 +181,9 @@ class DecodeProgram:
         self.layers = [_Layer(reads.module(layers, str(i)), reads) for i in range(len(layers))]
         reads.found.append((layers._modules, str(len(layers)), None))  # no layer added
         reads.seal()
-        self.modules = list(model.modules())
+        self.rotary = model.model.layers[0].self_attn._rotary[0]  # the table every layer uses
+        # the modules whose forward the module path calls (the root's hooks run before this)
+        self.modules = [*inner.modules(), self.rotary]
 
     @classmethod
     def build(cls, model: nn.Module) -> DecodeProgram | None:
@@ -190,10 +193,15 @@ class DecodeProgram:
             return None
         if cpu_native.library() is None or cpu_rope.library() is None:
             return None
-        embed, rotary = model.model.embed_tokens, model.rotary
+        if not len(model.model.layers):
+            return None
+        embed, rotary = model.model.embed_tokens, model.model.layers[0].self_attn._rotary[0]
         if type(embed) is not nn.Embedding or embed.max_norm is not None:
             return None
-        if not (_plain(embed.weight) and rotary.cos.dtype is torch.float32):
+        tables = (rotary.cos, rotary.sin)  # RoPE's float32 tables, read by pointer
+        if not _plain(embed.weight) or not all(
+            t.dtype is torch.float32 and t.is_contiguous() for t in tables
+        ):
             return None
         if not all(
             layer.self_attn.merged is not None and layer.mlp.merged is not None
@@ -258,7 +266,7 @@ class _Step:
         self.rows, self.threads = t, torch.get_num_threads()
         self.lib, self.dot = cpu_native.library(), cpu_dpbf16.library()
         self.rot = cpu_rope.library()
-        self.c, self.meta, self.rotary = c, meta, program.model.rotary
+        self.c, self.meta, self.rotary = c, meta, program.rotary
         self.positions = positions
         self.tables = meta.decode_block_tables.to(torch.int64).contiguous()
         self.lens = meta.decode_context_lens.to(torch.int64).contiguous()
