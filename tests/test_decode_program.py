@@ -167,11 +167,28 @@ def test_not_built_where_it_does_not_apply(tiny, monkeypatch):
     assert _engine(tiny).runtime.model.decode_program is None
 
 
-def test_prefill_and_batch_invariant_steps_take_the_module_path(tiny):
-    llm = _engine(tiny)
-    seen = _checked(llm.runtime.model)
-    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=1, ignore_eos=True))
-    assert seen == []  # a prompt alone: no decode step
+def test_prefill_and_speculative_steps_equal_the_module_path(tiny):
+    """Steps with prompt chunks (alone, with decodes, split over steps by a small token budget)
+    and n-gram speculation's verification steps go through paged_attention in the program."""
+    llm = _engine(tiny, max_num_batched_tokens=32, speculative="ngram")
+    model = llm.runtime.model
+    seen = _checked(model)
+    steps = []
+    run = model.decode_program.run
+    model.decode_program.run = lambda ids, pos, meta, kv: (
+        steps.append((ids.shape[0], meta.num_decodes, len(meta.prefills)))
+        or run(ids, pos, meta, kv)
+    )
+    repeat = [5, 6, 7, 8] * 6  # n-gram proposals find this pattern
+    prompts = [repeat, [int(t) for t in torch.randint(3, 150, (70,))], repeat[:9]]
+    llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert len(seen) == len(steps) > 0
+    assert any(d == 0 for _, d, _ in steps)  # prompt chunks alone
+    assert any(d and p for _, d, p in steps)  # chunks beside decodes
+    assert llm.engine.stats.spec_proposed > 0  # verification steps ran (and were checked)
+
+
+def test_batch_invariant_steps_take_the_module_path(tiny):
     inv = _engine(tiny, batch_invariant=True)
     program = inv.runtime.model.decode_program
     served, run = [], program.run
@@ -187,6 +204,8 @@ def test_a_context_beyond_its_block_table_is_refused(tiny):
     errors, run = [], program.run
 
     def too_long(input_ids, positions, meta, kv_caches):
+        if meta.num_decodes != input_ids.shape[0]:  # a prompt: no decode kernel to guard
+            return run(input_ids, positions, meta, kv_caches)
         bad = copy.copy(meta)
         bad.decode_max_len = meta.decode_block_tables.shape[1] * meta.block_size + 1
         with pytest.raises(ValueError, match="max_len"):

@@ -1,6 +1,6 @@
 """`profile advise` acceptance on ../shared/models/tinyshakespeare-5m (skipped with a message when
 ../shared is absent): a shared 400-token system prompt makes prefix caching the best TTFT trial;
-long prompts the outputs copy from, one request at a time, make n-gram speculation pay on TPOT.
+long prompts the outputs copy from, one request at a time, rank the TPOT trials (bf16 first).
 Each measurement is the best of 3 fresh-engine passes per request (advise's --repeat), so a
 loaded machine slows a pass, not the result; the gains asserted are beyond the stated noise."""
 
@@ -49,7 +49,7 @@ def test_shared_system_prompt_ranks_prefix_caching_first_on_ttft(shakespeare_mod
     assert confirmed["gain"] > 1 + confirmed["noise"] and len(confirmed["rounds"]) == 2, confirmed
 
 
-def test_copying_outputs_one_at_a_time_find_ngram_gain_on_tpot(shakespeare_model, tmp_path):
+def test_copying_outputs_one_at_a_time_rank_the_tpot_trials(shakespeare_model, tmp_path):
     text = _text()
     rows = []
     for i in range(2):
@@ -57,13 +57,19 @@ def test_copying_outputs_one_at_a_time_find_ngram_gain_on_tpot(shakespeare_model
         rows.append({"prompt": f"{passage}\n\n{passage}\n\n{passage[:40]}"})
     workload = tmp_path / "copy.jsonl"
     workload.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    # 128 tokens: with 64 the n-gram gain measured 1.19-1.28 on an AMD EPYC Zen 5 (161a3cb: 1.24 and
-    # 1.28), at the 1.2 threshold; with 128, 1.40-1.41
     args = ("--objective", "tpot", "--concurrency", "1", "--max-tokens", "128", "--repeat", "3",
             "--confirm-rounds", "0")  # fmt: skip
     record, gains = _advise(shakespeare_model, workload, tmp_path / "r.json", *args)
     noise = record["noise"]
-    assert gains["ngram"] > max(1.2, 1 + noise) and "ngram" in record["recommended"], (gains, noise)
-    assert "--speculative ngram" in record["commands"][-1]
+    # Measured on an AMD EPYC Zen 5 (2026-12-03), against the checkpoint's float32: bf16 2.6-4.0x
+    # (its decode steps run as models/decode_program.py), n-gram speculation 0.93-1.29x (it paid
+    # 1.40x before bf16 decode got its program; in bf16 it now loses, 0.69-0.73x), so advise
+    # leads with bf16 and measures n-gram with the rest.
+    assert gains["dtype_bfloat16"] > max(1.5, 1 + noise), (gains, noise)
+    assert record["recommended"][0] == "dtype_bfloat16"
+    assert "--dtype bfloat16" in record["commands"][-1]
+    assert "ngram" in gains  # measured, not skipped
+    if "ngram" in record["recommended"]:
+        assert "--speculative ngram" in record["commands"][-1]
     skipped = {tr["key"]: tr["skipped"] for tr in record["trials"] if tr["skipped"]}
     assert "no shared prefixes" in skipped["prefix_caching"]

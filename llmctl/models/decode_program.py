@@ -1,19 +1,21 @@
-"""The engine's one-token decode steps as a flat run of kernel calls, without nn.Module dispatch.
+"""The engine's steps as a flat run of kernel calls, without nn.Module dispatch.
 
 Owns: `DecodeProgram`, built by `LlamaForCausalLM.tune_linears` for a bfloat16 model on the CPU
-(projections merged, no q/k norm, the native kernels built). For a step of one-token decodes it
-calls the kernels the module path (`LlamaForCausalLM.forward`) would call, in the same order on
-the same values, so the hidden states are equal bit for bit (tested), but without what that path
-pays per layer and per step: a dozen module calls, the kernels' applicability checks, their
-wrappers' argument handling and a temporary per call (the step's buffers are allocated once and
-shared by every layer). Each linear still takes the kernel its autotune plan chose for the step's
-row count (`Linear.forward` itself where that is not the bf16 dot-product kernel), and decode
-attention the same kernel as `kernels/attention.py` would pick.
+(projections merged, no q/k norm, the native kernels built). For an engine step it calls the
+kernels the module path (`LlamaForCausalLM.forward`) would call, in the same order on the same
+values, so the hidden states are equal bit for bit (tested), but without what that path pays per
+layer and per step: a dozen module calls, the kernels' applicability checks, their wrappers'
+argument handling and a temporary per call (the step's buffers are allocated once and shared by
+every layer). Each linear still takes the kernel its autotune plan chose for the step's row count
+(`Linear.forward` itself where that is not the bf16 dot-product kernel); attention is the decode
+kernel `kernels/attention.py` would pick, called directly, for a step of one-token decodes, and
+`paged_attention` itself for any other (prefill chunks, speculative verification). Decode steps
+gain the most: their fixed cost per layer is most of their time at small batches.
 
 The program holds references into the model; a step runs it only while those are what the model
 holds (`current`: same modules, parameters and memory, still merged, no forward hooks anywhere),
-otherwise the module path serves, as it does for every step with a prefill chunk, batch-invariant
-steps, gradients, other dtypes and devices. LLMCTL_DECODE_PROGRAM=0 turns it off (A/B runs).
+otherwise the module path serves, as it does for batch-invariant steps, gradients, other dtypes
+and devices. LLMCTL_DECODE_PROGRAM=0 turns it off (A/B runs).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 
 from llmctl.kernels import autotune, cpu_dpbf16, cpu_native, cpu_rope
-from llmctl.kernels.attention import PagedAttentionMetadata
+from llmctl.kernels.attention import PagedAttentionMetadata, paged_attention
 
 BF16 = torch.bfloat16
 _DPBF16 = autotune.BY_NAME["dpbf16"].run  # the plan's entry for the bf16 dot-product kernel
@@ -223,10 +225,10 @@ class DecodeProgram:
         return not _hooked(self.modules) and self.reads.unchanged()
 
     def serves(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, kv_caches) -> bool:
-        """Whether this step is one the program computes: one-token decodes only, on the CPU, no
-        gradients, not batch-invariant, caches as the kernels read them, the model unchanged."""
+        """Whether the program computes this step: on the CPU, no gradients, not batch-invariant,
+        caches as the kernels read them, the model unchanged."""
         t = input_ids.shape[0]
-        if not t or meta.num_decodes != t or meta.batch_invariant or not meta.decode_max_len:
+        if not t or meta.batch_invariant:
             return False
         if torch.is_grad_enabled() or not input_ids.is_cpu or positions.dtype is not torch.int64:
             return False
@@ -268,13 +270,17 @@ class _Step:
         self.rot = cpu_rope.library()
         self.c, self.meta, self.rotary = c, meta, program.rotary
         self.positions = positions
-        self.tables = meta.decode_block_tables.to(torch.int64).contiguous()
-        self.lens = meta.decode_context_lens.to(torch.int64).contiguous()
         self.kv_shape = k_cache0.shape  # [KVH, slots, D], every layer's
-        cpu_native.check_decode_shapes(
-            c.num_heads, c.head_dim, self.kv_shape[0], self.tables.shape[1], meta.block_size,
-            meta.decode_max_len,
-        )  # fmt: skip
+        # One-token decodes only, with their longest context given: the decode kernel directly;
+        # any other step (prefill chunks, speculative verification) through paged_attention.
+        self.decode_only = meta.num_decodes == t and meta.decode_max_len > 0
+        if self.decode_only:
+            self.tables = meta.decode_block_tables.to(torch.int64).contiguous()
+            self.lens = meta.decode_context_lens.to(torch.int64).contiguous()
+            cpu_native.check_decode_shapes(
+                c.num_heads, c.head_dim, self.kv_shape[0], self.tables.shape[1], meta.block_size,
+                meta.decode_max_len,
+            )  # fmt: skip
         nq = c.q_size + 2 * c.kv_size
 
         def buf(*shape):
@@ -319,10 +325,14 @@ class _Step:
         return qkv
 
     def attention(self, rec: _Layer, qkv: torch.Tensor, k_cache, v_cache) -> torch.Tensor:
-        """K/V written to their slots, then decode attention of q over each sequence's cache:
-        the kernels paged_attention picks for a decode-only step. Returns [T, heads, D]."""
+        """K/V written to their slots, then attention of q over each sequence's cache: for a
+        decode-only step the kernels paged_attention picks for one, called directly; otherwise
+        paged_attention itself. Returns [T, heads, D]."""
         c, meta = self.c, self.meta
         kvh, slots, d = self.kv_shape
+        if not self.decode_only:
+            v = qkv[:, rec.sizes[0] + rec.sizes[1] :].view(self.rows, kvh, d)
+            return paged_attention(self.q, self.k, v, k_cache, v_cache, meta, rec.scale)
         v_ptr = qkv.data_ptr() + 2 * (rec.sizes[0] + rec.sizes[1])
         self.lib.write_kv(
             self.k.data_ptr(), c.kv_size, v_ptr, qkv.stride(0), k_cache.data_ptr(),
