@@ -132,7 +132,10 @@ class _Layer:
         attn, mlp = reads.module(layer, "self_attn"), reads.module(layer, "mlp")
         self.scale = attn.scale
         for block in (attn, mlp):  # the merged linear serves only while its parts are unchanged
-            for name, part in zip(_PARTS[type(block).__name__], reads.attr(block, "merged").parts):
+            merged = reads.attr(block, "merged")
+            if merged is None:
+                raise _NotMerged
+            for name, part in zip(_PARTS[type(block).__name__], merged.parts):
                 if reads.module(block, name) is not part:
                     raise _NotMerged
                 reads.param(part, "weight")
@@ -153,7 +156,7 @@ _PARTS = {"Attention": ("q_proj", "k_proj", "v_proj"), "MLP": ("gate_proj", "up_
 
 
 class _NotMerged(Exception):
-    """A block whose merged linear no longer serves its parts: no program."""
+    """A block with no merged linear, or one that no longer serves its parts: no program."""
 
 
 def _hooked(modules: list[nn.Module]) -> bool:
@@ -203,11 +206,6 @@ class DecodeProgram:
         tables = (rotary.cos, rotary.sin)  # RoPE's float32 tables, read by pointer
         if not _plain(embed.weight) or not all(
             t.dtype is torch.float32 and t.is_contiguous() for t in tables
-        ):
-            return None
-        if not all(
-            layer.self_attn.merged is not None and layer.mlp.merged is not None
-            for layer in model.model.layers
         ):
             return None
         try:
