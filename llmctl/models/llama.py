@@ -8,8 +8,9 @@ Owns: the decoder modules and two forward paths over the same weights:
 Parameter names equal Hugging Face's, so checkpoints load (and save) one to one. At engine start
 (`tune_linears`) q/k/v and gate/up are merged into one linear each (models/merged.py) for the
 engine's path; the element-wise steps there run fused in C where they can (kernels/cpu_fused.py:
-SiLU-and-multiply, residual add + RMSNorm). Decode-only steps on the CPU in bf16 run as
-models/decode_program.py's flat sequence of those kernels instead, where it applies.
+SiLU-and-multiply, residual add + RMSNorm). On the CPU in bf16, the engine's steps (but
+batch-invariant ones) run as models/decode_program.py's flat sequence of those kernels instead,
+where it applies.
 """
 
 from __future__ import annotations
