@@ -93,3 +93,31 @@ def test_sampled_speculation_runs_and_reports_acceptance(shakespeare_model):
     )
     assert all(len(o.output_token_ids) == 24 for o in outs)
     assert llm.engine.stats.spec_acceptance_rate is not None
+
+
+def test_verification_tokens_attend_as_decodes(stories_model):
+    """A verifying sequence's last token and drafts are laid out as decode rows (each its own
+    context length over the paged cache, causal because the step writes every K/V first), sorted
+    with the one-token decodes by context, longest first; a prompt chunk stays a chunk."""
+    from llmctl.engine.scheduler import ScheduledBatch
+    from llmctl.engine.sequence import Sequence
+
+    runner = LLM(str(stories_model), dtype="float32").engine.runner
+    params = SamplingParams(max_tokens=8)
+    decode, verify_, prompt = (
+        Sequence("d", list(range(3, 14)), params, 64),
+        Sequence("v", list(range(3, 24)), params, 64),
+        Sequence("p", list(range(3, 11)), params, 64),
+    )
+    decode.num_computed_tokens, decode.block_table = 10, [3]
+    verify_.num_computed_tokens, verify_.block_table = 20, [4, 5]
+    verify_.spec_token_ids = [5, 6, 7]
+    prompt.block_table = [6]
+    batch = ScheduledBatch([decode, verify_, prompt], [1, 4, 8])
+    st = runner._step_inputs(batch)
+    assert st.dec_lens == [21, 22, 23, 24, 11]
+    assert st.dec_tables == [[4, 5]] * 4 + [[3]]
+    assert st.ids[:5] == [23, 5, 6, 7, 13]
+    assert [(c.start, c.length) for c in st.prefills] == [(5, 8)]
+    assert st.logits_idx == [0, 1, 2, 3, 4, 12]
+    assert st.sampling == [verify_, decode, prompt]

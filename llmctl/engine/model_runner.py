@@ -4,11 +4,12 @@ Owns: the KV cache tensors (sized once from the memory budget) and the per-step 
 packed token ids [T], positions [T], slot mapping [T], decode block tables, prefill chunks, and
 the indices of the tokens whose logits are needed (the last token of each sequence that samples),
 and, for requests that asked for prompt logprobs, the hidden states of their prompt positions.
-Decode-only steps go through `cuda_graphs.DecodeGraphs` when enabled (CUDA). With
-`EngineConfig.batch_invariant` every token is laid out as a decode (its own block table and
-context length, prefill chunks included) and the model takes its fixed-order paths (on CUDA the
-Triton kernels of kernels/triton_invariant.py), so a token's arithmetic does not depend on what
-else is in the step.
+One-token decodes and speculative verification tokens are laid out as decodes (each token its
+own context length over the paged cache); steps made only of those go through
+`cuda_graphs.DecodeGraphs` when enabled (CUDA). With `EngineConfig.batch_invariant` every token
+is laid out as a decode (prefill chunks included) and the model takes its fixed-order paths (on
+CUDA the Triton kernels of kernels/triton_invariant.py), so a token's arithmetic does not depend
+on what else is in the step.
 """
 
 from __future__ import annotations
@@ -35,15 +36,15 @@ MIN_GROUPED_DECODES = 8  # below this, one padded decode-attention call costs le
 
 @dataclass
 class StepInputs:
-    """One step as Python lists, in packed order (one-token decodes first, longest context
-    first)."""
+    """One step as Python lists, in packed order (tokens laid out as decodes first, longest
+    context first)."""
 
     ids: list[int] = field(default_factory=list)  # [T] token ids
     positions: list[int] = field(default_factory=list)  # [T]
     slots: list[int] = field(default_factory=list)  # [T] KV slot of each token
     dec_tables: list[list[int]] = field(
         default_factory=list
-    )  # block table of each one-token decode
+    )  # block table of each token laid out as a decode
     dec_lens: list[int] = field(default_factory=list)  # its context length, the new token included
     prefills: list[PrefillChunk] = field(default_factory=list)
     logits_idx: list[int] = field(default_factory=list)  # packed rows whose logits are sampled
@@ -172,16 +173,24 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
-    @staticmethod
-    def _decodes_longest_first(batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
-        """The batch's (sequence, new tokens), one-token decodes first sorted by context length,
-        longest first, so that decode attention can pad each run of similar lengths separately."""
+    def _as_decodes(self, seq: Sequence, n: int) -> bool:
+        """Whether the step's n tokens of seq attend as decodes, each with its own context
+        length over the paged cache: one-token decodes, speculative verification (the last
+        token and its drafts: reading a short context n times costs less than gathering it for
+        chunk attention), and every token in batch-invariant runs."""
+        return self.batch_invariant or n == 1 + len(seq.spec_token_ids)
+
+    def _decodes_longest_first(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+        """The batch's (sequence, new tokens), those laid out as decodes first sorted by context
+        length, longest first, so that decode attention can pad each run of similar lengths
+        separately."""
         pairs = list(zip(batch.seqs, batch.num_new_tokens))
-        decodes = sorted((p for p in pairs if p[1] == 1), key=lambda p: -p[0].num_computed_tokens)
-        return decodes + [p for p in pairs if p[1] != 1]
+        decodes = [p for p in pairs if self._as_decodes(*p)]
+        decodes.sort(key=lambda p: -p[0].num_computed_tokens)
+        return decodes + [p for p in pairs if not self._as_decodes(*p)]
 
     def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:
-        """The step as Python lists: packed ids, positions and slots, one-token decodes first."""
+        """The step as Python lists: packed ids, positions and slots, decode rows first."""
         bs = self.block_size
         st = StepInputs()
         for seq, n in self._decodes_longest_first(batch):
@@ -191,7 +200,7 @@ class ModelRunner:
             st.ids.extend(seq.step_token_ids(start, n))
             st.positions.extend(range(start, start + n))
             st.slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n == 1 or self.batch_invariant:  # invariant: each token attends as a decode does
+            if self._as_decodes(seq, n):
                 st.dec_tables.extend([table] * n)
                 st.dec_lens.extend(range(start + 1, start + n + 1))
             else:
