@@ -25,30 +25,22 @@ import sys
 import tempfile
 from pathlib import Path
 
-from llmctl.cli import prefer_huge_pages
-
-# This process runs llmctl's engine and batch-1 legs: huge pages as the `llmctl` command asks for
-# them, set before torch's first allocation. vLLM gets them only with --vllm-huge-pages.
-prefer_huge_pages()
-
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_throughput import run_llmctl, run_transformers  # noqa: E402
-from common import (  # noqa: E402
+from common import (
     decode_bytes_per_token,
     environment,
     measure_machine,
     memory_read_gbs,
-    random_model_folder,
+    random_model_folder,  # noqa: E402
     workload,
     workload_flops,
 )
 
 
-def run_vllm(
-    python: str, folder: Path, prompts, outs, threads: int, dtype: str, huge_pages: bool
-) -> dict:
+def run_vllm(python: str, folder: Path, prompts, outs, threads: int, dtype: str) -> dict:
     spec = {
         "model": str(folder),
         "prompts": prompts,
@@ -61,7 +53,6 @@ def run_vllm(
         json.dump(spec, f)
     res = subprocess.run(
         [python, str(Path(__file__).with_name("vllm_worker.py")), f.name],
-        env={k: v for k, v in os.environ.items() if huge_pages or k != "THP_MEM_ALLOC_ENABLE"},
         capture_output=True,
         text=True,
         timeout=7200,
@@ -222,11 +213,6 @@ def main() -> None:
     ap.add_argument(
         "--batch1-only", action="store_true", help="only the batch-1 decode and its MBU (no peers)"
     )
-    ap.add_argument(
-        "--vllm-huge-pages",
-        action="store_true",
-        help="run vLLM with THP_MEM_ALLOC_ENABLE=1 too (by default it runs as its users run it)",
-    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -246,7 +232,6 @@ def main() -> None:
         "prompt_tokens": sum(map(len, prompts)),
         "output_len": args.output_len,
         "output_tokens": sum(outs),
-        "huge_pages": {"llmctl": os.environ["THP_MEM_ALLOC_ENABLE"], "vllm": args.vllm_huge_pages},
     }
     if args.batch1_only:
         report["llmctl_batch1"] = batch1_decode(folder, args.dtype, vocab)
@@ -259,9 +244,7 @@ def main() -> None:
     # with its host's load, the median of alternated runs is a fairer ratio than one run each.
     runs = {"vllm_cpu": [], "llmctl": [], "llmctl_run_batch": []}
     for _ in range(args.repeats):
-        runs["vllm_cpu"].append(
-            run_vllm(python, folder, prompts, outs, args.threads, args.dtype, args.vllm_huge_pages)
-        )
+        runs["vllm_cpu"].append(run_vllm(python, folder, prompts, outs, args.threads, args.dtype))
         print(json.dumps({"vllm_cpu": runs["vllm_cpu"][-1]}), flush=True)
         runs["llmctl"].append(run_llmctl(folder, prompts, outs, dtype=args.dtype, max_num_seqs=256))
         print(json.dumps({"llmctl": runs["llmctl"][-1]}), flush=True)
