@@ -45,20 +45,10 @@ for module in (quantize, sparsify, distill, run_batch, profile, eval_cmd, recipe
     module.register(app)
 
 
-def prefer_huge_pages(environ: dict = os.environ) -> None:
-    """Ask PyTorch to put its large CPU tensors (weights, packed weights, the KV cache) on 2 MB
-    transparent huge pages: a decode step streams every weight, and on 4 KB pages the walks of the
-    page tables cost bandwidth (BENCHMARKS.md, "huge pages"). PyTorch reads THP_MEM_ALLOC_ENABLE
-    once, at its first CPU allocation, so this runs before any command imports torch. A value the
-    user set (0 turns it off) is kept; where the kernel's THP mode is `never` it changes nothing."""
-    environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit code."""
     from llmctl.errors import LlmctlError
 
-    prefer_huge_pages()
     try:
         rc = app(args=argv, prog_name="llmctl", standalone_mode=False)
     except LlmctlError as e:
