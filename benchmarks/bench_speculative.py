@@ -9,8 +9,9 @@ prompt lookup, each against plain decoding, greedy, on tinyshakespeare-5m (6 lay
    (speculative_max_batch=None), K = --crossover-k; the crossover is the first batch size at which
    speculation is no faster than plain decoding.
 Greedy outputs with and without speculation must be identical (asserted): exactly in float32; in
-bfloat16 a request may diverge only at a near-tie of the target (see GreedyCheck), because verifying
-K+1 positions in one chunk rounds differently from one-token decode steps.
+bfloat16 a request may diverge only at a near-tie of the target (see GreedyCheck): verification
+tokens attend as decode rows, but their linears run K+1 rows per sequence, which a batch's row
+count can send to another kernel than a one-token decode step's.
 
     nice -n 19 python benchmarks/bench_speculative.py --dtype bfloat16 --threads 1 --json
     spec-bf16.json nice -n 19 python benchmarks/bench_speculative.py --dtype float32 --threads 1
@@ -72,6 +73,7 @@ class Engines:
 
     def __init__(self, args, draft: Path):
         self.args, self.draft, self.cache = args, draft, {}
+        self.runtime = None  # the target's runtime of the latest load (tokenizer for prompts)
 
     def __call__(self, method: str | None, k: int = 4):
         if (method, k) not in self.cache:
@@ -83,9 +85,8 @@ class Engines:
                 enable_prefix_caching=False,
                 max_num_seqs=max(self.args.batch_sizes),
             )
-            engine = load_runtime(
-                self.args.target, dtype=self.args.dtype, device="cpu"
-            ).start_engine(cfg)
+            self.runtime = load_runtime(self.args.target, dtype=self.args.dtype, device="cpu")
+            engine = self.runtime.start_engine(cfg)
             generate(engine, [[5, 6, 7, 8]], 8)  # warm-up
             self.cache[method, k] = engine
         return self.cache[method, k]
@@ -311,7 +312,8 @@ def main() -> None:
         else {}
     )
     engines = Engines(args, draft)
-    rt = engines(None).runtime
+    engines(None)
+    rt = engines.runtime
     n = max(args.num_prompts, max(args.batch_sizes))
     texts, copies = text_prompts(rt, n, args.prompt_len), copy_prompts(rt, n, args.copy_chars)
     report = {
