@@ -180,27 +180,28 @@ class ModelRunner:
         chunk attention), and every token in batch-invariant runs."""
         return self.batch_invariant or n == 1 + len(seq.spec_token_ids)
 
-    def _decodes_longest_first(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
-        """The batch's (sequence, new tokens), those laid out as decodes first sorted by context
-        length, longest first, so that decode attention can pad each run of similar lengths
-        separately."""
-        pairs = list(zip(batch.seqs, batch.num_new_tokens))
-        decodes = [p for p in pairs if self._as_decodes(*p)]
-        decodes.sort(key=lambda p: -p[0].num_computed_tokens)
-        return decodes + [p for p in pairs if not self._as_decodes(*p)]
+    def _packed_order(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, bool]]:
+        """The batch's (sequence, new tokens, laid out as decodes), the decode rows first sorted
+        by context length, longest first, so that decode attention can pad each run of similar
+        lengths separately."""
+        rows = [
+            (seq, n, self._as_decodes(seq, n)) for seq, n in zip(batch.seqs, batch.num_new_tokens)
+        ]
+        decodes = sorted((r for r in rows if r[2]), key=lambda r: -r[0].num_computed_tokens)
+        return decodes + [r for r in rows if not r[2]]
 
     def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:
         """The step as Python lists: packed ids, positions and slots, decode rows first."""
         bs = self.block_size
         st = StepInputs()
-        for seq, n in self._decodes_longest_first(batch):
+        for seq, n, as_decodes in self._packed_order(batch):
             start = seq.num_computed_tokens
             table = seq.block_table
             offset = len(st.ids)
             st.ids.extend(seq.step_token_ids(start, n))
             st.positions.extend(range(start, start + n))
             st.slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if self._as_decodes(seq, n):
+            if as_decodes:
                 st.dec_tables.extend([table] * n)
                 st.dec_lens.extend(range(start + 1, start + n + 1))
             else:
