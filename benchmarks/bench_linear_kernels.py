@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.common import SHARED, environment  # noqa: E402
-from llmctl.kernels import autotune, cpu_bf16, cpu_dpbf16, cpu_native, onednn_linear  # noqa: E402
+from llmctl.kernels import autotune, cpu_bf16, cpu_dpbf16, cpu_native  # noqa: E402
 from llmctl.kernels.cpu_native import _cpu_fingerprint  # noqa: E402
 
 PASS_FLOPS = 2e9  # at most this much work per timed pass (beyond one call)
@@ -77,7 +77,8 @@ def bench_shape(n: int, k: int, dtype, rows: list[int], reps: int) -> list[dict]
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g).to(dtype) for _ in range(copies)]
     cands = [c for c in autotune.CANDIDATES if c.applies(weights[0])]
-    packs = [onednn_linear.pack_weight(w) for w in weights]
+    # per packing candidate: its copy of each weight, as the kernel receives it ({name: copy})
+    packs = {c.name: [{c.name: c.pack(w)} for w in weights] for c in cands if c.packs}
     results = []
     for m in rows:
         x = torch.randn(m, k, generator=g).to(dtype)
@@ -85,9 +86,9 @@ def bench_shape(n: int, k: int, dtype, rows: list[int], reps: int) -> list[dict]
         used = max(1, min(copies, int(PASS_FLOPS / (2 * m * n * k))))
         times = {}
         for c in cands:
-            if c.packs and any(p is None for p in packs):
+            if c.packs and any(p[c.name] is None for p in packs[c.name]):
                 continue
-            pk = packs[:used] if c.packs else None
+            pk = packs[c.name][:used] if c.packs else None
             times[c.name] = time_candidate(c, x, weights[:used], pk, reps)
         gflops = {name: 2 * m * n * k / t / 1e9 for name, t in times.items()}
         choice, static = autotune.choose(times), static_choice(x, weights[0])

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmctl.kernels import autotune, cpu_dpbf16, cpu_native, onednn_linear
+from llmctl.kernels import autotune, cpu_amx, cpu_dpbf16, cpu_native
 
 
 def layer(n: int, k: int, dtype=torch.float32, bias: bool = False, seed: int = 0):
@@ -207,7 +207,7 @@ def _candidates(dtype: torch.dtype, w: torch.Tensor) -> list[autotune.Candidate]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 17, 130])
-@pytest.mark.parametrize("n,k", [(13, 24), (70, 40), (130, 72), (5, 33)])
+@pytest.mark.parametrize("n,k", [(13, 24), (70, 40), (130, 72), (5, 33), (64, 96)])
 def test_every_candidate_matches_f_linear(dtype, rows, n, k):
     g = torch.Generator().manual_seed(rows * n + k)
     w = torch.randn(n, k, generator=g).to(dtype)
@@ -218,7 +218,7 @@ def test_every_candidate_matches_f_linear(dtype, rows, n, k):
     names = []
     with torch.inference_mode():
         for c in _candidates(dtype, w):
-            packed = onednn_linear.pack_weight(w) if c.packs else None
+            packed = {c.name: c.pack(w)} if c.packs else None
             for bias in (b, None):
                 y = c.run(x, w, bias, packed)
                 assert y.dtype is dtype and y.shape == (rows, n)
@@ -232,6 +232,8 @@ def test_every_candidate_matches_f_linear(dtype, rows, n, k):
         assert "upcast" in names
         if cpu_dpbf16.library() is not None:
             assert "dpbf16" in names
+        if cpu_amx.library() is not None and n % 32 == 0 and k % 32 == 0:
+            assert "amx" in names
 
 
 def test_dpbf16_kernel_leading_dims_and_threads():

@@ -3,12 +3,13 @@ few row counts over every kernel that can serve it on this CPU, and the fastest 
 
 Owns: the candidates (`CANDIDATES`: F.linear in the weight's dtype, the C kernel of cpu_linear.c,
 the bf16 dot-product kernel of cpu_linear_dpbf16.c, float32 widening of cpu_bf16.py, oneDNN-packed
-weights), the row buckets, the choice rule (`choose`), the time budget and early stop (`tune`), the
-per-shape plan a layer consults per call (`Plan`), and the JSON cache of the choices, one file per
-CPU model (cpu_native's fingerprint) under $LLMCTL_CACHE_DIR or ~/.cache/llmctl/autotune. Rows
-between buckets use the nearest bucket's choice (in ratio); a bucket left unmeasured (budget spent)
-has no choice, and the caller's static rules serve it. The batch-invariant paths (invariant.py)
-never consult a plan.
+weights, the AMX kernel of cpu_linear_amx.c over its own packed copy), the row buckets, the choice
+rule (`choose`, and one packed copy per shape: `_rechoose_packed`), the time budget and early stop
+(`tune`), the per-shape plan a layer consults per call (`Plan`), and the JSON cache of the
+choices, one file per CPU model (cpu_native's fingerprint) under $LLMCTL_CACHE_DIR or
+~/.cache/llmctl/autotune. Rows between buckets use the nearest bucket's choice (in ratio); a
+bucket left unmeasured (budget spent) has no choice, and the caller's static rules serve it. The
+batch-invariant paths (invariant.py) never consult a plan.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from llmctl.kernels import cpu_bf16, cpu_dpbf16, cpu_native, onednn_linear
+from llmctl.kernels import cpu_amx, cpu_bf16, cpu_dpbf16, cpu_native, onednn_linear
 
 BUCKETS = (1, 8, 32, 64, 128)  # and the caller's largest row count (the token budget)
 BUDGET_S = 6.0  # wall seconds of timing per model at most
@@ -36,15 +37,16 @@ MEMORY_MARGIN = 1.2  # a packed copy (more memory) must beat the best plain kern
 # together are at most this large (a model of a few hundred million parameters).
 PACK_MAX_BYTES = 1 << 30
 # 2: bucket 64, timings over TIMED_LAYERS weights; 3: a shape packed once is packed where fastest;
-# 4: ROUNDS interleaved measurements
-CACHE_VERSION = 4
+# 4: ROUNDS interleaved measurements; 5: the AMX candidate
+CACHE_VERSION = 5
 MAX_CALLS, MIN_SECONDS = 8, 0.004  # timed calls per measurement: at most, and enough to stop
 # Measurements per candidate and bucket, taken in turn with the other candidates and averaged: on
 # a VM whose memory bandwidth drifts (seen 38-67 GB/s within an hour, AMD EPYC Zen 5), one block
 # per candidate let the drift pick the kernel (choices flipped between runs).
 ROUNDS = 2
 
-Kernel = Callable[[torch.Tensor, torch.Tensor, Any, Any], torch.Tensor]  # (x, weight, bias, packed)
+# (x, weight, bias, packed): packed maps a packing candidate's name to its copy of the weight
+Kernel = Callable[[torch.Tensor, torch.Tensor, Any, Any], torch.Tensor]
 
 
 def allowed() -> bool:
@@ -54,8 +56,8 @@ def allowed() -> bool:
     return os.environ.get("LLMCTL_AUTOTUNE", "1") != "0"
 
 
-def _packed(x: torch.Tensor, w: torch.Tensor, b: Any, packed: Any) -> torch.Tensor:
-    y = onednn_linear.packed_linear(x.reshape(-1, x.shape[-1]), packed, b)
+def _packed(x: torch.Tensor, w: torch.Tensor, b: Any, packed: dict) -> torch.Tensor:
+    y = onednn_linear.packed_linear(x.reshape(-1, x.shape[-1]), packed["packed"], b)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -64,11 +66,16 @@ class Candidate:
     name: str
     run: Kernel
     applies: Callable[[torch.Tensor], bool]  # for this weight [N, K] on this CPU
-    packs: bool = False  # needs a oneDNN-packed copy of the weight
+    # weight -> the copy of it this kernel reads (None: cannot); None for kernels of the plain one
+    pack: Callable[[torch.Tensor], Any] | None = None
     # A kernel for few rows (a register tile per call): against the BLAS it only falls further
     # behind as rows grow, so once far behind it is not timed at larger buckets. The BLAS-backed
     # ones gain with rows and are timed at every bucket.
     few_rows: bool = False
+
+    @property
+    def packs(self) -> bool:
+        return self.pack is not None
 
 
 def _native_applies(w: torch.Tensor) -> bool:
@@ -93,7 +100,13 @@ CANDIDATES = (
         lambda x, w, b, p: cpu_bf16.upcast_linear(x, w, b),
         lambda w: w.dtype is torch.bfloat16,
     ),
-    Candidate("packed", _packed, onednn_linear.can_pack, packs=True),
+    Candidate("packed", _packed, onednn_linear.can_pack, pack=onednn_linear.pack_weight),
+    Candidate(
+        "amx",
+        lambda x, w, b, p: cpu_amx.linear(x, w, b, p["amx"]),
+        cpu_amx.applies,
+        pack=cpu_amx.pack,
+    ),
 )
 BY_NAME = {c.name: c for c in CANDIDATES}
 
@@ -139,7 +152,9 @@ class Plan:
         for rows in range(1, self.max_rows + 1):
             name = self.choices.get(nearest(rows, planned))
             self.table[rows] = None if name is None else BY_NAME[name].run
-        self.packs = any(BY_NAME[n].packs for n in self.choices.values())
+        # the packing candidates chosen for some bucket: each needs its copy of the weight
+        self.packings = tuple(sorted({n for n in self.choices.values() if BY_NAME[n].packs}))
+        self.packs = bool(self.packings)
 
     def kernel(self, rows: int) -> Kernel | None:
         return self.table[rows] if rows <= self.max_rows else self.table[-1]
@@ -267,8 +282,8 @@ def _time_bucket(g: _Group, layers, rows: int, measure: Measure, over: Callable[
     x = torch.randn(rows, w0.shape[1], generator=torch.Generator().manual_seed(0)).to(w0.dtype)
     runs = {}
     for cand in g.alive:
-        packs = [onednn_linear.pack_weight(m.weight) for m in picked] if cand.packs else None
-        if cand.packs and any(p is None for p in packs):
+        packs = [{cand.name: cand.pack(m.weight)} for m in picked] if cand.packs else None
+        if cand.packs and any(p[cand.name] is None for p in packs):
             continue
 
         def run(i: int, cand=cand, packs=packs) -> Any:
@@ -288,13 +303,19 @@ def _time_bucket(g: _Group, layers, rows: int, measure: Measure, over: Callable[
 
 
 def _rechoose_packed(g: _Group) -> dict[int, str]:
-    """Where some bucket of the group chose a packed copy, every timed bucket takes its fastest
-    candidate, packed or not; returns the buckets whose choice changed."""
-    if not any(BY_NAME[c].packs for c in g.choices.values()):
+    """Where some bucket of the group chose a packed copy, one packed copy is kept (the kind most
+    buckets chose; ties: the smallest bucket's) and every timed bucket takes its fastest candidate
+    among the plain ones and that copy: the copy's memory is spent, and a second kind of copy
+    would add as much again. Returns the buckets whose choice changed."""
+    kinds = [(rows, c) for rows, c in sorted(g.choices.items()) if BY_NAME[c].packs]
+    if not kinds:
         return {}
+    names = [c for _, c in kinds]
+    held = max(names, key=lambda c: (names.count(c), -names.index(c)))
     changed = {}
     for rows, times in g.timed.items():
-        best = choose(times, packed_already=True)
+        usable = {n: t for n, t in times.items() if not BY_NAME[n].packs or n == held}
+        best = choose(usable, packed_already=True)
         if best is not None and best != g.choices[rows]:
             g.choices[rows] = changed[rows] = best
     return changed

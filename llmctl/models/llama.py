@@ -313,7 +313,8 @@ class LlamaForCausalLM(nn.Module):
         autotuner packed it already); returns whether it was made."""
         if self._plain_head():
             head = self.lm_head
-            self.packed_head = head.packed if head.packed is not None else pack_weight(head.weight)
+            held = (head.packed or {}).get("packed")  # the autotuner's oneDNN copy, if it made one
+            self.packed_head = held if held is not None else pack_weight(head.weight)
         return self.packed_head is not None
 
     def tune_linears(self, max_rows: int, logit_rows: int, enabled: bool = True) -> None:
@@ -337,9 +338,10 @@ class LlamaForCausalLM(nn.Module):
         if enabled and layers:
             rows = [logit_rows if m is self.lm_head else max_rows for m in layers]
             for m, plan in zip(layers, autotune.tune(layers, rows)):
-                packed = pack_weight(m.weight) if plan.packs else None
-                if not plan.packs or packed is not None:
-                    m.plan, m.packed = plan, packed
+                # name -> copy, for the packing kernels the plan chose
+                packed = {n: autotune.BY_NAME[n].pack(m.weight) for n in plan.packings}
+                if all(p is not None for p in packed.values()):
+                    m.plan, m.packed = plan, packed or None
         self.decode_program = DecodeProgram.build(self)
 
     def compute_logits(
