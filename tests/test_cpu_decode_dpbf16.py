@@ -1,5 +1,7 @@
 """The AVX512-BF16 paged decode kernel (cpu_paged_attention_dpbf16.c) against the PyTorch reference
-and the generic C kernel, and the properties batch-invariant mode relies on."""
+and the generic C kernel, and the properties batch-invariant mode relies on: each test runs in
+both variants, `vdpbf16ps` items and AMX tiles (`paged_decode_amx`; skipped where the CPU lacks
+AMX-BF16)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,18 @@ pytestmark = [
     ),
 ]
 
-LENS = [1, 15, 16, 17, 703, 2, 64, 129]  # one token, a block's edges, long, odd and even
+LENS = [1, 15, 16, 17, 703, 2, 64, 129]
+
+
+@pytest.fixture(autouse=True, params=["dpbf16", "amx"])
+def variant(request, monkeypatch):
+    """The kernel variant under test, chosen through LLMCTL_DECODE_AMX."""
+    if request.param == "amx" and not cpu_native.decode_amx_available():
+        pytest.skip("this CPU or compiler cannot run AMX-BF16 tiles")
+    monkeypatch.setenv("LLMCTL_DECODE_AMX", "1" if request.param == "amx" else "0")
+    want = "paged_decode_amx" if request.param == "amx" else "paged_decode_dpbf16"
+    assert cpu_native.decode_bf16_kernel() == want
+    return request.param  # one token, a block's edges, long, odd and even
 
 
 def _run(q, kc, vc, tables, lens, bs, dpbf16=True, threads=1):
@@ -88,11 +101,16 @@ def _relayout(cache, tables, lens, bs, new_bs):
 
 
 @pytest.mark.parametrize("new_bs", [32, 5])
-def test_block_size_does_not_change_a_bit(new_bs):
+def test_block_size_does_not_change_a_bit(new_bs, variant, monkeypatch):
     q, kc, vc, tables, lt = _case(9, 3, 64, 16, LENS, torch.bfloat16, seed=11)
     k2, t2 = _relayout(kc, tables, lt, 16, new_bs)
     v2, _ = _relayout(vc, tables, lt, 16, new_bs)
-    assert torch.equal(_run(q, kc, vc, tables, lt, 16), _run(q, k2, v2, t2, lt, new_bs))
+    relaid = _run(q, k2, v2, t2, lt, new_bs)
+    if variant == "amx" and new_bs % 16:  # blocks AMX tiles do not fit: the vdpbf16ps items
+        monkeypatch.setenv("LLMCTL_DECODE_AMX", "0")
+        assert torch.equal(relaid, _run(q, k2, v2, t2, lt, new_bs))
+        return
+    assert torch.equal(_run(q, kc, vc, tables, lt, 16), relaid)
 
 
 def test_served_for_bf16_only_and_switched_off_by_environment(monkeypatch):

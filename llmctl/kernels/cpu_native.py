@@ -127,9 +127,15 @@ def library() -> ctypes.CDLL | None:
         + [ctypes.c_int] * 4
         + [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int64, ctypes.c_int]
     )
-    for name in ("paged_decode_f32", "paged_decode_bf16", "paged_decode_dpbf16"):
+    for name in (
+        "paged_decode_f32",
+        "paged_decode_bf16",
+        "paged_decode_dpbf16",
+        "paged_decode_amx",
+    ):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
+    lib.paged_decode_amx_available.restype = ctypes.c_int
     lib.linear.argtypes = [
         ctypes.c_void_p,
         ctypes.c_int64,
@@ -245,6 +251,25 @@ def decode_dpbf16_available() -> bool:
     return cpu_has_dpbf16() and lib is not None and bool(lib.paged_decode_dpbf16_built())
 
 
+@functools.cache
+def decode_amx_available() -> bool:
+    """Whether the AMX variant of that kernel (`paged_decode_amx`) runs here: `amx_bf16` in the
+    CPU's flags, the compiler had the intrinsics, Linux grants the tile state (asked once)."""
+    from llmctl.kernels.cpu_dpbf16 import _cpu_flags
+
+    if not decode_dpbf16_available() or "amx_bf16" not in _cpu_flags():
+        return False
+    return bool(library().paged_decode_amx_available())
+
+
+def decode_bf16_kernel() -> str:
+    """The library function serving bf16 decode attention where `use_decode_dpbf16` holds:
+    "paged_decode_amx" where AMX runs (unless LLMCTL_DECODE_AMX=0; it takes the `vdpbf16ps`
+    items itself for shapes its tiles do not fit), else "paged_decode_dpbf16"."""
+    off = os.environ.get("LLMCTL_DECODE_AMX", "1") in ("0", "false", "no")
+    return "paged_decode_amx" if not off and decode_amx_available() else "paged_decode_dpbf16"
+
+
 def use_decode_dpbf16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """bf16 query and cache where the kernel runs, unless LLMCTL_DECODE_DPBF16=0. A float32 query
     keeps paged_decode_bf16, which does not round it to bf16."""
@@ -302,7 +327,7 @@ def paged_decode_attention(
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
     out = torch.empty_like(qf)
-    fn = getattr(library(), "paged_decode_dpbf16" if dpbf16 else _KERNELS[k_cache.dtype])
+    fn = getattr(library(), decode_bf16_kernel() if dpbf16 else _KERNELS[k_cache.dtype])
     failed = fn(
         qf.data_ptr(),
         k_cache.data_ptr(),

@@ -242,6 +242,238 @@ int paged_decode_dpbf16(const uint16_t *q, const uint16_t *kc, const uint16_t *v
     return failed;
 }
 
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* The same contract on AMX tiles (`paged_decode_amx`), for blocks of a multiple of 16 tokens,
+ * D % 32 == 0 up to 128 and at most 16 query heads per KV head; where these fail the call takes
+ * the `vdpbf16ps` items above. Per item:
+ *   scores  S^T [16 tokens, 16 heads] = K_tile [16 tokens, 32 D] x Q^T (B tiles built once per
+ *           item: pairs of D per head column, heads past G zero), K tiles loaded straight from the
+ *           cache (16 rows of a block at stride D); S^T stored token-major, then gathered per head;
+ *   softmax as above (the same function), P rounded to bf16;
+ *   P V     O [16 heads, 16 columns] += P [16 heads, 32 tokens] x V (B tiles: pairs of tokens per
+ *           column, interleaved from 32 cache rows by `vpermt2w`, rows past the context zero), up
+ *           to 64 columns per pass; out = O / sum.
+ * Each token's score and each output element sums the same terms in an order fixed by D and the
+ * context length alone (tile products accumulate in a fixed order), whatever the batch, block
+ * table or threads. */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+int paged_decode_amx_available(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Every tile 16 rows of 64 bytes. Scores: 0 S^T, 1 K, 2-5 Q^T. P V: 1 P, 0/2/3 V, 4-7 O. */
+static void configure(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+    _tile_loadconfig(&c);
+}
+
+typedef struct {
+    float *st, *s, *o;  /* S^T [stride][16], S [G][stride], O [16][64] */
+    uint16_t *p, *qb, *vb; /* P [16][stride], Q^T tiles [D / 32][512], V tiles [4][512] */
+    int64_t *off;          /* [stride] */
+} amx_scratch;
+
+/* q [G, D] as B tiles: tile c row r, element 2n + e = q[n][32 c + 2 r + e] (0 for n >= G). */
+INLINE void q_tiles(const uint16_t *q, int G, int D, uint16_t *qb) {
+    memset(qb, 0, (size_t)(D / 32) * 1024);
+    for (int c = 0; c < D / 32; ++c)
+        for (int r = 0; r < 16; ++r)
+            for (int n = 0; n < G; ++n) {
+                memcpy(qb + c * 512 + r * 32 + 2 * n, q + n * D + 32 * c + 2 * r, 4);
+            }
+}
+
+/* Raw scores into S [G, stride] and the cache offsets of the tokens' rows into off. */
+INLINE void amx_scores(const uint16_t *k, const uint16_t *v, const int64_t *table, int64_t len,
+                       int G, int D, int bs, int64_t stride, const amx_scratch *w) {
+    _tile_loadd(2, w->qb, 64); /* tile numbers must be constants */
+    if (D >= 64) _tile_loadd(3, w->qb + 512, 64);
+    if (D >= 96) _tile_loadd(4, w->qb + 1024, 64);
+    if (D >= 128) _tile_loadd(5, w->qb + 1536, 64);
+    for (int64_t j = 0; j < AHEAD && j * bs < len; ++j)
+        prefetch(k + table[j] * bs * D, (len - j * bs < bs ? len - j * bs : bs) * D * 2);
+    for (int64_t start = 0, j = 0; start < len; start += bs, ++j) {
+        const int64_t nb = len - start < bs ? len - start : bs, base = table[j] * bs * D;
+        const int64_t ahead = start + AHEAD * bs < len ? table[j + AHEAD] * bs * D : -1;
+        for (int64_t o = 0; o < nb; o += 16) {
+            const int64_t n = nb - o < 16 ? nb - o : 16;
+            if (ahead >= 0) prefetch(k + ahead + o * D, n * D * 2);
+            prefetch(v + base + o * D, n * D * 2);
+            for (int64_t i = 0; i < n; ++i) w->off[start + o + i] = base + (o + i) * D;
+            /* rows past the context are the block's own (stale) rows: their scores are unused */
+            _tile_zero(0);
+            const uint16_t *kt = k + base + o * D;
+            for (int c = 0; c < D / 32; ++c) {
+                _tile_loadd(1, kt + 32 * c, D * 2);
+                switch (c) { /* tile numbers must be constants */
+                case 0: _tile_dpbf16ps(0, 1, 2); break;
+                case 1: _tile_dpbf16ps(0, 1, 3); break;
+                case 2: _tile_dpbf16ps(0, 1, 4); break;
+                default: _tile_dpbf16ps(0, 1, 5); break;
+                }
+            }
+            _tile_stored(0, w->st + (start + o) * 16, 64);
+        }
+    }
+    const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                               12, 13, 14, 15),
+                                             _mm512_set1_epi32(16));
+    for (int g = 0; g < G; ++g)
+        for (int64_t t = 0; t < len; t += 16) {
+            const __mmask16 m = len - t >= 16 ? 0xffff : (__mmask16)((1u << (len - t)) - 1);
+            const __m512 x = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, lanes,
+                                                      w->st + t * 16 + g, 4);
+            _mm512_mask_storeu_ps(w->s + g * stride + t, m, x);
+        }
+}
+
+/* Interleave the 32 rows t0 .. t0 + 31 (zero past len), columns c0 .. c0 + 32 nc, into V tiles:
+ * tile n row r, element 2 m + e = V[t0 + 2 r + e][c0 + 16 n + m]. */
+INLINE void v_tiles(const uint16_t *v, const int64_t *off, int64_t t0, int64_t len, int c0,
+                    int nc, uint16_t *vb) {
+    const __m512i lo = _mm512_setr_epi32(0x200000, 0x210001, 0x220002, 0x230003, 0x240004,
+                                         0x250005, 0x260006, 0x270007, 0x280008, 0x290009,
+                                         0x2a000a, 0x2b000b, 0x2c000c, 0x2d000d, 0x2e000e,
+                                         0x2f000f);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int r = 0; r < 16; ++r) {
+        const int64_t ta = t0 + 2 * r, tb = ta + 1;
+        for (int j = 0; j < nc; ++j) {
+            const __m512i a = ta < len ? _mm512_loadu_si512(v + off[ta] + c0 + 32 * j)
+                                       : _mm512_setzero_si512();
+            const __m512i b = tb < len ? _mm512_loadu_si512(v + off[tb] + c0 + 32 * j)
+                                       : _mm512_setzero_si512();
+            _mm512_store_si512(vb + (2 * j) * 512 + r * 32, _mm512_permutex2var_epi16(a, lo, b));
+            _mm512_store_si512(vb + (2 * j + 1) * 512 + r * 32,
+                               _mm512_permutex2var_epi16(a, hi, b));
+        }
+    }
+}
+
+/* out [G, D] = P V / sum, P [16, stride] (rows past G unused), 64 columns (4 tiles) a pass. */
+INLINE void amx_pv(const uint16_t *v, int64_t len, int G, int D, int64_t stride,
+                   const float *inv, uint16_t *out, const amx_scratch *w) {
+    for (int c0 = 0; c0 < D; c0 += 64) {
+        const int nc = D - c0 >= 64 ? 2 : 1; /* 32-column halves in this pass */
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int64_t t0 = 0; t0 < len; t0 += 32) {
+            v_tiles(v, w->off, t0, len, c0, nc, w->vb);
+            _tile_loadd(1, w->p + t0, stride * 2);
+            _tile_loadd(0, w->vb, 64);
+            _tile_loadd(2, w->vb + 512, 64);
+            _tile_dpbf16ps(4, 1, 0);
+            _tile_dpbf16ps(5, 1, 2);
+            if (nc == 2) {
+                _tile_loadd(3, w->vb + 1024, 64);
+                _tile_loadd(0, w->vb + 1536, 64);
+                _tile_dpbf16ps(6, 1, 3);
+                _tile_dpbf16ps(7, 1, 0);
+            }
+        }
+        _tile_stored(4, w->o, 256);
+        _tile_stored(5, w->o + 16, 256);
+        _tile_stored(6, w->o + 32, 256);
+        _tile_stored(7, w->o + 48, 256);
+        for (int g = 0; g < G; ++g) {
+            const __m512 sc = _mm512_set1_ps(inv[g]);
+            for (int c = 0; c < 32 * nc; c += 16) {
+                const __m512 x = _mm512_mul_ps(_mm512_load_ps(w->o + g * 64 + c), sc);
+                _mm256_storeu_si256((__m256i *)(out + g * D + c0 + c),
+                                    (__m256i)_mm512_cvtneps_pbh(x));
+            }
+        }
+    }
+}
+
+INLINE void amx_item(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                     const int64_t *table, int64_t len, uint16_t *out, int G, int D, int bs,
+                     float scale, int64_t stride, const amx_scratch *w) {
+    float inv[16];
+    q_tiles(q, G, D, w->qb);
+    amx_scores(k, v, table, len, G, D, bs, stride, w);
+    softmax(w->s, w->p, len, G, scale, stride, inv);
+    const int64_t l16 = (len + 15) & ~(int64_t)15;
+    if (l16 & 31) /* P tiles read 32 tokens: zero the last 16 (softmax zeroed up to l16) */
+        for (int g = 0; g < G; ++g) memset(w->p + g * stride + l16, 0, 32);
+    amx_pv(v, len, G, D, stride, inv, out, w);
+}
+
+/* The AMX kernel applies: else the vdpbf16ps items serve the call. */
+static int amx_fits(int G, int D, int bs) {
+    return G <= 16 && D % 32 == 0 && D <= 128 && bs % 16 == 0;
+}
+
+/* paged_decode_dpbf16's contract and return. Call only where paged_decode_amx_available(). */
+int paged_decode_amx(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
+                     const int64_t *tables, const int64_t *lens, uint16_t *out, int B, int H,
+                     int KVH, int D, int64_t slots, int max_blocks, int bs, float scale,
+                     int64_t max_len, int threads) {
+    const int G = H / KVH;
+    if (!amx_fits(G, D, bs))
+        return paged_decode_dpbf16(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks,
+                                   bs, scale, max_len, threads);
+    const int64_t stride = ((max_len > 0 ? max_len : 1) + 31) & ~(int64_t)31;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        amx_scratch w;
+        w.st = aligned_alloc(64, sizeof(float) * 16 * (size_t)stride);
+        w.s = aligned_alloc(64, sizeof(float) * (size_t)G * (size_t)stride);
+        w.o = aligned_alloc(64, sizeof(float) * 16 * 64);
+        w.p = aligned_alloc(64, sizeof(uint16_t) * 16 * (size_t)stride);
+        w.qb = aligned_alloc(64, 4 * 1024);
+        w.vb = aligned_alloc(64, 4 * 1024);
+        w.off = aligned_alloc(64, sizeof(int64_t) * (size_t)stride);
+        const int ok = w.st && w.s && w.o && w.p && w.qb && w.vb && w.off;
+        if (ok) {
+            memset(w.p, 0, sizeof(uint16_t) * 16 * (size_t)stride); /* rows past G: finite */
+            configure();
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < (int64_t)B * KVH; ++it) {
+            if (!ok) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            const int64_t b = it / KVH, h = it % KVH, r = (b * H + h * G) * D;
+            amx_item(q + r, kc + h * slots * D, vc + h * slots * D, tables + b * max_blocks,
+                     lens[b], out + r, G, D, bs, scale, stride, &w);
+        }
+        if (ok) _tile_release();
+        free(w.st), free(w.s), free(w.o), free(w.p), free(w.qb), free(w.vb), free(w.off);
+    }
+    return failed;
+}
+#else
+int paged_decode_amx_available(void) { return 0; }
+int paged_decode_amx(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
+                     const int64_t *tables, const int64_t *lens, uint16_t *out, int B, int H,
+                     int KVH, int D, int64_t slots, int max_blocks, int bs, float scale,
+                     int64_t max_len, int threads) {
+    return paged_decode_dpbf16(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs,
+                               scale, max_len, threads);
+}
+#endif /* AMX */
+
 #else /* no AVX512-BF16 on this CPU or compiler: the caller keeps paged_decode_bf16 */
 int paged_decode_dpbf16_built(void) { return 0; }
 
@@ -252,5 +484,14 @@ int paged_decode_dpbf16(const uint16_t *q, const uint16_t *kc, const uint16_t *v
     (void)q, (void)kc, (void)vc, (void)tables, (void)lens, (void)out, (void)B, (void)H, (void)KVH;
     (void)D, (void)slots, (void)max_blocks, (void)bs, (void)scale, (void)max_len, (void)threads;
     return 1;
+}
+int paged_decode_amx_available(void) { return 0; }
+
+int paged_decode_amx(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
+                     const int64_t *tables, const int64_t *lens, uint16_t *out, int B, int H,
+                     int KVH, int D, int64_t slots, int max_blocks, int bs, float scale,
+                     int64_t max_len, int threads) {
+    return paged_decode_dpbf16(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs,
+                               scale, max_len, threads);
 }
 #endif

@@ -290,6 +290,8 @@ class _Step:
         self.q, self.k = buf(t, c.num_heads, c.head_dim), buf(t, c.num_kv_heads, c.head_dim)
         self.attn = buf(t, c.num_heads, c.head_dim)
         self.dpbf16 = cpu_native.use_decode_dpbf16(self.q, k_cache0)
+        if self.dpbf16:  # the AMX variant where it runs (cpu_native.decode_bf16_kernel)
+            self.decode_bf16 = getattr(self.lib, cpu_native.decode_bf16_kernel())
 
     def norm(self, x, delta, weight, eps: float) -> torch.Tensor:
         """RMSNorm.add_forward(x, delta): x += delta in place (none for the first layer), then
@@ -343,7 +345,7 @@ class _Step:
                 self.q, k_cache, v_cache, self.tables, self.lens, scale, meta.block_size,
                 meta.decode_max_len, False,
             )  # fmt: skip
-        failed = self.lib.paged_decode_dpbf16(
+        failed = self.decode_bf16(
             self.q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), self.tables.data_ptr(),
             self.lens.data_ptr(), self.attn.data_ptr(), self.rows, c.num_heads, kvh, d, slots,
             self.tables.shape[1], meta.block_size, scale, meta.decode_max_len, self.threads,
