@@ -252,8 +252,8 @@ int paged_decode_dpbf16(const uint16_t *q, const uint16_t *kc, const uint16_t *v
  *           cache (16 rows of a block at stride D); S^T stored token-major, then gathered per head;
  *   softmax as above (the same function), P rounded to bf16;
  *   P V     O [16 heads, 16 columns] += P [16 heads, 32 tokens] x V (B tiles: pairs of tokens per
- *           column, interleaved from 32 cache rows by `vpermt2w`, rows past the context zero), up
- *           to 64 columns per pass; out = O / sum.
+ *           column, interleaved from 32 cache rows by `vpunpck*wd`, rows past the context zero),
+ *           up to 64 columns per pass; out = O / sum, its columns put back in order.
  * Each token's score and each output element sums the same terms in an order fixed by D and the
  * context length alone (tile products accumulate in a fixed order), whatever the batch, block
  * table or threads. */
@@ -342,15 +342,12 @@ INLINE void amx_scores(const uint16_t *k, const uint16_t *v, const int64_t *tabl
         }
 }
 
-/* Interleave the 32 rows t0 .. t0 + 31 (zero past len), columns c0 .. c0 + 32 nc, into V tiles:
- * tile n row r, element 2 m + e = V[t0 + 2 r + e][c0 + 16 n + m]. */
+/* Interleave the 32 rows t0 .. t0 + 31 (zero past len), columns c0 .. c0 + 32 nc, into V tiles
+ * 2 j and 2 j + 1 per 32 columns: row r holds the pairs (V[t0 + 2 r][c], V[t0 + 2 r + 1][c]) for
+ * the columns c0 + 32 j + {0-3, 8-11, 16-19, 24-27} and {4-7, 12-15, 20-23, 28-31} (vpunpck*wd's
+ * order, one uop each; `amx_pv` puts the output columns back in order). */
 INLINE void v_tiles(const uint16_t *v, const int64_t *off, int64_t t0, int64_t len, int c0,
                     int nc, uint16_t *vb) {
-    const __m512i lo = _mm512_setr_epi32(0x200000, 0x210001, 0x220002, 0x230003, 0x240004,
-                                         0x250005, 0x260006, 0x270007, 0x280008, 0x290009,
-                                         0x2a000a, 0x2b000b, 0x2c000c, 0x2d000d, 0x2e000e,
-                                         0x2f000f);
-    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (int r = 0; r < 16; ++r) {
         const int64_t ta = t0 + 2 * r, tb = ta + 1;
         for (int j = 0; j < nc; ++j) {
@@ -358,9 +355,8 @@ INLINE void v_tiles(const uint16_t *v, const int64_t *off, int64_t t0, int64_t l
                                        : _mm512_setzero_si512();
             const __m512i b = tb < len ? _mm512_loadu_si512(v + off[tb] + c0 + 32 * j)
                                        : _mm512_setzero_si512();
-            _mm512_store_si512(vb + (2 * j) * 512 + r * 32, _mm512_permutex2var_epi16(a, lo, b));
-            _mm512_store_si512(vb + (2 * j + 1) * 512 + r * 32,
-                               _mm512_permutex2var_epi16(a, hi, b));
+            _mm512_store_si512(vb + (2 * j) * 512 + r * 32, _mm512_unpacklo_epi16(a, b));
+            _mm512_store_si512(vb + (2 * j + 1) * 512 + r * 32, _mm512_unpackhi_epi16(a, b));
         }
     }
 }
@@ -392,12 +388,19 @@ INLINE void amx_pv(const uint16_t *v, int64_t len, int G, int D, int64_t stride,
         _tile_stored(5, w->o + 16, 256);
         _tile_stored(6, w->o + 32, 256);
         _tile_stored(7, w->o + 48, 256);
+        const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22,
+                                             23);
+        const __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32(8));
         for (int g = 0; g < G; ++g) {
             const __m512 sc = _mm512_set1_ps(inv[g]);
-            for (int c = 0; c < 32 * nc; c += 16) {
-                const __m512 x = _mm512_mul_ps(_mm512_load_ps(w->o + g * 64 + c), sc);
-                _mm256_storeu_si256((__m256i *)(out + g * D + c0 + c),
-                                    (__m256i)_mm512_cvtneps_pbh(x));
+            for (int j = 0; j < nc; ++j) { /* tiles 2 j, 2 j + 1: v_tiles' column order */
+                const __m512 a = _mm512_load_ps(w->o + g * 64 + 32 * j);
+                const __m512 b = _mm512_load_ps(w->o + g * 64 + 32 * j + 16);
+                const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(a, i0, b), sc);
+                const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(a, i1, b), sc);
+                uint16_t *o = out + g * D + c0 + 32 * j;
+                _mm256_storeu_si256((__m256i *)o, (__m256i)_mm512_cvtneps_pbh(lo));
+                _mm256_storeu_si256((__m256i *)(o + 16), (__m256i)_mm512_cvtneps_pbh(hi));
             }
         }
     }

@@ -53,6 +53,50 @@ static void rotate(const uint16_t *x, int64_t ldx, uint16_t *y, int64_t rows, in
     }
 }
 
+#if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BF16__) && \
+    defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define HAVE_ROTATE512 1
+
+static inline __m512 widen16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* float32 rounded to bf16 (nearest even, vcvtneps2bf16) and back. */
+static inline __m512 round16(__m512 v) { return widen16((__m256i)_mm512_cvtneps_pbh(v)); }
+
+/* `rotate` on 16-lane registers for D / 2 % 16 == 0: the same roundings in the same order, the
+ * cos/sin rows rounded once per token for all its heads. (vcvtneps2bf16 flushes float32
+ * denormals to zero where the scalar rounding keeps them: values below 1e-38, not met by
+ * activations times cos/sin.) */
+static void rotate512(const uint16_t *x, int64_t ldx, uint16_t *y, int64_t rows, int heads,
+                      int D, const float *cos, const float *sin, const int64_t *pos) {
+    const int half = D / 2;
+    __m512 c[8], s[8]; /* half <= 128 */
+    for (int64_t t = 0; t < rows; ++t) {
+        const float *ct = cos + pos[t] * D, *st = sin + pos[t] * D;
+        for (int j = 0; j < half / 16; ++j)
+            c[j] = round16(_mm512_loadu_ps(ct + 16 * j)), s[j] = round16(_mm512_loadu_ps(st + 16 * j));
+        for (int h = 0; h < heads; ++h) {
+            const uint16_t *r = x + t * ldx + h * (int64_t)D;
+            uint16_t *o = y + (t * heads + h) * (int64_t)D;
+            for (int j = 0; j < half / 16; ++j) {
+                const __m512 x1 = widen16(_mm256_loadu_si256((const __m256i *)(r + 16 * j)));
+                const __m512 x2 = widen16(_mm256_loadu_si256((const __m256i *)(r + half + 16 * j)));
+                const __m512 x1c = round16(_mm512_mul_ps(x1, c[j]));
+                const __m512 x2s = round16(_mm512_mul_ps(x2, s[j]));
+                const __m512 x2c = round16(_mm512_mul_ps(x2, c[j]));
+                const __m512 x1s = round16(_mm512_mul_ps(x1, s[j]));
+                _mm256_storeu_si256((__m256i *)(o + 16 * j),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x1c, x2s)));
+                _mm256_storeu_si256((__m256i *)(o + half + 16 * j),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(x2c, x1s)));
+            }
+        }
+    }
+}
+#endif
+
 void rope_bf16(const uint16_t *q, int64_t ldq, const uint16_t *k, int64_t ldk, uint16_t *q_out,
                uint16_t *k_out, int64_t rows, int heads, int kv_heads, int D, const float *cos,
                const float *sin, const int64_t *pos, int threads) {
@@ -61,6 +105,15 @@ void rope_bf16(const uint16_t *q, int64_t ldq, const uint16_t *k, int64_t ldk, u
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
     for (int64_t b = 0; b < (rows + 15) / 16; ++b) {
         const int64_t r0 = 16 * b, n = rows - r0 < 16 ? rows - r0 : 16;
+#ifdef HAVE_ROTATE512
+        if (D % 32 == 0 && D <= 256) {
+            rotate512(q + r0 * ldq, ldq, q_out + r0 * heads * (int64_t)D, n, heads, D, cos, sin,
+                      pos + r0);
+            rotate512(k + r0 * ldk, ldk, k_out + r0 * kv_heads * (int64_t)D, n, kv_heads, D,
+                      cos, sin, pos + r0);
+            continue;
+        }
+#endif
         rotate(q + r0 * ldq, ldq, q_out + r0 * heads * (int64_t)D, n, heads, D, cos, sin, pos + r0);
         rotate(k + r0 * ldk, ldk, k_out + r0 * kv_heads * (int64_t)D, n, kv_heads, D, cos, sin,
                pos + r0);
