@@ -15,6 +15,7 @@ batch-invariant paths (invariant.py) never consult a plan.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -37,9 +38,10 @@ MEMORY_MARGIN = 1.2  # a packed copy (more memory) must beat the best plain kern
 # together are at most this large (a model of a few hundred million parameters).
 PACK_MAX_BYTES = 1 << 30
 # 2: bucket 64, timings over TIMED_LAYERS weights; 3: a shape packed once is packed where fastest;
-# 4: ROUNDS interleaved measurements; 5: the AMX candidate
-CACHE_VERSION = 5
-MAX_CALLS, MIN_SECONDS = 8, 0.004  # timed calls per measurement: at most, and enough to stop
+# 4: ROUNDS interleaved measurements; 5: the AMX candidate; 6: timed in passes over weights
+CACHE_VERSION = 6
+MAX_CALLS, MIN_SECONDS = 8, 0.004  # timed calls per measurement: at most; seconds to stop
+PASS_CALLS = 4  # calls per timed pass (each over another weight)
 # Measurements per candidate and bucket, taken in turn with the other candidates and averaged: on
 # a VM whose memory bandwidth drifts (seen 38-67 GB/s within an hour, AMD EPYC Zen 5), one block
 # per candidate let the drift pick the kernel (choices flipped between runs).
@@ -221,17 +223,23 @@ Measure = Callable[[str, str, int, Callable[[int], Any]], float]  # (shape key, 
 
 
 def wall_clock(key: str, name: str, rows: int, run: Callable[[int], Any]) -> float:
-    """Seconds of the fastest call of run(i) (i: which layer's weight) after one warm-up call;
-    calls until MIN_SECONDS have passed, at least 2, at most MAX_CALLS. The fastest, not the mean:
-    on a shared machine a call that lost the CPU says nothing about the kernel."""
+    """Seconds per call: the fastest pass of PASS_CALLS calls, run(i) taking the i-th weight in
+    turn, after one warm-up call; passes until MIN_SECONDS have passed, at most MAX_CALLS calls in
+    all. A pass over distinct weights, not the fastest single call: a call whose
+    weight happened to sit in a cache times the kernel on cached weights, which favours the
+    compute-bound kernels over the streaming ones at few rows (seen on a Xeon with AMX, where the
+    fastest single call picked a 1-row kernel 2.6x slower over weights from memory). The fastest
+    pass, not the mean: on a shared machine a pass that lost the CPU says nothing about the
+    kernel."""
     run(0)
-    best, calls, t0 = math.inf, 0, time.perf_counter()
-    while calls < MAX_CALLS:
-        calls += 1
+    best, calls, t0 = math.inf, 1, time.perf_counter()
+    while calls + PASS_CALLS <= MAX_CALLS + 1:
         t = time.perf_counter()
-        run(calls)
-        best = min(best, time.perf_counter() - t)
-        if calls >= 2 and time.perf_counter() - t0 >= MIN_SECONDS:
+        for i in range(calls, calls + PASS_CALLS):
+            run(i)
+        best = min(best, (time.perf_counter() - t) / PASS_CALLS)
+        calls += PASS_CALLS
+        if time.perf_counter() - t0 >= MIN_SECONDS:
             break
     return best
 
@@ -247,6 +255,9 @@ class _Group:
     alive: list[Candidate]
     choices: dict[int, str]
     timed: dict[int, dict[str, float]] = field(default_factory=dict)
+    # packing candidate -> its copies of the timed weights, made once for all buckets (packing
+    # 32 weights per bucket spent much of the budget); dropped when tuning ends
+    copies: dict[str, list] = field(default_factory=dict)
 
 
 # Distinct weights a measurement cycles over: as many as a model has of the shape, up to 32, so
@@ -282,9 +293,13 @@ def _time_bucket(g: _Group, layers, rows: int, measure: Measure, over: Callable[
     x = torch.randn(rows, w0.shape[1], generator=torch.Generator().manual_seed(0)).to(w0.dtype)
     runs = {}
     for cand in g.alive:
-        packs = [{cand.name: cand.pack(m.weight)} for m in picked] if cand.packs else None
-        if cand.packs and any(p[cand.name] is None for p in packs):
-            continue
+        packs = None
+        if cand.packs:
+            if cand.name not in g.copies:
+                g.copies[cand.name] = [{cand.name: cand.pack(m.weight)} for m in picked]
+            packs = g.copies[cand.name]
+            if any(p[cand.name] is None for p in packs):
+                continue
 
         def run(i: int, cand=cand, packs=packs) -> Any:
             m = picked[i % len(picked)]
@@ -293,11 +308,15 @@ def _time_bucket(g: _Group, layers, rows: int, measure: Measure, over: Callable[
         runs[cand.name] = run
     times = dict.fromkeys(runs, 0.0)
     order = list(runs)
+    # each measurement starts at the weight after the last one's: not those just read
+    turn = itertools.count(0, MAX_CALLS + 1)
     for _ in range(ROUNDS):
         for name in order:
             if over():
                 return None
-            times[name] += measure(g.key, name, rows, runs[name]) / ROUNDS
+            at = next(turn)
+            seconds = measure(g.key, name, rows, lambda i, r=runs[name], at=at: r(at + i))
+            times[name] += seconds / ROUNDS
         order.reverse()
     return times
 
@@ -359,6 +378,7 @@ def tune(
                 if not c.few_rows or times.get(c.name, 0.0) <= DROP_RATIO * fastest
             ]
     for g in groups:
+        g.copies.clear()
         for rows, best in _rechoose_packed(g).items():
             fresh.setdefault(g.key, {})[rows] = best
     if fresh:
