@@ -5,6 +5,7 @@ with a warning), every candidate against F.linear, and the engine and flags that
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -335,3 +336,40 @@ def test_no_autotune_flags_reach_the_engine_config(monkeypatch):
     monkeypatch.setattr(sj, "kv_bytes_per_sequence", lambda *a: 1)
     config = sj.sweep_engine_config(SimpleNamespace(), "float32", 1, 8, "1MiB", 0, autotune=False)
     assert config.autotune is False
+
+
+def test_wall_clock_times_passes_over_distinct_weights():
+    """A pass of calls over weights in turn, the fastest pass per call: one slow call (a weight
+    out of cache) weighs on its pass instead of being skipped as a single slow call."""
+    seen = []
+
+    def run(i):
+        seen.append(i)
+        time.sleep(0.003 if i == 2 else 0.0005)
+
+    per_call = autotune.wall_clock("k", "c", 1, run)
+    assert seen == list(range(len(seen))) and len(seen) == 1 + autotune.PASS_CALLS
+    assert per_call >= (0.003 + 3 * 0.0005) / autotune.PASS_CALLS  # the slow call counted
+
+
+def test_measurements_start_past_the_last_ones_weights():
+    """Each measurement's first call reads another weight than the last measurement's calls did
+    (those sit in the cache)."""
+    layers = [layer(24, 16, seed=i) for i in range(40)]
+    read = []
+    record = lambda x, w, b, p: read.append(id(w))  # noqa: E731
+    alive = [autotune.Candidate(n, record, lambda w: True) for n in ("a", "b")]
+    g = autotune._Group("k", 1, list(range(40)), alive, {})
+    firsts = []
+
+    def measure(key, name, rows, run):
+        run(0)
+        firsts.append(read[-1])
+        for i in range(1, autotune.MAX_CALLS + 1):
+            run(i)
+        return 1.0
+
+    times = autotune._time_bucket(g, layers, 1, measure, lambda: False)
+    assert set(times) == {"a", "b"}
+    assert len(firsts) == 2 * autotune.ROUNDS and len(set(firsts)) == len(firsts)
+    assert set(firsts).isdisjoint(read[: autotune.MAX_CALLS + 1][1:])  # not the first's weights
