@@ -25,32 +25,13 @@
 #if defined(__x86_64__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
     defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "cpu_amx.h"
 
-/* Linux hands AMX state to a process only once asked; 1 when granted. */
-int linear_amx_available(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
+int linear_amx_available(void) { return amx_request(); }
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Tiles 0-3: C (16 x 16 floats: rows 0-15 / 16-31 x columns 0-15 / 16-31); 4, 5: A (16 rows of x
- * x 32 K); 6, 7: B (the two column blocks' packed tiles). All 16 rows of 64 bytes. */
-static void configure(void) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
-    _tile_loadconfig(&c);
-}
+/* Tiles (configure_tiles): 0-3 C (16 x 16 floats: rows 0-15 / 16-31 x columns 0-15 / 16-31);
+ * 4, 5 A (16 rows of x x 32 K); 6, 7 B (the two column blocks' packed tiles). */
 
 void amx_pack_bf16(const uint16_t *w, uint16_t *dst, int64_t N, int64_t K) {
     const int64_t KT = K / 32;
@@ -138,7 +119,7 @@ int linear_amx_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, cons
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         float cs[32 * 32] __attribute__((aligned(64))); /* the C tiles of one group, 4 KiB */
-        configure();
+        configure_tiles();
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; ++p) {
             const uint16_t *b0 = packed + 2 * p * KT * 512;

@@ -257,30 +257,11 @@ int paged_decode_dpbf16(const uint16_t *q, const uint16_t *kc, const uint16_t *v
  * Each token's score and each output element sums the same terms in an order fixed by D and the
  * context length alone (tile products accumulate in a fixed order), whatever the batch, block
  * table or threads. */
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "cpu_amx.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+int paged_decode_amx_available(void) { return amx_request(); }
 
-int paged_decode_amx_available(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Every tile 16 rows of 64 bytes. Scores: 0 S^T, 1 K, 2-5 Q^T. P V: 1 P, 0/2/3 V, 4-7 O. */
-static void configure(void) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
-    _tile_loadconfig(&c);
-}
+/* Tiles (configure_tiles). Scores: 0 S^T, 1 K, 2-5 Q^T. P V: 1 P, 0/2/3 V, 4-7 O. */
 
 typedef struct {
     float *st, *s, *o;  /* S^T [stride][16], S [G][stride], O [16][64] */
@@ -448,7 +429,7 @@ int paged_decode_amx(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
         const int ok = w.st && w.s && w.o && w.p && w.qb && w.vb && w.off;
         if (ok) {
             memset(w.p, 0, sizeof(uint16_t) * 16 * (size_t)stride); /* rows past G: finite */
-            configure();
+            configure_tiles();
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < (int64_t)B * KVH; ++it) {

@@ -25,8 +25,6 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #include <math.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "cpu_exp512.h"
 
@@ -35,29 +33,12 @@ int prefill_dpbf16_available(void) { return 1; }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_AMX 1
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "cpu_amx.h"
 
-/* Linux hands AMX state to a process only once asked; 1 when granted. */
-int prefill_amx_available(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
+int prefill_amx_available(void) { return amx_request(); }
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Every tile: 16 rows of 64 bytes. 0, 1: S (16 x 16 floats); 2: A (Q or P); 3: B (K or V);
- * 4-7: O (16 x 16 floats each, 64 columns of D); the phases reuse free tiles as extra B. */
-static void configure(void) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
-    _tile_loadconfig(&c);
-}
+/* Tiles (configure_tiles): 0, 1: S (16 x 16 floats); 2: A (Q or P); 3: B (K or V); 4-7: O
+ * (16 x 16 floats each, 64 columns of D); the phases reuse free tiles as extra B. */
 
 #else
 int prefill_amx_available(void) { return 0; }
@@ -316,7 +297,7 @@ int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t 
 #pragma omp barrier
         if (!failed) {
 #ifdef HAVE_AMX
-            if (amx) configure();
+            if (amx) configure_tiles();
 #endif
             /* heaviest first: the last query blocks see the most keys */
 #pragma omp for schedule(dynamic, 1)
