@@ -4,6 +4,7 @@ references."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -342,3 +343,13 @@ def test_argmax_kernel_equals_torch_max(dtype, vocab):
     assert not cpu_native.use_argmax(x.t()) or vocab == 1  # columns are not contiguous
     assert not cpu_native.use_argmax(x[0])  # one-dimensional
     assert not cpu_native.use_argmax(x.to(torch.float16))
+
+
+def test_a_kernel_that_does_not_build_is_none_with_one_warning(monkeypatch, tmp_path):
+    """The small kernel libraries (RoPE, dot-product, prefill, AMX) load through cpu_native.load:
+    a compiler failure names the kernel in a warning, and the caller keeps its fallback."""
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("LLMCTL_CACHE_DIR", str(tmp_path))
+    source = Path(cpu_native.__file__).with_name("cpu_rope.c")
+    with pytest.warns(RuntimeWarning, match="native RoPE unavailable"):
+        assert cpu_native.load(source, "native RoPE") is None

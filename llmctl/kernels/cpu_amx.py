@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import warnings
 from pathlib import Path
 
 import torch
@@ -31,10 +30,8 @@ def library() -> ctypes.CDLL | None:
     flags = cpu_dpbf16._cpu_flags()
     if not (cpu_native.enabled() and cpu_dpbf16.cpu_has_dpbf16() and set(FLAGS) <= flags):
         return None
-    try:
-        lib = ctypes.CDLL(str(cpu_native.build((SOURCE,))))
-    except (RuntimeError, OSError) as e:
-        warnings.warn(f"AMX linear kernel unavailable: {e}", RuntimeWarning, stacklevel=2)
+    lib = cpu_native.load(SOURCE, "AMX linear kernel")
+    if lib is None:
         return None
     if not lib.linear_amx_built() or not lib.linear_amx_available():
         return None

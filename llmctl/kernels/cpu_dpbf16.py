@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import warnings
 from pathlib import Path
 
 import torch
@@ -44,10 +43,8 @@ def library() -> ctypes.CDLL | None:
     build fails (warned once)."""
     if not (cpu_native.enabled() and cpu_has_dpbf16()):
         return None
-    try:
-        lib = ctypes.CDLL(str(cpu_native.build((SOURCE,))))
-    except (RuntimeError, OSError) as e:
-        warnings.warn(f"bf16 dot-product kernel unavailable: {e}", RuntimeWarning, stacklevel=2)
+    lib = cpu_native.load(SOURCE, "bf16 dot-product kernel")
+    if lib is None:
         return None
     if not lib.linear_dpbf16_built():  # the compiler lacked the intrinsics
         return None

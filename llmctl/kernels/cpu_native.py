@@ -107,6 +107,16 @@ def build(sources: tuple[Path, ...] = SOURCES, out_dir: Path | None = None) -> P
     return target
 
 
+def load(source: Path, what: str) -> ctypes.CDLL | None:
+    """`source` built as its own small library (`build`) and loaded; None, warned once per caller's
+    cache, where the build or the load fails (`what` names the kernel in the warning)."""
+    try:
+        return ctypes.CDLL(str(build((source,))))
+    except (RuntimeError, OSError) as e:
+        warnings.warn(f"{what} unavailable: {e}", RuntimeWarning, stacklevel=3)
+        return None
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, built on first call; None when disabled or the build fails (warned

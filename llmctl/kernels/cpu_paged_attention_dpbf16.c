@@ -447,15 +447,7 @@ int paged_decode_amx(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
     }
     return failed;
 }
-#else
-int paged_decode_amx_available(void) { return 0; }
-int paged_decode_amx(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
-                     const int64_t *tables, const int64_t *lens, uint16_t *out, int B, int H,
-                     int KVH, int D, int64_t slots, int max_blocks, int bs, float scale,
-                     int64_t max_len, int threads) {
-    return paged_decode_dpbf16(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs,
-                               scale, max_len, threads);
-}
+#define HAVE_DECODE_AMX 1
 #endif /* AMX */
 
 #else /* no AVX512-BF16 on this CPU or compiler: the caller keeps paged_decode_bf16 */
@@ -469,8 +461,10 @@ int paged_decode_dpbf16(const uint16_t *q, const uint16_t *kc, const uint16_t *v
     (void)D, (void)slots, (void)max_blocks, (void)bs, (void)scale, (void)max_len, (void)threads;
     return 1;
 }
-int paged_decode_amx_available(void) { return 0; }
+#endif
 
+#ifndef HAVE_DECODE_AMX /* no AMX-BF16 here: the vdpbf16ps items (or their stub) serve */
+int paged_decode_amx_available(void) { return 0; }
 int paged_decode_amx(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
                      const int64_t *tables, const int64_t *lens, uint16_t *out, int B, int H,
                      int KVH, int D, int64_t slots, int max_blocks, int bs, float scale,

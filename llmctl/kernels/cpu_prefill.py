@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -33,10 +32,8 @@ def _loaded() -> tuple[ctypes.CDLL, str] | None:
     wanted = os.environ.get("LLMCTL_PREFILL_ATTENTION", "auto")
     if not cpu_native.enabled() or wanted == "sdpa" or not cpu_dpbf16.cpu_has_dpbf16():
         return None
-    try:
-        lib = ctypes.CDLL(str(cpu_native.build((SOURCE,))))
-    except (RuntimeError, OSError) as e:
-        warnings.warn(f"bf16 prefill attention unavailable: {e}", RuntimeWarning, stacklevel=2)
+    lib = cpu_native.load(SOURCE, "bf16 prefill attention")
+    if lib is None:
         return None
     lib.prefill_amx_available.restype = lib.prefill_dpbf16_available.restype = ctypes.c_int
     if not lib.prefill_dpbf16_available():  # the compiler lacked the AVX512-BF16 intrinsics

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import warnings
 from pathlib import Path
 
 import torch
@@ -25,10 +24,8 @@ SOURCE = Path(__file__).with_name("cpu_rope.c")
 def library() -> ctypes.CDLL | None:
     if not cpu_native.enabled():
         return None
-    try:
-        lib = ctypes.CDLL(str(cpu_native.build((SOURCE,))))
-    except (RuntimeError, OSError) as e:
-        warnings.warn(f"native RoPE unavailable: {e}", RuntimeWarning, stacklevel=2)
+    lib = cpu_native.load(SOURCE, "native RoPE")
+    if lib is None:
         return None
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     # (q, ldq, k, ldk, q_out, k_out, rows, heads, kv_heads, D, cos, sin, positions, threads)
