@@ -38,7 +38,9 @@ class Linear(nn.Linear):
     still see an nn.Linear and checkpoints keep their names."""
 
     plan: autotune.Plan | None = None
-    packed: torch.Tensor | None = None  # the oneDNN-packed weight, where the plan uses it
+    # packing kernel name -> its copy of the weight (oneDNN-packed, AMX tile order), where the
+    # plan uses one
+    packed: dict[str, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = self.plan
