@@ -93,25 +93,41 @@ INLINE void prefetch(const uint16_t *p, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T1);
 }
 
+/* The item's first AHEAD blocks of K, prefetched before its tiles are scored. */
+INLINE void prefetch_start(const uint16_t *k, const int64_t *table, int64_t len, const int D,
+                           int bs) {
+    for (int64_t j = 0; j < AHEAD && j * bs < len; ++j)
+        prefetch(k + table[j] * bs * D, (len - j * bs < bs ? len - j * bs : bs) * D * 2);
+}
+
+/* One tile of n <= 16 rows at offset o of block j (which starts at token `start`): the cache
+ * offsets of its rows into off, K AHEAD blocks on and this tile's V prefetched; returns the cache
+ * offset of its first row. Blocks are scattered and the hardware prefetchers stop at page
+ * boundaries, so K is prefetched ahead, and each V tile while its K tile is scored (the P V pass
+ * then finds it in L2). */
+INLINE int64_t tile_rows(const uint16_t *k, const uint16_t *v, const int64_t *table, int64_t len,
+                         const int D, int bs, int64_t start, int64_t j, int64_t o, int64_t n,
+                         int64_t *off) {
+    const int64_t base = table[j] * bs * D + o * D;
+    if (start + AHEAD * bs < len) prefetch(k + table[j + AHEAD] * bs * D + o * D, n * D * 2);
+    prefetch(v + base, n * D * 2);
+    for (int64_t i = 0; i < n; ++i) off[start + o + i] = base + i * D;
+    return base;
+}
+
 /* Scores of one item over its context, 16 rows of a block at a time, into s [G, stride]; the
- * cache offsets of its tokens' rows into off [len]. Blocks are scattered and the hardware
- * prefetchers stop at page boundaries, so K is prefetched AHEAD blocks ahead, and each V block
- * while its K block is scored (the P V pass then finds it in L2). */
+ * cache offsets of its tokens' rows into off. */
 INLINE void score_pass(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                        const int64_t *table, int64_t len, int G, const int D, int bs, float *s,
                        int64_t stride, int64_t *off) {
-    for (int64_t j = 0; j < AHEAD && j * bs < len; ++j)
-        prefetch(k + table[j] * bs * D, (len - j * bs < bs ? len - j * bs : bs) * D * 2);
+    prefetch_start(k, table, len, D, bs);
     for (int64_t start = 0, j = 0; start < len; start += bs, ++j) {
-        const int64_t nb = len - start < bs ? len - start : bs, base = table[j] * bs * D;
-        const int64_t ahead = start + AHEAD * bs < len ? table[j + AHEAD] * bs * D : -1;
+        const int64_t nb = len - start < bs ? len - start : bs;
         for (int64_t o = 0; o < nb; o += 16) {
             const int n = nb - o < 16 ? (int)(nb - o) : 16;
-            if (ahead >= 0) prefetch(k + ahead + o * D, (int64_t)n * D * 2);
-            prefetch(v + base + o * D, (int64_t)n * D * 2);
-            for (int i = 0; i < n; ++i) off[start + o + i] = base + (o + i) * D;
-            if (n == 16) scores16(q, k + base + o * D, 16, 1, G, D, s + start + o, stride);
-            else scores16(q, k + base + o * D, n, 0, G, D, s + start + o, stride);
+            const uint16_t *kt = k + tile_rows(k, v, table, len, D, bs, start, j, o, n, off);
+            if (n == 16) scores16(q, kt, 16, 1, G, D, s + start + o, stride);
+            else scores16(q, kt, n, 0, G, D, s + start + o, stride);
         }
     }
 }
@@ -286,19 +302,14 @@ INLINE void amx_scores(const uint16_t *k, const uint16_t *v, const int64_t *tabl
     if (D >= 64) _tile_loadd(3, w->qb + 512, 64);
     if (D >= 96) _tile_loadd(4, w->qb + 1024, 64);
     if (D >= 128) _tile_loadd(5, w->qb + 1536, 64);
-    for (int64_t j = 0; j < AHEAD && j * bs < len; ++j)
-        prefetch(k + table[j] * bs * D, (len - j * bs < bs ? len - j * bs : bs) * D * 2);
+    prefetch_start(k, table, len, D, bs);
     for (int64_t start = 0, j = 0; start < len; start += bs, ++j) {
-        const int64_t nb = len - start < bs ? len - start : bs, base = table[j] * bs * D;
-        const int64_t ahead = start + AHEAD * bs < len ? table[j + AHEAD] * bs * D : -1;
+        const int64_t nb = len - start < bs ? len - start : bs;
         for (int64_t o = 0; o < nb; o += 16) {
             const int64_t n = nb - o < 16 ? nb - o : 16;
-            if (ahead >= 0) prefetch(k + ahead + o * D, n * D * 2);
-            prefetch(v + base + o * D, n * D * 2);
-            for (int64_t i = 0; i < n; ++i) w->off[start + o + i] = base + (o + i) * D;
+            const uint16_t *kt = k + tile_rows(k, v, table, len, D, bs, start, j, o, n, w->off);
             /* rows past the context are the block's own (stale) rows: their scores are unused */
             _tile_zero(0);
-            const uint16_t *kt = k + base + o * D;
             for (int c = 0; c < D / 32; ++c) {
                 _tile_loadd(1, kt + 32 * c, D * 2);
                 switch (c) { /* tile numbers must be constants */
