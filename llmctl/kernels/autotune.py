@@ -156,7 +156,10 @@ class Plan:
             self.table[rows] = None if name is None else BY_NAME[name].run
         # the packing candidates chosen for some bucket: each needs its copy of the weight
         self.packings = tuple(sorted({n for n in self.choices.values() if BY_NAME[n].packs}))
-        self.packs = bool(self.packings)
+
+    @property
+    def packs(self) -> bool:
+        return bool(self.packings)
 
     def kernel(self, rows: int) -> Kernel | None:
         return self.table[rows] if rows <= self.max_rows else self.table[-1]
@@ -232,13 +235,12 @@ def wall_clock(key: str, name: str, rows: int, run: Callable[[int], Any]) -> flo
     pass, not the mean: on a shared machine a pass that lost the CPU says nothing about the
     kernel."""
     run(0)
-    best, calls, t0 = math.inf, 1, time.perf_counter()
-    while calls + PASS_CALLS <= MAX_CALLS + 1:
+    best, t0 = math.inf, time.perf_counter()
+    for first in range(1, MAX_CALLS + 1, PASS_CALLS):
         t = time.perf_counter()
-        for i in range(calls, calls + PASS_CALLS):
+        for i in range(first, first + PASS_CALLS):
             run(i)
         best = min(best, (time.perf_counter() - t) / PASS_CALLS)
-        calls += PASS_CALLS
         if time.perf_counter() - t0 >= MIN_SECONDS:
             break
     return best
@@ -256,7 +258,7 @@ class _Group:
     choices: dict[int, str]
     timed: dict[int, dict[str, float]] = field(default_factory=dict)
     # packing candidate -> its copies of the timed weights, made once for all buckets (packing
-    # 32 weights per bucket spent much of the budget); dropped when tuning ends
+    # 32 weights per bucket spent much of the budget); dropped after the group's last bucket
     copies: dict[str, list] = field(default_factory=dict)
 
 
@@ -358,11 +360,14 @@ def tune(
     todo = sorted(
         ((b, n) for n, g in enumerate(groups) for b in buckets(g.max_rows) if b not in g.choices),
     )
+    last = {n: rows for rows, n in todo}  # each group's last bucket: its copies go after it
     fresh: dict[str, dict[int, str]] = {}
     with torch.inference_mode():
         for rows, n in todo:
             g = groups[n]
             times = _time_bucket(g, layers, rows, measure, lambda: clock() >= deadline)
+            if rows == last[n]:
+                g.copies.clear()
             if times is None:
                 break
             best = choose(times)
@@ -378,7 +383,7 @@ def tune(
                 if not c.few_rows or times.get(c.name, 0.0) <= DROP_RATIO * fastest
             ]
     for g in groups:
-        g.copies.clear()
+        g.copies.clear()  # a group whose last bucket the budget cut off
         for rows, best in _rechoose_packed(g).items():
             fresh.setdefault(g.key, {})[rows] = best
     if fresh:
