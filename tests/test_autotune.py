@@ -263,7 +263,7 @@ def test_dpbf16_kernel_leading_dims_and_threads():
 
 
 def test_dpbf16_is_never_used_without_the_cpu_flag(monkeypatch):
-    monkeypatch.setattr(cpu_dpbf16, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(cpu_dpbf16, "cpu_flags", lambda: {"avx2", "fma"})
     cpu_dpbf16.cpu_has_dpbf16.cache_clear()
     cpu_dpbf16.library.cache_clear()
     try:

@@ -24,11 +24,17 @@ ALIGN = 32  # N and K: multiples of this (tile pairs of 16 columns, tiles of 32 
 
 
 @functools.lru_cache(maxsize=1)
+def cpu_has_amx() -> bool:
+    """The CPU executes AMX-BF16 tiles and AVX512-BF16 (which the AMX kernels use beside them),
+    by /proc/cpuinfo; Linux's permission is each kernel's own probe."""
+    return cpu_dpbf16.cpu_has_dpbf16() and set(FLAGS) <= cpu_dpbf16.cpu_flags()
+
+
+@functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The loaded kernel; None where the CPU lacks AMX-BF16 (or AVX512-BF16, used for the output),
     native kernels are disabled, the build fails (warned once) or Linux refuses the tile state."""
-    flags = cpu_dpbf16._cpu_flags()
-    if not (cpu_native.enabled() and cpu_dpbf16.cpu_has_dpbf16() and set(FLAGS) <= flags):
+    if not (cpu_native.enabled() and cpu_has_amx()):
         return None
     lib = cpu_native.load(SOURCE, "AMX linear kernel")
     if lib is None:

@@ -21,7 +21,7 @@ SOURCE = Path(__file__).with_name("cpu_linear_dpbf16.c")
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -34,7 +34,7 @@ def _cpu_flags() -> set[str]:
 @functools.lru_cache(maxsize=1)
 def cpu_has_dpbf16() -> bool:
     """The CPU executes AVX512-BF16 (and the AVX-512 subsets the kernel's loads need)."""
-    return all(f in _cpu_flags() for f in FLAGS)
+    return all(f in cpu_flags() for f in FLAGS)
 
 
 @functools.lru_cache(maxsize=1)

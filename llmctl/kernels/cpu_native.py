@@ -265,9 +265,9 @@ def decode_dpbf16_available() -> bool:
 def decode_amx_available() -> bool:
     """Whether the AMX variant of that kernel (`paged_decode_amx`) runs here: `amx_bf16` in the
     CPU's flags, the compiler had the intrinsics, Linux grants the tile state (asked once)."""
-    from llmctl.kernels.cpu_dpbf16 import _cpu_flags
+    from llmctl.kernels.cpu_amx import cpu_has_amx  # it imports this module
 
-    if not decode_dpbf16_available() or "amx_bf16" not in _cpu_flags():
+    if not decode_dpbf16_available() or not cpu_has_amx():
         return False
     return bool(library().paged_decode_amx_available())
 
