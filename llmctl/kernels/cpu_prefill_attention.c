@@ -50,29 +50,64 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even (values are f
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* Rows r[0..15] of 16 dwords each, transposed in place: r[i] lane j <- r[j] lane i. */
+static inline __attribute__((always_inline)) void transpose16(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* each 128-bit lane l of r[i] now holds rows 4 (i / 4) .. + 3, columns 4 l + (i % 4 order) */
+    for (int i = 0; i < 4; ++i) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+
 /* K of one KV head as tiles [L32 / 16][D / 32][16][32]: tile (j, c) row r, element 2n + p is
- * K[16 j + n][32 c + 2 r + p] (TDPBF16PS's B for S = Q K^T); keys past L are zero. */
+ * K[16 j + n][32 c + 2 r + p] (TDPBF16PS's B for S = Q K^T): a 16 x 16 transpose of the keys'
+ * 32-bit pairs; keys past L are zero. */
 static void pack_k(const uint16_t *k, int64_t kt, int64_t L, int D, int64_t j, uint16_t *dst) {
-    for (int c = 0; c < D / 32; ++c, dst += 512)
-        for (int r = 0; r < 16; ++r)
-            for (int n = 0; n < 16; ++n)
-                for (int p = 0; p < 2; ++p) {
-                    const int64_t t = 16 * j + n;
-                    dst[r * 32 + 2 * n + p] = t < L ? k[t * kt + 32 * c + 2 * r + p] : 0;
-                }
+    for (int c = 0; c < D / 32; ++c, dst += 512) {
+        __m512i r[16];
+        for (int n = 0; n < 16; ++n) {
+            const int64_t t = 16 * j + n;
+            r[n] = t < L ? _mm512_loadu_si512(k + t * kt + 32 * c) : _mm512_setzero_si512();
+        }
+        transpose16(r);
+        for (int i = 0; i < 16; ++i) _mm512_store_si512(dst + 32 * i, r[i]);
+    }
 }
 
 /* V of one KV head as tiles [L32 / 32][D / 16][16][32]: tile (j, c) row r, element 2n + p is
- * V[32 j + 2 r + p][16 c + n] (B for O = P V); keys past L are zero, so padded P entries (zero)
- * never meet garbage. */
+ * V[32 j + 2 r + p][16 c + n] (B for O = P V): pairs of rows interleaved; keys past L are zero,
+ * so padded P entries (zero) never meet garbage. */
 static void pack_v(const uint16_t *v, int64_t kt, int64_t L, int D, int64_t j, uint16_t *dst) {
     for (int c = 0; c < D / 16; ++c, dst += 512)
-        for (int r = 0; r < 16; ++r)
-            for (int p = 0; p < 2; ++p) {
-                const int64_t t = 32 * j + 2 * r + p;
-                for (int n = 0; n < 16; ++n)
-                    dst[r * 32 + 2 * n + p] = t < L ? v[t * kt + 16 * c + n] : 0;
-            }
+        for (int r = 0; r < 16; ++r) {
+            const int64_t t = 32 * j + 2 * r;
+            const __m512i a = t < L ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                          (const __m256i *)(v + t * kt + 16 * c)))
+                                    : _mm512_setzero_si512();
+            const __m512i b = t + 1 < L ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                              (const __m256i *)(v + (t + 1) * kt + 16 * c)))
+                                        : _mm512_setzero_si512();
+            _mm512_store_si512(dst + 32 * r, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+        }
 }
 
 /* Softmax of the 16 score rows s [16, stride] into p (bf16 [16, pstride], unnormalised, zero up to
@@ -89,12 +124,20 @@ static void softmax_rows(const float *s, uint16_t *p, int64_t stride, int64_t ps
             const __mmask16 k = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
             mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, sm + t));
         }
-        const __m512 sc = _mm512_set1_ps(scale);
-        const __m512 off = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * scale);
-        for (int64_t t = 0; t < 32 * nkb; t += 16) { /* one pass: exp, sum, round; zero past n */
-            const __mmask16 k = n - t >= 16 ? 0xffff : n > t ? (__mmask16)((1u << (n - t)) - 1) : 0;
+        /* scores to log2 units in one step: y = (s - max) scale log2(e) */
+        const float l2 = scale * 1.44269504f;
+        const __m512 sc = _mm512_set1_ps(l2);
+        const __m512 off = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * l2);
+        const int64_t full = n & ~(int64_t)15;
+        for (int64_t t = 0; t < full; t += 16) {
+            const __m512 e = exp2_neg(_mm512_fmsub_ps(_mm512_loadu_ps(sm + t), sc, off));
+            total = _mm512_add_ps(total, e);
+            _mm256_storeu_si256((__m256i *)(pm + t), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        for (int64_t t = full; t < 32 * nkb; t += 16) { /* the tail, then zeros up to 32 nkb */
+            const __mmask16 k = n > t ? (__mmask16)((1u << (n - t)) - 1) : 0;
             const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, sm + t), sc, off);
-            const __m512 e = _mm512_maskz_mov_ps(k, exp_neg(x));
+            const __m512 e = _mm512_maskz_mov_ps(k, exp2_neg(x));
             total = _mm512_add_ps(total, e);
             _mm256_storeu_si256((__m256i *)(pm + t), (__m256i)_mm512_cvtneps_pbh(e));
         }
