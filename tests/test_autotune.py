@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmctl.kernels import autotune, cpu_amx, cpu_dpbf16, cpu_native
+from llmctl.kernels import autotune, cpu_amx, cpu_bf16, cpu_dpbf16, cpu_native
 
 
 def layer(n: int, k: int, dtype=torch.float32, bias: bool = False, seed: int = 0):
@@ -263,7 +263,7 @@ def test_dpbf16_kernel_leading_dims_and_threads():
 
 
 def test_dpbf16_is_never_used_without_the_cpu_flag(monkeypatch):
-    monkeypatch.setattr(cpu_dpbf16, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(cpu_bf16, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     cpu_dpbf16.cpu_has_dpbf16.cache_clear()
     cpu_dpbf16.library.cache_clear()
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from llmctl.kernels import cpu_dpbf16, cpu_native
+from llmctl.kernels import cpu_bf16, cpu_dpbf16, cpu_native
 
 SOURCE = Path(__file__).with_name("cpu_linear_amx.c")
 FLAGS = ("amx_bf16", "amx_tile")
@@ -27,7 +27,7 @@ ALIGN = 32  # N and K: multiples of this (tile pairs of 16 columns, tiles of 32 
 def cpu_has_amx() -> bool:
     """The CPU executes AMX-BF16 tiles and AVX512-BF16 (which the AMX kernels use beside them),
     by /proc/cpuinfo; Linux's permission is each kernel's own probe."""
-    return cpu_dpbf16.cpu_has_dpbf16() and set(FLAGS) <= cpu_dpbf16.cpu_flags()
+    return cpu_dpbf16.cpu_has_dpbf16() and set(FLAGS) <= cpu_bf16.cpu_flags()
 
 
 @functools.lru_cache(maxsize=1)

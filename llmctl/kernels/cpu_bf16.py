@@ -1,6 +1,7 @@
 """bfloat16 linear layers on CPUs without native bf16 arithmetic (no AVX512-BF16 or AMX).
 
-Owns: the rule for when such a CPU lacks bf16 units (`native_bf16`) and `upcast_linear`, which
+Owns: the CPU's flags as /proc/cpuinfo lists them (`cpu_flags`, read here for every kernel module),
+the rule for when such a CPU lacks bf16 units (`native_bf16`) and `upcast_linear`, which
 serves bf16 matmuls of many rows there: it widens the weight to float32 one slab of rows at a time
 (a slab stays in cache) and multiplies with the float32 BLAS. PyTorch's own bf16 matmul on these
 CPUs ran about 10 GFLOP/s at the engine's shapes; the C kernel (cpu_linear.c, which widens each
@@ -25,16 +26,23 @@ SLAB_BYTES = 1 << 20  # float32 bytes of weight widened at a time: about the siz
 
 
 @functools.lru_cache(maxsize=1)
-def native_bf16() -> bool:
-    """The CPU has bf16 dot-product instructions, so PyTorch's (oneDNN's) bf16 matmul is fast."""
+def cpu_flags() -> frozenset[str]:
+    """The flags of the first CPU in /proc/cpuinfo; empty where there is none (not Linux: unknown,
+    so no kernel that needs a flag is used)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                return "avx512_bf16" in flags or "amx_bf16" in flags
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False  # not Linux: unknown; widening is correct either way
+    return frozenset()
+
+
+@functools.lru_cache(maxsize=1)
+def native_bf16() -> bool:
+    """The CPU has bf16 dot-product instructions, so PyTorch's (oneDNN's) bf16 matmul is fast;
+    where the flags are unknown widening is correct either way."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def use_upcast(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -1,6 +1,6 @@
 """The bf16 dot-product linear kernel (cpu_linear_dpbf16.c, AVX512-BF16 `vdpbf16ps`).
 
-Owns: whether this CPU has the instructions (`cpu_has_dpbf16`, from /proc/cpuinfo), building and
+Owns: whether this CPU has the instructions (`cpu_has_dpbf16`, by cpu_bf16.cpu_flags), building and
 loading the kernel as its own small library (a failure loses only this kernel, warned once), and
 `linear`, its tensor-level wrapper. `applies` says whether it can serve a call; which row counts
 it serves is the autotuner's choice (kernels/autotune.py): it is never called where the CPU lacks
@@ -21,20 +21,10 @@ SOURCE = Path(__file__).with_name("cpu_linear_dpbf16.c")
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
 
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()  # not Linux: unknown, so the kernel is never used
-
-
 @functools.lru_cache(maxsize=1)
 def cpu_has_dpbf16() -> bool:
     """The CPU executes AVX512-BF16 (and the AVX-512 subsets the kernel's loads need)."""
-    return all(f in cpu_flags() for f in FLAGS)
+    return set(FLAGS) <= cpu_bf16.cpu_flags()
 
 
 @functools.lru_cache(maxsize=1)

@@ -54,13 +54,8 @@ def enabled() -> bool:
 
 def _cpu_fingerprint() -> str:
     """-march=native code is only valid on CPUs with the same instruction sets."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    flags = cpu_bf16.cpu_flags()
+    return "flags: " + " ".join(sorted(flags)) if flags else platform.processor()
 
 
 def _cache_dir() -> Path:
