@@ -64,9 +64,8 @@ def leg(spec_path: str) -> None:
     print(f"{MARK}{seconds:.4f}", flush=True)
 
 
-def export(rev: str, into: Path) -> Path:
-    """The commit's files (not the working tree) in into/<rev>."""
-    out = into / rev.replace("/", "_")
+def export(rev: str, out: Path) -> Path:
+    """The commit's files (not the working tree) in the new folder `out`."""
     out.mkdir()
     archive = subprocess.run(
         ["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True
@@ -127,7 +126,7 @@ def main() -> None:
     prompts, outs = workload(args.num_prompts, (16, 700), (32, 200), vocab=49152, seed=0)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        trees = {"base": export(args.base, work), "head": export(args.head, work)}
+        trees = {"base": export(args.base, work / "base"), "head": export(args.head, work / "head")}
         spec = work / "spec.json"
         model = str(random_model_folder("smollm2-135m"))
         spec.write_text(json.dumps({"model": model, "prompts": prompts, "outs": outs,
@@ -145,7 +144,8 @@ def main() -> None:
         "head": args.head,
         "head_commit": subprocess.run(
             ["git", "-C", str(REPO), "rev-parse", "--short", args.head],
-            capture_output=True, text=True,
+            capture_output=True,
+            text=True,
         ).stdout.strip(),  # fmt: skip
         "dtype": args.dtype,
         "threads": args.threads,
