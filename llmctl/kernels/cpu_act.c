@@ -61,17 +61,9 @@ void silu_mul(void *g, const void *u, int64_t M, int64_t F, int bf16, int thread
     defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 
+#include "cpu_bf16x16.h"
 #include "cpu_exp512.h"
 
-/* 16 bfloat16 values (as uint16 bits) widened to float32. */
-static inline __m512 bf16x16(const uint16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-static inline __m512 round_bf16x16(__m512 v) {  /* to bfloat16, nearest even, and back */
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
 
 /* One bfloat16 row: silu(g) rounded, times u, rounded. exp on the polynomial of cpu_exp512.h and
  * the division as a reciprocal with one Newton step (relative error ~1e-7 each, far below bf16's
@@ -82,16 +74,16 @@ static inline void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint1
     const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
     for (int64_t j = 0; j < F; j += 16) {
         const __mmask16 m = F - j >= 16 ? 0xffff : (__mmask16)((1u << (F - j)) - 1);
-        const __m512 v = bf16x16(g + j, m);
+        const __m512 v = load16(g + j, m);
         /* exp(-v) for -v <= 88 (exp_neg's polynomial holds for any argument below its overflow) */
         const __m512 e = exp_neg(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), v),
                                                _mm512_set1_ps(88.f)));
         const __m512 d = _mm512_add_ps(one, e);
         __m512 r = _mm512_rcp14_ps(d);
         r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, two));  /* one Newton step */
-        const __m512 s = round_bf16x16(_mm512_mul_ps(v, r));
-        const __m512 y = _mm512_mul_ps(s, bf16x16(u + j, m));
-        _mm256_mask_storeu_epi16(o + j, m, (__m256i)_mm512_cvtneps_pbh(y));
+        const __m512 s = round16(_mm512_mul_ps(v, r));
+        const __m512 y = _mm512_mul_ps(s, load16(u + j, m));
+        _mm256_mask_storeu_epi16(o + j, m, narrow16(y));
     }
 }
 #define HAVE_SILU_ROW_BF16 1

@@ -40,7 +40,9 @@ SOURCES = tuple(
     )
 )
 # included by the sources: part of the cache key
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_vec.h", "cpu_exp512.h", "cpu_amx.h"))
+HEADERS = tuple(
+    Path(__file__).with_name(n) for n in ("cpu_vec.h", "cpu_exp512.h", "cpu_amx.h", "cpu_bf16x16.h")
+)
 # -ffast-math at compile time only: it lets the reductions vectorise and expf use the vector libm;
 # not at link time, where it would add crtfastmath and flush denormals for the whole process.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]

@@ -52,6 +52,8 @@ static inline __attribute__((always_inline)) void norm_row(const void *x, const 
 #if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BF16__) && \
     defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
+
+#include "cpu_bf16x16.h"
 /* bfloat16 rows on 16-lane registers, where the CPU has AVX512-BF16: the same arithmetic as
  * norm_row/add_row (float32 sums, the reference's two roundings, nearest even by vcvtneps2bf16),
  * about 3x their rate at decode sizes, where these row loops are compute-bound. The sum of
@@ -63,19 +65,13 @@ static inline __mmask16 lanes(int64_t k, int64_t K) {
     return K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
 }
 
-static inline __m512 widen(const uint16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-static inline __m256i narrow(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
 /* y = w * bf16(x * scale), x, y, w [K] bfloat16. */
 static inline void norm_row512(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t K,
                                float eps) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
-        const __m512 v = widen(x + k, lanes(k, K));
+        const __m512 v = load16(x + k, lanes(k, K));
         acc = _mm512_fmadd_ps(v, v, acc);
     }
     /* in double, as norm_row (no approximate reciprocal square root under -ffast-math) */
@@ -83,9 +79,9 @@ static inline void norm_row512(const uint16_t *x, const uint16_t *w, uint16_t *y
     const __m512 sc = _mm512_set1_ps(scale);
     for (int64_t k = 0; k < K; k += 16) {
         const __mmask16 m = lanes(k, K);
-        const __m256i h = narrow(_mm512_mul_ps(widen(x + k, m), sc));
-        const __m512 hv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        _mm256_mask_storeu_epi16(y + k, m, narrow(_mm512_mul_ps(widen(w + k, m), hv)));
+        const __m256i h = narrow16(_mm512_mul_ps(load16(x + k, m), sc));
+        const __m512 hv = widen16(h);
+        _mm256_mask_storeu_epi16(y + k, m, narrow16(_mm512_mul_ps(load16(w + k, m), hv)));
     }
 }
 
@@ -93,7 +89,7 @@ static inline void norm_row512(const uint16_t *x, const uint16_t *w, uint16_t *y
 static inline void add_row512(uint16_t *x, const uint16_t *r, int64_t K) {
     for (int64_t k = 0; k < K; k += 16) {
         const __mmask16 m = lanes(k, K);
-        _mm256_mask_storeu_epi16(x + k, m, narrow(_mm512_add_ps(widen(x + k, m), widen(r + k, m))));
+        _mm256_mask_storeu_epi16(x + k, m, narrow16(_mm512_add_ps(load16(x + k, m), load16(r + k, m))));
     }
 }
 #endif

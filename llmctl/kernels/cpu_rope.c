@@ -56,14 +56,10 @@ static void rotate(const uint16_t *x, int64_t ldx, uint16_t *y, int64_t rows, in
 #if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BF16__) && \
     defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
+
+#include "cpu_bf16x16.h"
 #define HAVE_ROTATE512 1
 
-static inline __m512 widen16(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* float32 rounded to bf16 (nearest even, vcvtneps2bf16) and back. */
-static inline __m512 round16(__m512 v) { return widen16((__m256i)_mm512_cvtneps_pbh(v)); }
 
 /* `rotate` on 16-lane registers for D / 2 % 16 == 0: the same roundings in the same order, the
  * cos/sin rows rounded once per token for all its heads. (vcvtneps2bf16 flushes float32
@@ -88,9 +84,9 @@ static void rotate512(const uint16_t *x, int64_t ldx, uint16_t *y, int64_t rows,
                 const __m512 x2c = round16(_mm512_mul_ps(x2, c[j]));
                 const __m512 x1s = round16(_mm512_mul_ps(x1, s[j]));
                 _mm256_storeu_si256((__m256i *)(o + 16 * j),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x1c, x2s)));
+                                    narrow16(_mm512_sub_ps(x1c, x2s)));
                 _mm256_storeu_si256((__m256i *)(o + half + 16 * j),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(x2c, x1s)));
+                                    narrow16(_mm512_add_ps(x2c, x1s)));
             }
         }
     }
