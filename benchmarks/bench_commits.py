@@ -19,6 +19,9 @@ commits, not what an AVX2 CPU measures.
 
     python benchmarks/bench_commits.py --base bdbff4f --head HEAD --dtype bfloat16 \\
         --emulate-avx2 --repeats 3 --json benchmarks/results/commits_avx2_bf16.json
+
+`--base-env`/`--head-env NAME=VALUE` set a variable in that side's legs only, e.g. one commit with
+and without a kernel (`--base HEAD --head HEAD --head-env LLMCTL_KERNELS=decode_program=0`).
 """
 
 from __future__ import annotations
@@ -106,6 +109,10 @@ def run_leg(tree: Path, spec: Path, prefix: list[str], env: dict[str, str], cach
     return float(found[-1][len(MARK) :])
 
 
+def _pairs(items: list[str]) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in items)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--leg", help=argparse.SUPPRESS)
@@ -117,6 +124,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=96)
     ap.add_argument("--emulate-avx2", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--base-env", action="append", default=[], metavar="NAME=VALUE")
+    ap.add_argument("--head-env", action="append", default=[], metavar="NAME=VALUE")
     args = ap.parse_args()
     if args.leg:
         return leg(args.leg)
@@ -133,9 +142,10 @@ def main() -> None:
                                     "dtype": args.dtype, "threads": args.threads}))  # fmt: skip
         prefix, env = avx2_environment(work) if args.emulate_avx2 else ([], {})
         seconds: dict[str, list[float]] = {"base": [], "head": []}
+        side_env = {"base": _pairs(args.base_env), "head": _pairs(args.head_env)}
         for i in range(args.repeats):
             for name, tree in trees.items():
-                s = run_leg(tree, spec, prefix, env, work / f"cache-{name}")
+                s = run_leg(tree, spec, prefix, {**env, **side_env[name]}, work / f"cache-{name}")
                 seconds[name].append(s)
                 print(f"repeat {i + 1} {name}: {s:.2f} s", flush=True)
     paired = [b / h for b, h in zip(seconds["base"], seconds["head"])]
@@ -150,6 +160,7 @@ def main() -> None:
         "dtype": args.dtype,
         "threads": args.threads,
         "emulate_avx2": args.emulate_avx2,
+        "env": {"base": args.base_env, "head": args.head_env},
         "seconds": seconds,
         "median_seconds": {k: statistics.median(v) for k, v in seconds.items()},
         "paired_base_over_head": paired,

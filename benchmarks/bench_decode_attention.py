@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from llmctl.kernels import cpu_native  # noqa: E402
+from llmctl.kernels.cpu import attention as cpu_attention  # noqa: E402
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "qwen2.5-0.5b": (14, 2, 64)}
 BS = 16
@@ -49,14 +49,14 @@ def make_layers(heads, kvh, d, lens, mib, seed=0):
 
 
 def time_calls(q, layers, tables, lens, max_len, kernels, calls) -> list[float]:
-    """Median seconds of one call per kernel (dpbf16 False/True), each call on the next layer's
+    """Median seconds of one call per kernel choice (generic, dpbf16), each call on the next layer's
     cache; the kernels take turns call by call, so load from other processes hits both alike."""
     times = [[] for _ in kernels]
     for i in range(calls + 2):  # two warm-up calls
         for j, dp in enumerate(kernels):
             k, v = layers[(i * len(kernels) + j) % len(layers)]
             t0 = time.perf_counter()
-            cpu_native.paged_decode_attention(q, k, v, tables, lens, 0.125, BS, max_len, dp)
+            cpu_attention.paged_decode_attention(q, k, v, tables, lens, 0.125, BS, max_len, dp)
             times[j].append(time.perf_counter() - t0)
     return [statistics.median(t[2:]) for t in times]
 
@@ -69,7 +69,7 @@ def main() -> None:
     args = ap.parse_args()
     lens = torch.randint(16, 901, (64,), generator=torch.Generator().manual_seed(1))
     max_len = int(lens.max())
-    kernels = [False] + [True] * cpu_native.decode_dpbf16_available()
+    kernels = ["generic"] + ["dpbf16"] * cpu_attention.dpbf16_available()
     print(f"batch 64, contexts 16-900 (mean {lens.float().mean():.0f}), blocks of {BS}, bf16")
     print(f"{'shape':14} {'threads':>7} {'kernel':>7} {'ms':>8} {'GB/s':>6} {'speedup':>7}")
     for name, (heads, kvh, d) in SHAPES.items():
@@ -79,7 +79,7 @@ def main() -> None:
             times = time_calls(q, layers, tables, lens, max_len, kernels, args.calls)
             for dp, t in zip(kernels, times):
                 print(
-                    f"{name:14} {threads:>7} {'dpbf16' if dp else 'old':>7} {t * 1e3:8.3f} "
+                    f"{name:14} {threads:>7} {dp:>7} {t * 1e3:8.3f} "
                     f"{nbytes / t / 1e9:6.1f} {times[0] / t:6.2f}x"
                 )
 

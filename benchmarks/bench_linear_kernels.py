@@ -1,4 +1,4 @@
-"""GFLOP/s of every linear-kernel candidate (kernels/autotune.py) per row bucket, on the decoder and
+"""GFLOP/s of every linear-kernel candidate (kernels/cpu/linear) per row bucket, on the decoder and
 vocabulary shapes of real models, with the autotuner's choice per bucket; one table per CPU kind,
 headed by its model name and the flags that decide the kernels (avx2, avx512f, avx512_bf16,
 amx_bf16).
@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.common import SHARED, environment  # noqa: E402
-from llmctl.kernels import autotune, cpu_bf16, cpu_dpbf16, cpu_native  # noqa: E402
-from llmctl.kernels.cpu_native import _cpu_fingerprint  # noqa: E402
+from llmctl.kernels.cpu.features import fingerprint  # noqa: E402
+from llmctl.kernels.cpu.linear import autotune, c_kernels, dispatch, torch_kernels  # noqa: E402
 
 PASS_FLOPS = 2e9  # at most this much work per timed pass (beyond one call)
 KEY_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
@@ -66,10 +66,10 @@ def time_candidate(cand, x, weights, packs, reps: int) -> float:
 
 
 def static_choice(x: torch.Tensor, w: torch.Tensor) -> str:
-    """What models/llama.Linear runs without a plan (--no-autotune): the "before" column."""
-    if cpu_native.use_linear(x, w):
+    """What models/layers.Linear runs without a plan (--no-autotune): the "before" column."""
+    if dispatch.use_native(x, w):
         return "native"
-    return "upcast" if cpu_bf16.use_upcast(x, w) else "torch"
+    return "upcast" if torch_kernels.use_upcast(x, w) else "torch"
 
 
 def bench_shape(n: int, k: int, dtype, rows: list[int], reps: int) -> list[dict]:
@@ -97,7 +97,7 @@ def bench_shape(n: int, k: int, dtype, rows: list[int], reps: int) -> list[dict]
 
 
 def cpu_kind() -> dict:
-    flags = set(_cpu_fingerprint().split(":", 1)[-1].split())
+    flags = set(fingerprint().split(":", 1)[-1].split())
     return {**environment(), "flags": [f for f in KEY_FLAGS if f in flags]}
 
 
@@ -130,7 +130,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     kind = cpu_kind()
     print(f"CPU: {kind['cpu']}; flags: {' '.join(kind['flags']) or 'none of ' + str(KEY_FLAGS)}")
-    dp = cpu_dpbf16.library() is not None
+    dp = c_kernels.dpbf16_library() is not None
     print(f"threads {a.threads}, torch {kind['torch']}, dpbf16 kernel: {dp}")
     rows = [int(r) for r in a.rows.split(",")]
     record = {"cpu_kind": kind, "threads": a.threads, "results": []}

@@ -96,7 +96,7 @@ def _run(engine: str, spec: dict, python: str, script: str = __file__) -> dict:
     if (
         engine == "llmctl_sdpa"
     ):  # llmctl with PyTorch's SDPA for prefill attention (the AMX kernel off)
-        env["LLMCTL_PREFILL_ATTENTION"] = "sdpa"
+        env["LLMCTL_KERNELS"] = "prefill_attention=sdpa"
     cmd = [python, script, "--worker", engine, f.name]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=7200)
     for line in res.stdout.splitlines():

@@ -1,5 +1,5 @@
 """Causal prefill attention on the CPU in bf16: PyTorch's SDPA against llmctl's kernel in each mode
-this CPU runs (kernels/cpu_prefill.py: AMX tiles, AVX512-BF16 registers), one chunk of one
+this CPU runs (kernels/cpu/prefill.py: AMX tiles, AVX512-BF16 registers), one chunk of one
 sequence with no cached prefix, as chunk_attention calls it. Prints a table of milliseconds per call
 (median of --repeats after a warm-up) and useful GFLOP/s (causal: half the score matrix).
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment  # noqa: E402
 
-from llmctl.kernels import cpu_prefill  # noqa: E402
+from llmctl.kernels.cpu import prefill as cpu_prefill  # noqa: E402
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "qwen2.5-0.5b": (14, 2, 64), "llama-3-8b": (32, 8, 128)}
 
@@ -44,16 +43,8 @@ def _time(fn, repeats: int) -> float:
 
 
 def _modes() -> list[str]:
-    """The kernel modes this CPU runs (each probed with LLMCTL_PREFILL_ATTENTION set)."""
-    found = []
-    for m in cpu_prefill.MODES:
-        os.environ["LLMCTL_PREFILL_ATTENTION"] = m
-        cpu_prefill._loaded.cache_clear()
-        if cpu_prefill.mode() == m:
-            found.append(m)
-    os.environ.pop("LLMCTL_PREFILL_ATTENTION")
-    cpu_prefill._loaded.cache_clear()
-    return found
+    """The kernel modes this CPU runs."""
+    return list(cpu_prefill.runnable_modes())
 
 
 def main() -> None:
@@ -79,9 +70,7 @@ def main() -> None:
                 "sdpa_ms": 1e3 * _time(lambda: _sdpa(q, k, v, d**-0.5), args.repeats),
             }
             for m in modes:
-                os.environ["LLMCTL_PREFILL_ATTENTION"] = m
-                cpu_prefill._loaded.cache_clear()
-                fn = lambda: cpu_prefill.prefill_attention(q, k, v, 0, d**-0.5)  # noqa: E731
+                fn = lambda: cpu_prefill.prefill_attention(q, k, v, 0, d**-0.5, m)  # noqa: E731
                 row[f"{m}_ms"] = 1e3 * _time(fn, args.repeats)
             for key in [k for k in row if k.endswith("_ms")]:
                 row[key.replace("_ms", "_gflops")] = flops / row[key] / 1e6

@@ -36,7 +36,7 @@ PARTS = {
         ("llmctl.engine.model_runner", "ModelRunner", "_step_inputs", "inputs+metadata"),
         ("llmctl.engine.model_runner", "ModelRunner", "_tensors", "inputs+metadata"),
         ("llmctl.models.llama", "LlamaForCausalLM", "forward", "forward: rest"),
-        ("llmctl.models.llama", "Linear", "forward", "forward: linears"),
+        ("llmctl.models.layers", "Linear", "forward", "forward: linears"),
         ("llmctl.kernels.attention", None, "paged_attention", "forward: attention"),
         ("llmctl.models.llama", "LlamaForCausalLM", "compute_logits", "logits"),
         ("llmctl.engine.sampler", "Sampler", "__call__", "sampler"),
@@ -96,9 +96,9 @@ def install(engine: str, timers: Timers) -> None:
         owner = getattr(module, cls) if cls else module
         setattr(owner, meth, timers.wrap(getattr(owner, meth), name))
         if cls is None and engine == "llmctl":  # the model imports the name itself
-            import llmctl.models.llama as llama
+            import llmctl.models.layers as layers
 
-            llama.paged_attention = getattr(owner, meth)
+            layers.paged_attention = getattr(owner, meth)
 
 
 def _generate(engine: str, spec: dict):

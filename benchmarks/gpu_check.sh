@@ -277,7 +277,7 @@ step_cuda_graphs() {
 
 step_batch_invariant() {
     # Batch invariance on CUDA (issue 20): the property test of tests/test_batch_invariance.py run on
-    # the GPU (the Triton kernels of kernels/triton_invariant.py, decode CUDA graphs on), then the
+    # the GPU (the Triton kernels of kernels/cuda/invariant.py, decode CUDA graphs on), then the
     # throughput cost of --batch-invariant on the demo model (output tokens/s, default vs invariant).
     LLMCTL_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider \
         tests/test_batch_invariance.py -k "every_row or quantized" || return 1

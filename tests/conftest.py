@@ -12,8 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # Kernel choices by timing would make two engines of one test differ in the last bits (tests
-# comparing outputs exactly): static rules, except where tests/test_autotune.py turns it on.
-os.environ.setdefault("LLMCTL_AUTOTUNE", "0")
+# comparing outputs exactly): static rules, except where a test asks for them (KernelConfig).
+os.environ.setdefault("LLMCTL_KERNELS", "autotune=0")
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"

@@ -1,6 +1,7 @@
-"""Linear kernels chosen by measurement (kernels/autotune.py): the choice rule with a fake timer,
-the time budget with a fake clock, the JSON cache (keyed by CPU and shape, a corrupt file ignored
-with a warning), every candidate against F.linear, and the engine and flags that switch it."""
+"""Linear kernels chosen by measurement (kernels/cpu/linear/autotune.py): the choice rule with a
+fake timer, the time budget with a fake clock, the JSON cache (keyed by CPU and shape and every
+linear kernel's source; a corrupt file ignored with a warning), every candidate against F.linear,
+and the engine and flags that switch it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmctl.kernels import autotune, cpu_amx, cpu_bf16, cpu_dpbf16, cpu_native
+from llmctl.kernels.cpu import features, library
+from llmctl.kernels.cpu.linear import autotune, c_kernels
 
 
 def layer(n: int, k: int, dtype=torch.float32, bias: bool = False, seed: int = 0):
@@ -36,7 +38,9 @@ class FakeTimer:
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LLMCTL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("LLMCTL_AUTOTUNE", "1")  # conftest turns it off for the rest of the suite
+    monkeypatch.setenv(
+        "LLMCTL_KERNELS", ""
+    )  # conftest turns autotune off for the rest of the suite
     return tmp_path
 
 
@@ -61,10 +65,10 @@ def test_choice_is_the_fastest_per_bucket(cache):
     plans = autotune.tune(layers, [32] * 4, measure=fake)
     assert plans[0] is plans[1] is plans[2] and plans[3] is not plans[0]  # one plan per shape
     assert plans[0].choices == {1: "native", 8: "torch", 32: "packed"}
-    run = autotune.BY_NAME
-    assert plans[0].kernel(1) is run["native"].run
-    assert plans[0].kernel(3) is run["torch"].run  # nearest bucket: 8
-    assert plans[0].kernel(20) is run["packed"].run and plans[0].kernel(500) is run["packed"].run
+    by = autotune.BY_NAME
+    assert plans[0].kernel(1) is by["native"]
+    assert plans[0].kernel(3) is by["torch"]  # nearest bucket: 8
+    assert plans[0].kernel(20) is by["packed"] and plans[0].kernel(500) is by["packed"]
     assert plans[0].packs
     assert {c[0] for c in fake.calls} == {"24x16", "40x16"}  # each shape timed once per bucket
     assert len([c for c in fake.calls if c[2] == 1]) == 2 * autotune.ROUNDS * len(
@@ -125,7 +129,7 @@ def test_large_models_get_no_packed_copies(cache, monkeypatch):
 
 
 def test_a_few_rows_kernel_far_behind_is_not_timed_at_larger_buckets(cache):
-    if cpu_native.library() is None:
+    if library.load("core") is None:
         pytest.skip("needs the native kernels (a C compiler)")
     fake = FakeTimer({("native", 1): 5.0, ("packed", 1): 5.0})  # 5x the others
     autotune.tune([layer(24, 16)], [128], measure=fake)
@@ -175,7 +179,7 @@ def test_cache_round_trip_keyed_by_cpu_and_shape(cache, monkeypatch):
 
     again = autotune.tune(layers, [8, 8], measure=never)
     assert [p.choices for p in again] == [p.choices for p in first]
-    monkeypatch.setattr(cpu_native, "_cpu_fingerprint", lambda: "flags : another cpu")
+    monkeypatch.setattr(autotune, "fingerprint", lambda: "flags : another cpu")
     assert autotune.cache_path() != path  # another CPU model: its own file, timed afresh
     fake2 = FakeTimer({})
     autotune.tune(layers, [8, 8], measure=fake2)
@@ -227,18 +231,18 @@ def test_every_candidate_matches_f_linear(dtype, rows, n, k):
                 torch.testing.assert_close(y.float(), want, **tol, msg=c.name)
             names.append(c.name)
     assert "torch" in names
-    if cpu_native.library() is not None and k % 8 == 0:
+    if library.load("core") is not None and k % 8 == 0:
         assert "native" in names
     if dtype is torch.bfloat16:
         assert "upcast" in names
-        if cpu_dpbf16.library() is not None:
+        if c_kernels.dpbf16_library() is not None:
             assert "dpbf16" in names
-        if cpu_amx.library() is not None and n % 32 == 0 and k % 32 == 0:
+        if c_kernels.amx_library() is not None and n % 32 == 0 and k % 32 == 0:
             assert "amx" in names
 
 
 def test_dpbf16_kernel_leading_dims_and_threads():
-    if cpu_dpbf16.library() is None:
+    if c_kernels.dpbf16_library() is None:
         pytest.skip("no AVX512-BF16 on this CPU (or no C compiler): the kernel is never used here")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(67, 100, generator=g).bfloat16()
@@ -248,14 +252,14 @@ def test_dpbf16_kernel_leading_dims_and_threads():
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            y = cpu_dpbf16.linear(x, w)
+            y = c_kernels.dpbf16(x, w)
             assert y.shape == (2, 5, 67)
             torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=5e-2)
     finally:
         torch.set_num_threads(threads)
     x_strided = torch.randn(4, 200, generator=g).bfloat16()[:, ::2]  # rows not contiguous
     torch.testing.assert_close(
-        cpu_dpbf16.linear(x_strided, w).float(),
+        c_kernels.dpbf16(x_strided, w).float(),
         F.linear(x_strided.float(), w.float()),
         rtol=1e-2,
         atol=5e-2,
@@ -263,17 +267,17 @@ def test_dpbf16_kernel_leading_dims_and_threads():
 
 
 def test_dpbf16_is_never_used_without_the_cpu_flag(monkeypatch):
-    monkeypatch.setattr(cpu_bf16, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    cpu_dpbf16.cpu_has_dpbf16.cache_clear()
-    cpu_dpbf16.library.cache_clear()
+    monkeypatch.setattr(features, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    features.has_dpbf16.cache_clear()
+    c_kernels.dpbf16_library.cache_clear()
     try:
-        assert cpu_dpbf16.library() is None
+        assert c_kernels.dpbf16_library() is None
         w = torch.randn(8, 16).bfloat16()
-        assert not cpu_dpbf16.applies(torch.randn(1, 16).bfloat16(), w)
+        assert not c_kernels.dpbf16_applies(torch.randn(1, 16).bfloat16(), w)
         assert "dpbf16" not in [c.name for c in _candidates(torch.bfloat16, w)]
     finally:
-        cpu_dpbf16.cpu_has_dpbf16.cache_clear()
-        cpu_dpbf16.library.cache_clear()
+        features.has_dpbf16.cache_clear()
+        c_kernels.dpbf16_library.cache_clear()
 
 
 def test_engine_tunes_at_start_and_no_autotune_keeps_the_static_rules(shakespeare_model, cache):
@@ -284,7 +288,7 @@ def test_engine_tunes_at_start_and_no_autotune_keeps_the_static_rules(shakespear
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     tuned = LLM(str(shakespeare_model), dtype="float32", max_num_batched_tokens=64)
     model = tuned.runtime.model
-    from llmctl.models.llama import Linear
+    from llmctl.models.layers import Linear
 
     # q/k/v and gate/up are served merged (models/merged.py): the merged linears are tuned.
     merged = [b.merged for layer in model.layers for b in (layer.self_attn, layer.mlp)]
@@ -308,7 +312,7 @@ def test_engine_tunes_at_start_and_no_autotune_keeps_the_static_rules(shakespear
 def test_env_switch_keeps_the_static_rules(shakespeare_model, cache, monkeypatch):
     from llmctl.llm import LLM
 
-    monkeypatch.setenv("LLMCTL_AUTOTUNE", "0")
+    monkeypatch.setenv("LLMCTL_KERNELS", "autotune=0")
     llm = LLM(str(shakespeare_model), dtype="float32")
     assert all(getattr(m, "plan", None) is None for m in llm.runtime.model.modules())
     assert not (cache / "autotune").exists()
@@ -373,3 +377,53 @@ def test_measurements_start_past_the_last_ones_weights():
     assert set(times) == {"a", "b"}
     assert len(firsts) == 2 * autotune.ROUNDS and len(set(firsts)) == len(firsts)
     assert set(firsts).isdisjoint(read[: autotune.MAX_CALLS + 1][1:])  # not the first's weights
+
+
+def _included(source) -> set:
+    """The headers a C file includes with quotes, and theirs in turn."""
+    found, todo = set(), [source]
+    while todo:
+        for line in todo.pop().read_text().splitlines():
+            if line.startswith('#include "'):
+                header = source.parent / line.split('"')[1]
+                if header not in found:
+                    found.add(header)
+                    todo.append(header)
+    return found
+
+
+def test_the_cache_key_hashes_every_source_of_every_linear_kernel(monkeypatch, tmp_path):
+    """Editing any C file a linear kernel is compiled from (or a header it includes) changes the
+    shape key, so stale timings are never reused (the key once hashed the decode-attention source
+    instead of cpu_linear.c, and never cpu_linear_amx.c)."""
+    linear_c = sorted(library.CSRC.glob("cpu_linear*.c"))
+    assert {p.name for p in linear_c} == {"cpu_linear.c", "cpu_linear_dpbf16.c", "cpu_linear_amx.c"}
+    for name in ("linear_dpbf16", "linear_amx"):
+        assert set(library.sources(name)) <= set(c_kernels.SOURCES)
+    assert library.CSRC / "cpu_linear.c" in c_kernels.SOURCES  # built inside the "core" library
+    for source in linear_c:
+        assert _included(source) <= set(c_kernels.SOURCES), source.name
+    before = autotune.shape_key(64, 32, torch.bfloat16, False)
+    for i, source in enumerate(c_kernels.SOURCES):
+        edited = tmp_path / f"{i}-{source.name}"
+        edited.write_text(source.read_text() + "\n/* edited */\n")
+        copies = tuple(edited if s == source else s for s in c_kernels.SOURCES)
+        monkeypatch.setattr(autotune, "SOURCES", copies)
+        assert autotune.shape_key(64, 32, torch.bfloat16, False) != before, source.name
+    monkeypatch.setattr(autotune, "SOURCES", c_kernels.SOURCES)
+    assert autotune.shape_key(64, 32, torch.bfloat16, False) == before
+
+
+def test_choices_made_without_the_c_kernels_do_not_stand_in_for_them(cache):
+    """A tune with KernelConfig(native=False) is cached apart: a later tune with the C kernels
+    times them rather than reusing choices they were never candidates for."""
+    if library.load("core") is None:
+        pytest.skip("needs the native kernels (a C compiler)")
+    fake = FakeTimer({("native", 1): 0.01, ("native", 8): 0.01})
+    assert autotune.tune([layer(24, 16)], [8], measure=fake, native=False)[0].choices == {
+        1: "torch",
+        8: "torch",
+    }
+    fake = FakeTimer({("native", 1): 0.01, ("native", 8): 0.01})
+    again = autotune.tune([layer(24, 16)], [8], measure=fake)
+    assert again[0].choices == {1: "native", 8: "native"} and fake.calls

@@ -20,7 +20,6 @@ from llmctl import LLM, SamplingParams
 from llmctl.engine.config import EngineConfig
 from llmctl.engine.model_runner import ModelRunner
 from llmctl.errors import UsageError
-from llmctl.kernels import cpu_native
 from tests.conftest import make_random_model
 
 MAX_NEW = 8
@@ -62,7 +61,7 @@ SMALL_KV_BYTES = 128 * 512
 
 
 # LLMCTL_TEST_DEVICE=cuda runs these checks on a GPU (benchmarks/gpu_check.sh), through the
-# Triton kernels of kernels/triton_invariant.py and the decode CUDA graphs.
+# Triton kernels of kernels/cuda/invariant.py and the decode CUDA graphs.
 DEVICE = os.environ.get("LLMCTL_TEST_DEVICE", "cpu")
 
 
@@ -191,8 +190,9 @@ def test_the_default_engine_is_not_batch_invariant(model_path, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_without_the_c_kernels_rows_still_equal_the_row_run_alone(model_path, dtype, monkeypatch):
-    """No C compiler: linears, the MLP and attention take the one-row-per-call references."""
-    monkeypatch.setattr(cpu_native, "library", lambda: None)
+    """No C kernels (as with no C compiler): linears, the MLP and attention take the
+    one-row-per-call references."""
+    monkeypatch.setenv("LLMCTL_KERNELS", "autotune=0,native=0")
     _ALONE.clear()  # references computed with the C kernels do not apply here
     try:
         for mix in (
@@ -219,7 +219,7 @@ def test_without_the_c_kernels_rows_still_equal_the_row_run_alone(model_path, dt
 
 
 def test_batch_invariant_off_the_cpu_needs_cuda_and_triton(model_path, monkeypatch):
-    """CUDA runs take the Triton kernels (kernels/triton_invariant.py): without triton, or on a
+    """CUDA runs take the Triton kernels (kernels/cuda/invariant.py): without triton, or on a
     device they do not serve, the engine says so up front."""
     from llmctl.engine import model_runner
     from llmctl.models.config import ModelConfig

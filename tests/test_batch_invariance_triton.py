@@ -1,5 +1,5 @@
 """The engine-level batch-invariance check of test_batch_invariance.py with the Triton kernels
-forced onto CPU tensors (LLMCTL_TRITON_INVARIANT=1 under TRITON_INTERPRET=1): the CUDA path's
+forced onto CPU tensors (LLMCTL_KERNELS=triton_on_cpu=1 under TRITON_INTERPRET=1): the CUDA path's
 linears, RMSNorm and attention, run by the interpreter. A few fixed mixes (the interpreter is
 slow): other block sizes, token budgets (chunked prompts), a warm prefix cache and speculation;
 every row's tokens and logits against the row run alone, in float32 and bfloat16.
@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(
     from pathlib import Path
     from unittest import mock
 
-    from llmctl.kernels import triton_invariant
+    from llmctl.kernels.cuda import invariant as triton_invariant
     from tests import test_batch_invariance as bi
     from tests.conftest import make_random_model
 
@@ -69,7 +69,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_rows_equal_the_row_run_alone_through_the_triton_kernels(tmp_path):
-    env = {**os.environ, "TRITON_INTERPRET": "1", "LLMCTL_TRITON_INVARIANT": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "LLMCTL_KERNELS": "autotune=0,triton_on_cpu=1"}
     res = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(tmp_path)],
         env=env,

@@ -10,8 +10,9 @@ import shutil
 import pytest
 import torch
 
-from llmctl.kernels import cpu_native
-from llmctl.kernels.attention import decode_attention
+from llmctl.kernels.attention import PagedAttentionMetadata, decode_attention, paged_attention
+from llmctl.kernels.config import KernelConfig
+from llmctl.kernels.cpu import attention as cpu_attention
 from tests.test_cpu_native import _case
 
 pytestmark = [
@@ -20,32 +21,37 @@ pytestmark = [
         reason="needs a C compiler to build the native kernels",
     ),
     pytest.mark.skipif(
-        not cpu_native.decode_dpbf16_available(),
+        not cpu_attention.dpbf16_available(),
         reason="the CPU lacks avx512_bf16 (or the compiler its intrinsics): the kernel never runs",
     ),
 ]
 
-LENS = [1, 15, 16, 17, 703, 2, 64, 129]
+LENS = [1, 15, 16, 17, 703, 2, 64, 129]  # one token, a block's edges, long, odd and even
+
+
+# the variant -> the KernelConfig.decode_attention choice that runs it
+CHOICE = {"dpbf16": "dpbf16", "amx": "auto"}
 
 
 @pytest.fixture(autouse=True, params=["dpbf16", "amx"])
-def variant(request, monkeypatch):
-    """The kernel variant under test, chosen through LLMCTL_DECODE_AMX."""
-    if request.param == "amx" and not cpu_native.decode_amx_available():
+def variant(request):
+    """The kernel variant under test, chosen through KernelConfig.decode_attention (`choice`):
+    "auto" takes AMX tiles where they run, "dpbf16" never does."""
+    if request.param == "amx" and not cpu_attention.amx_available():
         pytest.skip("this CPU or compiler cannot run AMX-BF16 tiles")
-    monkeypatch.setenv("LLMCTL_DECODE_AMX", "1" if request.param == "amx" else "0")
     want = "paged_decode_amx" if request.param == "amx" else "paged_decode_dpbf16"
-    assert cpu_native.decode_bf16_kernel() == want
-    return request.param  # one token, a block's edges, long, odd and even
+    bf16 = torch.bfloat16
+    assert cpu_attention.decode_kernel(bf16, bf16, CHOICE[request.param]) == want
+    return request.param
 
 
-def _run(q, kc, vc, tables, lens, bs, dpbf16=True, threads=1):
+def _run(q, kc, vc, tables, lens, bs, variant, threads=1):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
         d = q.shape[-1]
-        return cpu_native.paged_decode_attention(
-            q, kc, vc, tables, lens, d**-0.5, bs, int(lens.max()), dpbf16
+        return cpu_attention.paged_decode_attention(
+            q, kc, vc, tables, lens, d**-0.5, bs, int(lens.max()), CHOICE[variant]
         )
     finally:
         torch.set_num_threads(before)
@@ -57,10 +63,10 @@ def _run(q, kc, vc, tables, lens, bs, dpbf16=True, threads=1):
 )
 @pytest.mark.parametrize("bs", [16, 32])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_matches_the_reference(heads, kvh, d, bs, threads):
+def test_matches_the_reference(heads, kvh, d, bs, threads, variant):
     q, kc, vc, tables, lt = _case(heads, kvh, d, bs, LENS, torch.bfloat16, seed=bs + d)
     ref = decode_attention(q.float(), kc.float(), vc.float(), tables, lt, d**-0.5, bs)
-    out = _run(q, kc, vc, tables, lt, bs, threads=threads)
+    out = _run(q, kc, vc, tables, lt, bs, variant, threads=threads)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     # the output's bf16 rounding (1/256 relative) plus P rounded to bf16 before P V
     torch.testing.assert_close(out.float(), ref, rtol=1.6e-2, atol=1.6e-2)
@@ -70,19 +76,20 @@ def test_matches_the_reference(heads, kvh, d, bs, threads):
     assert (out.float() - ref).abs().mean() < (torch_bf16 - ref).abs().mean()
 
 
-def test_a_row_alone_equals_the_row_in_its_batch():
+def test_a_row_alone_equals_the_row_in_its_batch(variant):
     q, kc, vc, tables, lt = _case(14, 2, 64, 16, LENS, torch.bfloat16, seed=5)
-    full = _run(q, kc, vc, tables, lt, 16)
+    full = _run(q, kc, vc, tables, lt, 16, variant)
     for rows in ([4], [0, 4], [3, 1, 7], [6, 2]):
         idx = torch.tensor(rows)
         width = max(-(-LENS[i] // 16) for i in rows)  # a narrower table, a smaller max_len
-        part = _run(q[idx], kc, vc, tables[idx, :width], lt[idx], 16)
+        part = _run(q[idx], kc, vc, tables[idx, :width], lt[idx], 16, variant)
         assert torch.equal(part, full[idx]), rows
 
 
-def test_threads_agree_bit_for_bit():
+def test_threads_agree_bit_for_bit(variant):
     q, kc, vc, tables, lt = _case(9, 3, 64, 16, LENS, torch.bfloat16, seed=7)
-    assert torch.equal(_run(q, kc, vc, tables, lt, 16), _run(q, kc, vc, tables, lt, 16, threads=2))
+    one = _run(q, kc, vc, tables, lt, 16, variant)
+    assert torch.equal(one, _run(q, kc, vc, tables, lt, 16, variant, threads=2))
 
 
 def _relayout(cache, tables, lens, bs, new_bs):
@@ -101,22 +108,42 @@ def _relayout(cache, tables, lens, bs, new_bs):
 
 
 @pytest.mark.parametrize("new_bs", [32, 5])
-def test_block_size_does_not_change_a_bit(new_bs, variant, monkeypatch):
+def test_block_size_does_not_change_a_bit(new_bs, variant):
     q, kc, vc, tables, lt = _case(9, 3, 64, 16, LENS, torch.bfloat16, seed=11)
     k2, t2 = _relayout(kc, tables, lt, 16, new_bs)
     v2, _ = _relayout(vc, tables, lt, 16, new_bs)
-    relaid = _run(q, k2, v2, t2, lt, new_bs)
+    relaid = _run(q, k2, v2, t2, lt, new_bs, variant)
     if variant == "amx" and new_bs % 16:  # blocks AMX tiles do not fit: the vdpbf16ps items
-        monkeypatch.setenv("LLMCTL_DECODE_AMX", "0")
-        assert torch.equal(relaid, _run(q, k2, v2, t2, lt, new_bs))
+        assert torch.equal(relaid, _run(q, k2, v2, t2, lt, new_bs, "dpbf16"))
         return
-    assert torch.equal(_run(q, kc, vc, tables, lt, 16), relaid)
+    assert torch.equal(_run(q, kc, vc, tables, lt, 16, variant), relaid)
 
 
-def test_served_for_bf16_only_and_switched_off_by_environment(monkeypatch):
-    q, kc, *_ = _case(9, 3, 64, 16, [5], torch.bfloat16)
-    assert cpu_native.use_decode_dpbf16(q, kc)
-    assert not cpu_native.use_decode_dpbf16(q.float(), kc)  # float32 q is not rounded to bf16
-    assert not cpu_native.use_decode_dpbf16(q.float(), kc.float())
-    monkeypatch.setenv("LLMCTL_DECODE_DPBF16", "0")
-    assert not cpu_native.use_decode_dpbf16(q, kc)
+def test_served_for_bf16_only_and_switched_off_by_the_config(variant, monkeypatch):
+    """bf16 query and cache only (a float32 query is not rounded to bf16), unless
+    KernelConfig.decode_attention is "generic" (LLMCTL_KERNELS=decode_attention=generic), which
+    the attention metadata carries to the kernel."""
+    bf16, f32 = torch.bfloat16, torch.float32
+    want = "paged_decode_amx" if variant == "amx" else "paged_decode_dpbf16"
+    assert cpu_attention.decode_kernel(bf16, bf16, CHOICE[variant]) == want
+    assert cpu_attention.decode_kernel(f32, bf16, CHOICE[variant]) == "paged_decode_bf16"
+    assert cpu_attention.decode_kernel(f32, f32, CHOICE[variant]) == "paged_decode_f32"
+    assert cpu_attention.decode_kernel(bf16, bf16, "generic") == "paged_decode_bf16"
+    q, kc, vc, tables, lt = _case(9, 3, 64, 16, [5, 40], torch.bfloat16)
+    kernels = []
+    real = cpu_attention.load("core")
+
+    class Library:  # the core library, recording which decode kernel each call takes
+        def __getattr__(self, name):
+            kernels.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(cpu_attention, "load", lambda name: Library())
+    for choice in (CHOICE[variant], "generic"):
+        meta = PagedAttentionMetadata(
+            torch.zeros(0, dtype=torch.long), 2, tables, lt, [], 16, decode_max_len=40,
+            kernels=KernelConfig(decode_attention=choice),
+        )  # fmt: skip
+        empty = torch.zeros(0, 3, 64, dtype=torch.bfloat16)
+        paged_attention(q, empty, empty, kc, vc, meta, 0.125)
+    assert kernels[-2:] == [want, "paged_decode_bf16"]

@@ -1,4 +1,4 @@
-"""The bf16 prefill-attention kernel (kernels/cpu_prefill.py), in each mode this CPU runs (AMX
+"""The bf16 prefill-attention kernel (kernels/cpu/prefill.py), in each mode this CPU runs (AMX
 tiles, AVX512-BF16 registers), against float32 attention written out by hand, and its place in
 chunk_attention."""
 
@@ -8,23 +8,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmctl.kernels import cpu_prefill
 from llmctl.kernels.attention import chunk_attention, write_kv
+from llmctl.kernels.config import KernelConfig
+from llmctl.kernels.cpu import prefill as cpu_prefill
 
 
 @pytest.fixture(params=cpu_prefill.MODES)
-def mode(request, monkeypatch):
-    """The kernel in one mode: amx needs amx_bf16 in /proc/cpuinfo and Linux's AMX permission,
-    dpbf16 avx512_bf16 (an AMX CPU runs both); both need cc."""
-    monkeypatch.setenv("LLMCTL_PREFILL_ATTENTION", request.param)
-    cpu_prefill._loaded.cache_clear()
-    if cpu_prefill.mode() != request.param:
-        cpu_prefill._loaded.cache_clear()
+def mode(request):
+    """The kernel in one mode (the `choice`, KernelConfig.prefill_attention, that asks for it):
+    amx needs amx_bf16 in /proc/cpuinfo and Linux's AMX permission, dpbf16 avx512_bf16 (an AMX
+    CPU runs both); both need cc."""
+    if cpu_prefill.mode(request.param) != request.param:
         pytest.skip(f"this CPU or compiler cannot run the {request.param} prefill kernel")
-    yield request.param
-    cpu_prefill._loaded.cache_clear()
-    monkeypatch.undo()
-    cpu_prefill._loaded.cache_clear()
+    return request.param
 
 
 def _reference(q, k, v, nc, scale):
@@ -71,7 +67,7 @@ def test_prefill_kernel_matches_float32_attention(tq, nc, heads, kvh, d, mode):
     q, k, v = _case(tq, nc, heads, kvh, d)
     scale = d**-0.5
     ref = _reference(q, k, v, nc, scale)
-    out = cpu_prefill.prefill_attention(q, k, v, nc, scale)
+    out = cpu_prefill.prefill_attention(q, k, v, nc, scale, mode)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     err = (out.float() - ref).abs()
     sdpa_err = (_sdpa_bf16(q, k, v, nc, scale).float() - ref).abs()
@@ -83,16 +79,16 @@ def test_prefill_kernel_matches_float32_attention(tq, nc, heads, kvh, d, mode):
 
 def test_prefill_kernel_reads_strided_views_and_threads_agree(mode):
     q, k, v = _case(70, 30, 6, 2, 64, seed=1)
-    ref = cpu_prefill.prefill_attention(q, k, v, 30, 0.125)
+    ref = cpu_prefill.prefill_attention(q, k, v, 30, 0.125, mode)
     # head-major caches, as chunk_attention gathers them: [KVH, L, D] viewed as [L, KVH, D]
     kh, vh = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
     qs = torch.empty(6, 70, 64, dtype=q.dtype).copy_(q.transpose(0, 1)).transpose(0, 1)
-    out = cpu_prefill.prefill_attention(qs, kh.transpose(0, 1), vh.transpose(0, 1), 30, 0.125)
+    out = cpu_prefill.prefill_attention(qs, kh.transpose(0, 1), vh.transpose(0, 1), 30, 0.125, mode)
     assert torch.equal(out, ref)  # each output row's arithmetic depends on its own inputs only
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(cpu_prefill.prefill_attention(q, k, v, 30, 0.125), ref)
+        assert torch.equal(cpu_prefill.prefill_attention(q, k, v, 30, 0.125, mode), ref)
     finally:
         torch.set_num_threads(threads)
 
@@ -104,14 +100,21 @@ def test_prefill_kernel_refuses_what_it_cannot_serve():
     assert not cpu_prefill.supports(q32, k32)  # head_dim not a multiple of 64
 
 
-def test_env_switch_turns_the_kernel_off(monkeypatch):
-    monkeypatch.setenv("LLMCTL_PREFILL_ATTENTION", "sdpa")
-    cpu_prefill._loaded.cache_clear()
-    try:
-        assert not cpu_prefill.available() and cpu_prefill.mode() is None
-    finally:
-        monkeypatch.undo()
-        cpu_prefill._loaded.cache_clear()
+def test_sdpa_choice_turns_the_kernel_off(monkeypatch):
+    """KernelConfig(prefill_attention="sdpa") (LLMCTL_KERNELS=prefill_attention=sdpa), or native
+    off: chunk attention keeps SDPA, the kernel never called."""
+    assert cpu_prefill.mode("sdpa") is None
+    q, k, v = _case(8, 0, 4, 2, 64)
+    assert not cpu_prefill.supports(q, k, "sdpa")
+    calls = []
+    real = cpu_prefill.prefill_attention
+    monkeypatch.setattr(cpu_prefill, "prefill_attention", lambda *a: calls.append(1) or real(*a))
+    kc = torch.zeros(2, 16, 64, dtype=torch.bfloat16)
+    slots = torch.arange(8)
+    for kernels in (KernelConfig(prefill_attention="sdpa"), KernelConfig(native=False)):
+        out = chunk_attention(q, k, v, kc, kc, slots, 0, 0.125, kernels=kernels)
+        torch.testing.assert_close(out, _sdpa_bf16(q, k, v, 0, 0.125))
+    assert calls == []
 
 
 @pytest.mark.parametrize("prefix", [0, 37])
@@ -128,9 +131,9 @@ def test_chunk_attention_routes_bf16_to_the_kernel(prefix, mode, monkeypatch):
     calls = []
     real = cpu_prefill.prefill_attention
     monkeypatch.setattr(cpu_prefill, "prefill_attention", lambda *a: calls.append(1) or real(*a))
-    out = chunk_attention(*args)
+    out = chunk_attention(*args, kernels=KernelConfig(prefill_attention=mode))
     assert calls == [1]
-    monkeypatch.setattr(cpu_prefill, "supports", lambda q, k: False)
-    sdpa = chunk_attention(*args)
+    sdpa = chunk_attention(*args, kernels=KernelConfig(prefill_attention="sdpa"))
+    assert calls == [1]
     ref = _reference(q, k_all, v_all, prefix, d**-0.5)
     assert (out.float() - ref).abs().max() <= 2 * (sdpa.float() - ref).abs().max() + 1e-3

@@ -1,4 +1,5 @@
-"""The native bf16 RoPE (kernels/cpu_rope.py) is bit-identical to models/rope.py's PyTorch path."""
+"""The native bf16 RoPE (kernels/cpu/elementwise.py) is bit-identical to models/rope.py's PyTorch
+path."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from llmctl.kernels import cpu_rope
+from llmctl.kernels.cpu import elementwise
 from llmctl.models.config import ModelConfig
 from llmctl.models.rope import RotaryEmbedding, _rotate_in_place
 
@@ -46,7 +47,7 @@ def test_native_rope_is_bit_identical_to_the_torch_path(rows, heads, kvh, d):
     cos = rot.cos[positions].to(q.dtype).unsqueeze(-2)
     sin = rot.sin[positions].to(q.dtype).unsqueeze(-2)
     want_q, want_k = _rotate_in_place(q.clone(), cos, sin), _rotate_in_place(k.clone(), cos, sin)
-    assert cpu_rope.use_rope(q, k, rot.cos, positions)
+    assert elementwise.use_rope(q, k, rot.cos, positions)
     with torch.inference_mode():
         got_q, got_k = rot(positions, q, k)  # dispatches to the kernel, in place
     assert got_q.data_ptr() == q.data_ptr()
@@ -57,9 +58,9 @@ def test_native_rope_is_bit_identical_to_the_torch_path(rows, heads, kvh, d):
 def test_native_rope_leaves_float32_and_gradients_to_torch():
     rot = _rotary(64)
     q, k, pos = torch.randn(3, 4, 64), torch.randn(3, 2, 64), torch.arange(3)
-    assert not cpu_rope.use_rope(q, k, rot.cos, pos)
+    assert not elementwise.use_rope(q, k, rot.cos, pos)
     qb = q.bfloat16().requires_grad_()
-    assert not cpu_rope.use_rope(qb, k.bfloat16(), rot.cos, pos)
+    assert not elementwise.use_rope(qb, k.bfloat16(), rot.cos, pos)
 
 
 @pytest.mark.parametrize("rows", [2, 5, 70])  # one token: a contiguous view, rotated in place
@@ -75,7 +76,7 @@ def test_native_rope_reads_the_merged_projection_slices(rows):
     q, k, _ = merged.split([heads * d, kvh * d, kvh * d], dim=-1)
     q, k = q.view(rows, heads, d), k.view(rows, kvh, d)
     positions = torch.randint(0, 4096, (rows,), generator=g)
-    assert not q.is_contiguous() and cpu_rope.use_rope(q, k, rot.cos, positions)
+    assert not q.is_contiguous() and elementwise.use_rope(q, k, rot.cos, positions)
     with torch.inference_mode():
         want_q, want_k = rot(positions, q.contiguous(), k.contiguous())
         got_q, got_k = rot(positions, q, k)
@@ -83,4 +84,4 @@ def test_native_rope_reads_the_merged_projection_slices(rows):
     assert torch.equal(got_q.view(torch.int16), want_q.view(torch.int16))
     assert torch.equal(got_k.view(torch.int16), want_k.view(torch.int16))
     assert torch.equal(merged.view(torch.int16), before.view(torch.int16))
-    assert not cpu_rope.use_rope(q.transpose(1, 2), k, rot.cos, positions)  # heads not rows
+    assert not elementwise.use_rope(q.transpose(1, 2), k, rot.cos, positions)  # heads not rows

@@ -13,13 +13,15 @@ from conftest import make_random_model
 from torch import nn
 
 from llmctl.engine.params import SamplingParams
-from llmctl.kernels import autotune, cpu_dpbf16, cpu_native
+from llmctl.kernels.config import KernelConfig
+from llmctl.kernels.cpu.library import load
+from llmctl.kernels.cpu.linear import autotune, c_kernels
 from llmctl.llm import LLM
-from llmctl.models import decode_program
-from llmctl.models.llama import Linear
+from llmctl.models.layers import Linear
+from llmctl.models.prepare import Serving, prepare_for_inference
 
 needs_native = pytest.mark.skipif(
-    cpu_native.library() is None, reason="no C compiler: the program needs the native kernels"
+    load("core") is None, reason="no C compiler: the program needs the native kernels"
 )
 pytestmark = needs_native
 
@@ -68,7 +70,7 @@ def _plans(model, name: str, max_rows: int = 256) -> None:
             block.merged.linear.plan = autotune.Plan(choices, max_rows)
 
 
-KERNELS = ["static", "torch"] + (["dpbf16"] if cpu_dpbf16.library() is not None else [])
+KERNELS = ["static", "torch"] + (["dpbf16"] if c_kernels.dpbf16_library() is not None else [])
 
 
 @pytest.mark.parametrize("attention", ["default", "generic"])
@@ -79,7 +81,7 @@ def test_program_steps_equal_the_module_path(tiny, kernel, attention, monkeypatc
     program's buffers); decode attention through the AVX512-BF16 kernel where the CPU has it, or
     the generic bf16 one (what CPUs without it run)."""
     if attention == "generic":
-        monkeypatch.setenv("LLMCTL_DECODE_DPBF16", "0")
+        monkeypatch.setenv("LLMCTL_KERNELS", "autotune=0,decode_attention=generic")
     llm = _engine(tiny)
     model = llm.runtime.model
     assert model.decode_program is not None
@@ -99,7 +101,7 @@ def test_greedy_tokens_with_and_without_the_program(tiny, monkeypatch):
     with_program = _engine(tiny)
     assert with_program.runtime.model.decode_program is not None
     tokens = [o.output_token_ids for o in with_program.generate(prompts, params)]
-    monkeypatch.setenv("LLMCTL_DECODE_PROGRAM", "0")
+    monkeypatch.setenv("LLMCTL_KERNELS", "autotune=0,decode_program=0")
     plain = _engine(tiny)
     assert plain.runtime.model.decode_program is None
     assert [o.output_token_ids for o in plain.generate(prompts, params)] == tokens
@@ -159,11 +161,12 @@ def test_a_changed_model_is_not_served(tiny, change):
 
 def test_not_built_where_it_does_not_apply(tiny, monkeypatch):
     assert LLM(str(tiny), dtype="float32", device="cpu").runtime.model.decode_program is None
-    monkeypatch.setenv("LLMCTL_MERGE_LINEARS", "0")  # separate projections: nothing to read
+    # separate projections: nothing to read
+    monkeypatch.setenv("LLMCTL_KERNELS", "autotune=0,merge_linears=0")
     assert _engine(tiny).runtime.model.decode_program is None
-    monkeypatch.delenv("LLMCTL_MERGE_LINEARS")
-    monkeypatch.setenv("LLMCTL_DECODE_PROGRAM", "0")
-    assert not decode_program.enabled()
+    monkeypatch.setenv("LLMCTL_KERNELS", "autotune=0,decode_program=0")
+    assert _engine(tiny).runtime.model.decode_program is None
+    monkeypatch.setenv("LLMCTL_KERNELS", "autotune=0,native=0")  # the program calls C kernels
     assert _engine(tiny).runtime.model.decode_program is None
 
 
@@ -224,7 +227,9 @@ def test_the_program_keeps_no_dropped_model_alive(tiny):
     from llmctl.runtime.weights import load_model
 
     model, _ = load_model(tiny, "bfloat16", "cpu")
-    model.tune_linears(64, 8, enabled=False)
+    prepare_for_inference(
+        model, KernelConfig(autotune=False), Serving("cpu", torch.bfloat16, 64, 8)
+    )
     assert model.decode_program is not None
     ref = weakref.ref(model)
     gc.disable()

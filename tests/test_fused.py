@@ -1,5 +1,6 @@
-"""Merged projections (models/merged.py) and the fused element-wise kernels (kernels/cpu_fused.py)
-against the PyTorch reference: float32 tight, bfloat16 to bf16 tolerance, odd sizes."""
+"""Merged projections (models/merged.py) and the fused element-wise kernels
+(kernels/cpu/elementwise.py) against the PyTorch reference: float32 tight, bfloat16 to bf16
+tolerance, odd sizes."""
 
 from __future__ import annotations
 
@@ -7,14 +8,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmctl.kernels import cpu_fused, cpu_native
+from llmctl.kernels.config import KernelConfig
+from llmctl.kernels.cpu import elementwise as cpu_fused
+from llmctl.kernels.cpu.library import load
 from llmctl.models import merged as merging
-from llmctl.models.llama import Linear, RMSNorm
+from llmctl.models.layers import Linear, RMSNorm
+from llmctl.models.prepare import Serving, prepare_for_inference
 from llmctl.runtime.weights import load_model
 from tests.conftest import make_random_model
 
 needs_native = pytest.mark.skipif(
-    cpu_native.library() is None, reason="native CPU kernels unavailable (no C compiler)"
+    load("core") is None, reason="native CPU kernels unavailable (no C compiler)"
 )
 
 
@@ -138,6 +142,12 @@ def tiny(request, tmp_path_factory):
     return make_random_model(tmp_path_factory.mktemp(request.param), request.param)
 
 
+def _prepare(model, dtype: str, **kernels) -> None:
+    """What an engine start does to the model (no plans)."""
+    config = KernelConfig(autotune=False, **kernels)
+    prepare_for_inference(model, config, Serving("cpu", getattr(torch, dtype), 64, 8))
+
+
 def _logits(model, ids):
     with torch.inference_mode():
         return model.forward_dense(ids)
@@ -150,7 +160,7 @@ def test_merged_model_keeps_names_memory_and_outputs(tiny, dtype, monkeypatch):
     params = sum(p.numel() for p in model.parameters())
     ids = torch.randint(0, 160, (2, 11))
     ref = _logits(model, ids)
-    model.tune_linears(64, 8, enabled=False)  # engine start: merges, no plans
+    _prepare(model, dtype)  # engine start: merges, no plans
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     assert attn.merged is not None and mlp.merged is not None
     assert mlp.merged.linear.weight.shape == (2 * 96, 64)
@@ -160,8 +170,7 @@ def test_merged_model_keeps_names_memory_and_outputs(tiny, dtype, monkeypatch):
     got = _logits(model, ids)
     tol = 1e-5 if dtype == "float32" else 3e-2
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
-    monkeypatch.setenv("LLMCTL_MERGE_LINEARS", "0")
-    model.tune_linears(64, 8, enabled=False)
+    _prepare(model, dtype, merge_linears=False)
     assert attn.merged is None and mlp.merged is None
     torch.testing.assert_close(_logits(model, ids), ref, rtol=tol, atol=tol)
 
@@ -169,7 +178,7 @@ def test_merged_model_keeps_names_memory_and_outputs(tiny, dtype, monkeypatch):
 def test_merged_model_trains_through_the_parts(tiny):
     model, _ = load_model(tiny, "float32", "cpu")
     twin, _ = load_model(tiny, "float32", "cpu")
-    model.tune_linears(64, 8, enabled=False)
+    _prepare(model, "float32")
     model.requires_grad_(True), twin.requires_grad_(True)  # as the distill student is
     ids = torch.randint(0, 160, (2, 9))
     for m in (model, twin):
@@ -188,7 +197,7 @@ def test_engine_tokens_merged_or_not(shakespeare_model, monkeypatch):
     merged = LLM(str(shakespeare_model), dtype="float32")
     assert merged.runtime.model.layers[0].mlp.merged is not None
     out = [o.output_token_ids for o in merged.generate(prompts, params)]
-    monkeypatch.setenv("LLMCTL_MERGE_LINEARS", "0")
+    monkeypatch.setenv("LLMCTL_KERNELS", "autotune=0,merge_linears=0")
     plain = LLM(str(shakespeare_model), dtype="float32")
     assert plain.runtime.model.layers[0].mlp.merged is None
     assert [o.output_token_ids for o in plain.generate(prompts, params)] == out

@@ -12,8 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmctl.kernels import cpu_native, invariant
+from llmctl.kernels import invariant
 from llmctl.kernels.attention import PagedAttentionMetadata, paged_attention
+from llmctl.kernels.config import KernelConfig
+from llmctl.kernels.cpu import attention as cpu_attention
+from llmctl.kernels.cpu import elementwise
+from llmctl.kernels.cpu.linear import c_kernels
 from tests.test_cpu_native import _case
 
 needs_cc = pytest.mark.skipif(
@@ -38,7 +42,7 @@ def test_linear_rows_do_not_depend_on_the_row_count(dtype, threads):
     x = torch.randn(70, 72, generator=g).to(dtype)  # K = 9 vectors; N = 37: tails of every tile
     w = torch.randn(37, 72, generator=g).to(dtype)
     b = torch.randn(37, generator=g).to(dtype)
-    assert cpu_native.linear_applies(x, w)
+    assert c_kernels.native_applies(x, w)
     full = invariant.linear(x, w, b, None)
     torch.testing.assert_close(
         full.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=2e-2
@@ -54,7 +58,7 @@ def test_silu_mul_rows_do_not_depend_on_the_row_count(dtype, threads):
     g = torch.Generator().manual_seed(1)
     gate = torch.randn(70, 88, generator=g).to(dtype)
     up = torch.randn(70, 88, generator=g).to(dtype)
-    assert cpu_native.use_silu_mul(gate, up)
+    assert elementwise.use_silu_mul(gate, up)
     full = invariant.silu_mul(gate.clone(), up)
     ref = F.silu(gate) * up  # the MLP's own arithmetic, rounded the same way in bfloat16
     tol = 1e-6 if dtype == torch.float32 else 1e-2
@@ -77,7 +81,7 @@ def test_fallback_calls_the_layer_once_per_row():
     assert torch.equal(out, x[..., :3] * 2)
 
 
-def _attend(q, kc, vc, tables, lens, bs, invariant_mode=True):
+def _attend(q, kc, vc, tables, lens, bs, invariant_mode=True, kernels=KernelConfig()):
     meta = PagedAttentionMetadata(
         torch.zeros(0, dtype=torch.long),
         len(lens),
@@ -87,6 +91,7 @@ def _attend(q, kc, vc, tables, lens, bs, invariant_mode=True):
         bs,
         decode_max_len=int(lens.max()),
         batch_invariant=invariant_mode,
+        kernels=kernels,
     )
     # write_kv with no slots writes nothing; k/v are not read by the decode path
     empty = torch.zeros(0, kc.shape[0], kc.shape[2], dtype=kc.dtype)
@@ -98,21 +103,26 @@ def _attend(q, kc, vc, tables, lens, bs, invariant_mode=True):
 def test_attention_row_does_not_depend_on_its_batch(native, dtype, monkeypatch):
     if native and shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("needs a C compiler")
-    if not native:
-        monkeypatch.setattr(cpu_native, "library", lambda: None)
+    kernels = KernelConfig(native=native)  # off: the per-row PyTorch reference
+    calls = []
+    real = cpu_attention.paged_decode_attention
+    monkeypatch.setattr(
+        cpu_attention, "paged_decode_attention", lambda *a: calls.append(1) or real(*a)
+    )
     lens = [37, 1, 16, 17, 64, 5]
     q, kc, vc, tables, lt = _case(8, 2, 16, 4, lens, dtype)
-    full = _attend(q, kc, vc, tables, lt, 4)
+    full = _attend(q, kc, vc, tables, lt, 4, kernels=kernels)
+    assert bool(calls) == native  # the C kernel served, or was kept out
     for rows in ([0], [3, 0], [4, 2, 0, 5], [1, 0]):
         idx = torch.tensor(rows)
         width = max(-(-lens[i] // 4) for i in rows)  # a narrower padded table, a smaller max_len
-        part = _attend(q[idx], kc, vc, tables[idx, :width], lt[idx], 4)
+        part = _attend(q[idx], kc, vc, tables[idx, :width], lt[idx], 4, kernels=kernels)
         assert torch.equal(part, full[idx]), rows
 
 
 TRITON_SCRIPT = """
 import torch
-from llmctl.kernels.triton_attention import decode_attention_triton
+from llmctl.kernels.cuda.attention import decode_attention_triton
 
 torch.manual_seed(0)
 heads, kvh, d, bs, nb = 8, 2, 16, 4, 40

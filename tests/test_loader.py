@@ -18,7 +18,7 @@ from tests.conftest import make_random_model
 def test_demo_model_is_the_default_and_bf16():
     from safetensors import safe_open
 
-    from llmctl.kernels.cpu_bf16 import native_bf16
+    from llmctl.kernels.cpu.features import native_bf16
 
     with safe_open(str(DEMO_MODEL_DIR / "model.safetensors"), framework="pt") as f:
         assert all(f.get_tensor(k).dtype == torch.bfloat16 for k in f.keys())  # shipped in bf16

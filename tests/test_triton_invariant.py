@@ -1,4 +1,4 @@
-"""The batch-invariant Triton kernels (kernels/triton_invariant.py) on the CPU through
+"""The batch-invariant Triton kernels (kernels/cuda/invariant.py) on the CPU through
 TRITON_INTERPRET=1: each against its PyTorch reference, and a row's result bit-identical alone, in
 batches of 2..7 rows at every position, past a BLOCK_M tile, and (attention) whatever the KV block
 size. The kernels run in a subprocess: the interpreter flag must be set before triton is imported.
@@ -19,9 +19,9 @@ SCRIPT = textwrap.dedent(
     """
     import torch
     import torch.nn.functional as F
-    from llmctl.kernels import triton_invariant as ti
+    from llmctl.kernels.cuda import invariant as ti
     from llmctl.kernels.attention import decode_attention
-    from llmctl.models.llama import RMSNorm
+    from llmctl.models.layers import RMSNorm
 
     def rows_invariant(fn, x, name):
         # fn(rows [R, ...]) -> [R, ...]: row i alone == row i in every batch of 2..7 rows that

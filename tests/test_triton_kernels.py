@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent(
     """
     import torch
     from llmctl.kernels.attention import decode_attention, write_kv
-    from llmctl.kernels.triton_attention import decode_attention_triton, write_kv_triton
+    from llmctl.kernels.cuda.attention import decode_attention_triton, write_kv_triton
 
     torch.manual_seed(0)
     for heads, kvh, d, bs in [(4, 2, 16, 4), (6, 2, 8, 2), (3, 3, 12, 4), (8, 1, 16, 8)]:

@@ -1,4 +1,4 @@
-"""The Triton dequantize-GEMM (llmctl/kernels/triton_quant.py) against its plain-PyTorch reference,
+"""The Triton dequantize-GEMM (llmctl/kernels/cuda/quant.py) against its plain-PyTorch reference,
 on the CPU through TRITON_INTERPRET=1 (and on CUDA when there is one), and QuantLinear's routing.
 
 The kernel runs in a subprocess: the interpreter flag must be set before triton is first imported.
@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     import torch
     import llmctl.models.qlinear as ql
     from llmctl.runtime.formats.packing import UnpackedLinear
-    from llmctl.kernels.triton_quant import quant_matmul_reference, quant_matmul_triton
+    from llmctl.kernels.cuda.quant import quant_matmul_reference, quant_matmul_triton
 
     device, dtypes = sys.argv[1], [getattr(torch, d) for d in sys.argv[2].split(",")]
     g = torch.Generator().manual_seed(0)
@@ -91,7 +91,7 @@ def test_quant_gemm_matches_reference_on_cuda():
 
 
 def test_quant_linear_routes_small_cuda_batches_to_triton():
-    from llmctl.kernels import triton_quant
+    from llmctl.kernels.cuda import quant as triton_quant
 
     cuda, cpu, small = torch.device("cuda"), torch.device("cpu"), QuantLinear.TRITON_MAX_TOKENS
     assert _use_triton(cuda, 1, 64) is triton_quant.available()

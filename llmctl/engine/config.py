@@ -6,9 +6,11 @@ Owns: the scheduler and KV-cache knobs shared by run-batch, profile and the Pyth
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from llmctl.errors import UsageError
+from llmctl.kernels.config import KernelConfig
+from llmctl.kernels.config import from_env as kernels_from_env
 
 _UNITS = {
     "": 1,
@@ -112,11 +114,16 @@ class EngineConfig:
     # leaves after the weights and an activation reserve (vLLM's --gpu-memory-utilization).
     gpu_memory_utilization: float | None = None
     log_stats_interval_s: float = 10.0  # the engine's INFO statistics line, at most this often
-    # CPU: time the linear kernels at model load and use the fastest per row count (cached per CPU
-    # and shape; kernels/autotune.py); off: the static rules. Started by Runtime.start_engine.
+    # CPU: time the linear kernels when the engine starts and use the fastest per row count
+    # (cached per CPU and shape; kernels/cpu/linear/autotune.py); off: the static rules. The
+    # --no-autotune flag's field: False here turns `kernels.autotune` off.
     autotune: bool = True
+    # Every kernel choice (kernels/config.py); made without one, from LLMCTL_KERNELS, read here.
+    kernels: KernelConfig = field(default_factory=kernels_from_env)
 
     def __post_init__(self) -> None:
+        if not self.autotune and self.kernels.autotune:
+            object.__setattr__(self, "kernels", replace(self.kernels, autotune=False))
         if self.block_size < 1:
             raise UsageError(f"--block-size must be >= 1, got {self.block_size}")
         if self.max_num_batched_tokens < 1:

@@ -105,7 +105,7 @@ class LLMEngine:
             self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs)
-        self.sampler = Sampler(cfg.seed)
+        self.sampler = Sampler(cfg.seed, cfg.kernels.native)
         model_len = model_config.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or model_len, model_len)
         self.capacity = min(self.max_model_len, self.runner.num_blocks * cfg.block_size)

@@ -8,7 +8,7 @@ One-token decodes and speculative verification tokens are laid out as decodes (e
 own context length over the paged cache); steps made only of those go through
 `cuda_graphs.DecodeGraphs` when enabled (CUDA). With `EngineConfig.batch_invariant` every token
 is laid out as a decode (prefill chunks included) and the model takes its fixed-order paths (on
-CUDA the Triton kernels of kernels/triton_invariant.py), so a token's arithmetic does not depend
+CUDA the Triton kernels of kernels/cuda/invariant.py), so a token's arithmetic does not depend
 on what else is in the step.
 """
 
@@ -30,6 +30,7 @@ from llmctl.kernels.attention import (
     length_groups,
 )
 from llmctl.models.config import ModelConfig
+from llmctl.models.prepare import Serving, prepare_for_inference
 
 MIN_GROUPED_DECODES = 8  # below this, one padded decode-attention call costs less than several
 
@@ -98,9 +99,9 @@ def _kv_budget(config: ModelConfig, cfg: EngineConfig, device: str, bytes_per_bl
 
 
 def _triton_importable() -> bool:
-    """kernels/triton_invariant.py imports (triton installed)."""
+    """kernels/cuda/invariant.py imports (triton installed)."""
     try:
-        import llmctl.kernels.triton_invariant  # noqa: F401
+        import llmctl.kernels.cuda.invariant  # noqa: F401
     except ImportError:
         return False
     return True
@@ -121,13 +122,15 @@ class ModelRunner:
         if self.batch_invariant and device != "cpu":
             if not (str(device).startswith("cuda") and _triton_importable()):
                 raise UsageError("batch-invariant runs need the CPU, or CUDA with triton")
-        if (
-            device == "cpu"
-            and dtype == torch.float32
-            and hasattr(model, "pack_lm_head")
-            and not self.batch_invariant
-        ):  # batched logits through oneDNN's packed layout (kernels/onednn_linear.py)
-            model.pack_lm_head()
+        self.kernels = engine_config.kernels
+        serving = Serving(
+            str(device),
+            dtype,
+            engine_config.max_num_batched_tokens,
+            engine_config.max_num_seqs,
+            self.batch_invariant,
+        )
+        prepare_for_inference(model, self.kernels, serving)
         self.block_size = engine_config.block_size
         self.bytes_per_block = kv_bytes_per_token(config, dtype) * self.block_size
         budget = _kv_budget(config, engine_config, device, self.bytes_per_block)
@@ -167,6 +170,7 @@ class ModelRunner:
             self.device,
             use_graphs,
             self.batch_invariant,
+            self.kernels,
         )
 
     @property
@@ -248,6 +252,7 @@ class ModelRunner:
             self.workspace,
             max(st.dec_lens, default=0),
             self.batch_invariant,
+            self.kernels,
         )
         return (
             torch.tensor(st.ids, dtype=torch.long, device=dev),

@@ -9,11 +9,12 @@ from __future__ import annotations
 import torch
 
 from llmctl.engine.sequence import Sequence
-from llmctl.kernels import cpu_native
+from llmctl.kernels.cpu import elementwise
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None):
+    def __init__(self, seed: int | None = None, native: bool = True):
+        self.native = native  # KernelConfig.native: the C argmax may serve greedy rows
         self.generator = torch.Generator()
         if seed is None:
             self.generator.seed()
@@ -29,13 +30,13 @@ class Sampler:
         ):
             logits = apply_penalties(logits.to(torch.float32, copy=True), seqs)
         if all(p.greedy for p in params):
-            return greedy(logits).tolist()
+            return greedy(logits, self.native).tolist()
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         probs = sampling_probs(logits, params)
         tokens = self._draw(probs, seqs)
         if greedy_rows:
             rows = torch.tensor(greedy_rows, device=logits.device)
-            tokens[rows] = greedy(logits[rows])
+            tokens[rows] = greedy(logits[rows], self.native)
         return tokens.tolist()
 
     def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -54,13 +55,13 @@ class Sampler:
         return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
+def greedy(logits: torch.Tensor, native: bool = True) -> torch.Tensor:
     """logits [B, V] (float32 or the model's dtype) -> [B]: the first index of each row's maximum,
     as argmax gives it (the same index on ties and NaNs, tests/test_sampling.py). On the CPU
-    through the C kernel (kernels/cpu_argmax.c) where it is built, else torch.max's indices (on
-    the CPU about twice as fast as argmax)."""
-    if cpu_native.use_argmax(logits):
-        return cpu_native.argmax(logits)
+    through the C kernel (kernels/cpu/csrc/cpu_argmax.c) where `native` and it is built, else
+    torch.max's indices (on the CPU about twice as fast as argmax)."""
+    if native and elementwise.use_argmax(logits):
+        return elementwise.argmax(logits)
     return logits.max(dim=-1).indices
 
 

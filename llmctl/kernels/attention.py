@@ -1,7 +1,8 @@
 """Attention over the paged KV cache: the dispatcher and the plain-PyTorch references.
 
-Owns: `paged_attention`, which sends each step to the Triton kernels (CUDA), the C decode kernel
-(CPU, kernels/cpu_native.py) or the PyTorch references here; writing new K/V into cache slots; and
+Owns: `paged_attention`, which sends each step to the Triton kernels (CUDA, kernels/cuda), the C
+kernels (CPU, kernels/cpu/attention.py and prefill.py, as the metadata's KernelConfig allows) or
+the PyTorch references here; writing new K/V into cache slots; and
 the references for the two attention shapes the engine issues each step:
 a batch of single-token decodes, and one multi-token chunk (prefill, possibly after cached context).
 Cache layout per layer: [kv_heads, num_blocks * block_size, head_dim], head-major, so a gather of
@@ -15,7 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from llmctl.kernels import cpu_native, cpu_prefill, invariant
+from llmctl.kernels import invariant
+from llmctl.kernels.config import KernelConfig
+from llmctl.kernels.cpu import attention as cpu_attention
+from llmctl.kernels.cpu import prefill as cpu_prefill
 
 
 def write_kv(
@@ -24,10 +28,12 @@ def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     slots: torch.Tensor,
+    native: bool = True,
 ) -> None:
-    """k, v [T, kv_heads, D] into the flat slots [T] of the caches."""
-    if cpu_native.use_write_kv(k_cache, v_cache, k, v, slots):
-        return cpu_native.write_kv(k_cache, v_cache, k, v, slots)
+    """k, v [T, kv_heads, D] into the flat slots [T] of the caches (in one C call where `native`
+    and it applies)."""
+    if native and cpu_attention.use_write_kv(k_cache, v_cache, k, v, slots):
+        return cpu_attention.write_kv(k_cache, v_cache, k, v, slots)
     k_cache.index_copy_(1, slots, k.transpose(0, 1))
     v_cache.index_copy_(1, slots, v.transpose(0, 1))
 
@@ -121,6 +127,7 @@ def chunk_attention(
     num_computed: int,
     scale: float,
     lower_right: bool | None = None,
+    kernels: KernelConfig = KernelConfig(),
 ) -> torch.Tensor:
     """Causal attention of one chunk over its cached prefix and itself; returns [Tq, heads, D].
 
@@ -128,14 +135,16 @@ def chunk_attention(
     After a cached prefix the mask is causal aligned to the bottom right; `lower_right` (default: on
     CUDA) says so with PyTorch's CausalBias, which SDPA dispatches to its flash kernel there,
     instead of a materialised [Tq, total] mask that only the slower backends take. bfloat16 on a
-    CPU with AMX goes to kernels/cpu_prefill.py (1.5-2x SDPA's CPU flash kernel there)."""
+    CPU with AMX goes to kernels/cpu/prefill.py (1.5-2x SDPA's CPU flash kernel there), as
+    `kernels` (native, prefill_attention) allows."""
     tq = q.shape[0]
-    if cpu_prefill.supports(q, k_new):
+    mode = kernels.prefill_attention
+    if kernels.native and cpu_prefill.supports(q, k_new, mode):
         if num_computed == 0:
-            return cpu_prefill.prefill_attention(q, k_new, v_new, 0, scale)
+            return cpu_prefill.prefill_attention(q, k_new, v_new, 0, scale, mode)
         k = k_cache.index_select(1, slots[: num_computed + tq]).transpose(0, 1)  # [total, kvh, D]
         v = v_cache.index_select(1, slots[: num_computed + tq]).transpose(0, 1)
-        return cpu_prefill.prefill_attention(q, k, v, num_computed, scale)
+        return cpu_prefill.prefill_attention(q, k, v, num_computed, scale, mode)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, Tq, D]
     if num_computed == 0:  # nothing cached before: plain causal attention on the new K/V
         k = k_new.transpose(0, 1).unsqueeze(0)
@@ -183,6 +192,7 @@ class PagedAttentionMetadata:
         "workspace",
         "decode_max_len",
         "batch_invariant",
+        "kernels",
     )
 
     def __init__(
@@ -197,6 +207,7 @@ class PagedAttentionMetadata:
         workspace: GatherWorkspace | None = None,
         decode_max_len: int = 0,
         batch_invariant: bool = False,
+        kernels: KernelConfig = KernelConfig(),
     ):
         self.slot_mapping = slot_mapping  # [T] int64
         self.num_decodes = num_decodes  # tokens [0, num_decodes) are one-token decodes
@@ -211,6 +222,7 @@ class PagedAttentionMetadata:
         # Every token is a "decode" row (prefill tokens too, each with its own context length),
         # and linears and the MLP take the fixed-order paths of kernels/invariant.py.
         self.batch_invariant = batch_invariant
+        self.kernels = kernels  # which CPU kernels may serve (EngineConfig.kernels)
 
 
 def _triton_kernels(t: torch.Tensor):
@@ -218,7 +230,7 @@ def _triton_kernels(t: torch.Tensor):
     if not t.is_cuda:
         return None
     try:
-        from llmctl.kernels.triton_attention import decode_attention_triton, write_kv_triton
+        from llmctl.kernels.cuda.attention import decode_attention_triton, write_kv_triton
     except ImportError:  # no triton: the references run on CUDA too
         return None
     return write_kv_triton, decode_attention_triton
@@ -227,7 +239,7 @@ def _triton_kernels(t: torch.Tensor):
 def _decode(
     q, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float, triton
 ) -> torch.Tensor:
-    fixed = invariant.triton_kernels(q) if meta.batch_invariant else None
+    fixed = invariant.triton_kernels(q, meta.kernels) if meta.batch_invariant else None
     if fixed is not None:  # keys in tiles of a fixed size, whatever the block size
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         return fixed.paged_attention(q, k_cache, v_cache, tables, lens, scale, meta.block_size)
@@ -242,10 +254,12 @@ def _decode(
             meta.block_size,
         )
     tables, lens, bs = meta.decode_block_tables, meta.decode_context_lens, meta.block_size
-    if meta.decode_max_len and cpu_native.supports(q, k_cache):  # reads blocks in place
-        return cpu_native.paged_decode_attention(
-            q, k_cache, v_cache, tables, lens, scale, bs, meta.decode_max_len
-        )
+    kernels = meta.kernels
+    if meta.decode_max_len and kernels.native and cpu_attention.supports(q, k_cache):
+        return cpu_attention.paged_decode_attention(  # reads blocks in place
+            q, k_cache, v_cache, tables, lens, scale, bs, meta.decode_max_len,
+            kernels.decode_attention,
+        )  # fmt: skip
     if meta.batch_invariant:
         return _decode_per_row(q, k_cache, v_cache, tables, lens, scale, bs)
     if not meta.decode_groups or len(meta.decode_groups) == 1:
@@ -283,7 +297,10 @@ def paged_attention(
     """q [T, heads, D], k/v [T, kv_heads, D] for the packed batch; writes K/V and returns
     [T, heads, D]."""
     triton = _triton_kernels(q)
-    (triton[0] if triton else write_kv)(k_cache, v_cache, k, v, meta.slot_mapping)
+    if triton:
+        triton[0](k_cache, v_cache, k, v, meta.slot_mapping)
+    else:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.kernels.native)
     nd = meta.num_decodes
     if nd == q.shape[0]:
         return _decode(q, k_cache, v_cache, meta, scale, triton)
@@ -293,6 +310,7 @@ def paged_attention(
     for p in meta.prefills:
         s, e = p.start, p.start + p.length
         out[s:e] = chunk_attention(
-            q[s:e], k[s:e], v[s:e], k_cache, v_cache, p.slots, p.num_computed, scale
-        )
+            q[s:e], k[s:e], v[s:e], k_cache, v_cache, p.slots, p.num_computed, scale,
+            kernels=meta.kernels,
+        )  # fmt: skip
     return out

@@ -1,6 +1,6 @@
 """The engine's steps as a flat run of kernel calls, without nn.Module dispatch.
 
-Owns: `DecodeProgram`, built by `LlamaForCausalLM.tune_linears` for a bfloat16 model on the CPU
+Owns: `DecodeProgram`, built by models/prepare.py for a bfloat16 model on the CPU
 (projections merged, no q/k norm, the native kernels built). For an engine step it calls the
 kernels the module path (`LlamaForCausalLM.forward`) would call, in the same order on the same
 values, so the hidden states are equal bit for bit (tested), but without what that path pays per
@@ -10,33 +10,31 @@ every layer). Each linear still takes the kernel its autotune plan chose for the
 (`Linear.forward` itself where that is not the bf16 dot-product kernel); attention is the decode
 kernel `kernels/attention.py` would pick, called directly, for a step of one-token decodes, and
 `paged_attention` itself for any other (prefill chunks, speculative verification). Decode steps
-gain the most: their fixed cost per layer is most of their time at small batches.
+gain the most: their fixed cost per layer is most of their time at small batches. Built by
+models/prepare.py where the engine's KernelConfig allows it (`decode_program`, `native`).
 
 The program holds references into the model; a step runs it only while those are what the model
 holds (`current`: same modules, parameters and memory, still merged, no forward hooks anywhere),
 otherwise the module path serves, as it does for batch-invariant steps, gradients, other dtypes
-and devices. LLMCTL_DECODE_PROGRAM=0 turns it off (A/B runs).
+and devices.
 """
 
 from __future__ import annotations
 
 import operator
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as nn_module
 
-from llmctl.kernels import autotune, cpu_dpbf16, cpu_native, cpu_rope
 from llmctl.kernels.attention import PagedAttentionMetadata, paged_attention
+from llmctl.kernels.config import KernelConfig
+from llmctl.kernels.cpu import attention as cpu_attention
+from llmctl.kernels.cpu.library import load
+from llmctl.kernels.cpu.linear.c_kernels import dpbf16_library
 
 BF16 = torch.bfloat16
-_DPBF16 = autotune.BY_NAME["dpbf16"].run  # the plan's entry for the bf16 dot-product kernel
-
-
-def enabled() -> bool:
-    return os.environ.get("LLMCTL_DECODE_PROGRAM", "1") not in ("0", "false", "no")
 
 
 def _plain(t: torch.Tensor | None) -> bool:
@@ -108,7 +106,8 @@ class _Linear:
         """x [T, K] (rows contiguous) -> [T, N]: into `out` through the dot-product kernel where
         the plan picks it for T rows, else whatever Linear.forward returns."""
         plan = self.module.plan
-        if plan is None or plan.kernel(step.rows) is not _DPBF16:
+        chosen = None if plan is None else plan.kernel(step.rows)
+        if chosen is None or chosen.name != "dpbf16":
             return type(self.module).forward(self.module, x)
         step.dot.linear_dpbf16(
             x.data_ptr(),
@@ -173,7 +172,8 @@ _FORWARD_PRE_HOOKS = operator.attrgetter("_forward_pre_hooks")
 class DecodeProgram:
     """See the module docstring. Build with `DecodeProgram.build(model)`."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, kernels: KernelConfig):
+        self.kernels = kernels
         # No reference to `model` itself: the model holds the program, and a cycle would keep a
         # dropped model's weights alive until the garbage collector runs.
         self.config = model.config
@@ -191,12 +191,13 @@ class DecodeProgram:
         self.modules = [*inner.modules(), self.rotary]
 
     @classmethod
-    def build(cls, model: nn.Module) -> DecodeProgram | None:
-        """The program for `model`, or None where it does not apply (see the module docstring)."""
+    def build(cls, model: nn.Module, kernels: KernelConfig) -> DecodeProgram | None:
+        """The program for `model` under `kernels`, or None where it does not apply (see the
+        module docstring)."""
         c = model.config
-        if not enabled() or c.qk_norm or c.hidden_size % 8 or c.head_dim % 16:
+        if not kernels.native or c.qk_norm or c.hidden_size % 8 or c.head_dim % 16:
             return None
-        if cpu_native.library() is None or cpu_rope.library() is None:
+        if load("core") is None or load("rope") is None:
             return None
         if not len(model.model.layers):
             return None
@@ -209,7 +210,7 @@ class DecodeProgram:
         ):
             return None
         try:
-            program = cls(model)
+            program = cls(model, kernels)
         except _NotMerged:
             return None
         norms = [program.norm, *(w for r in program.layers for w in (r.norm1, r.norm2))]
@@ -264,8 +265,7 @@ class _Step:
     def __init__(self, program: DecodeProgram, positions, meta, k_cache0: torch.Tensor):
         c, t = program.config, positions.shape[0]
         self.rows, self.threads = t, torch.get_num_threads()
-        self.lib, self.dot = cpu_native.library(), cpu_dpbf16.library()
-        self.rot = cpu_rope.library()
+        self.lib, self.dot, self.rot = load("core"), dpbf16_library(), load("rope")
         self.c, self.meta, self.rotary = c, meta, program.rotary
         self.positions = positions
         self.kv_shape = k_cache0.shape  # [KVH, slots, D], every layer's
@@ -275,7 +275,7 @@ class _Step:
         if self.decode_only:
             self.tables = meta.decode_block_tables.to(torch.int64).contiguous()
             self.lens = meta.decode_context_lens.to(torch.int64).contiguous()
-            cpu_native.check_decode_shapes(
+            cpu_attention.check_decode_shapes(
                 c.num_heads, c.head_dim, self.kv_shape[0], self.tables.shape[1], meta.block_size,
                 meta.decode_max_len,
             )  # fmt: skip
@@ -289,13 +289,15 @@ class _Step:
         self.gate_up, self.act = buf(t, 2 * c.intermediate_size), buf(t, c.intermediate_size)
         self.q, self.k = buf(t, c.num_heads, c.head_dim), buf(t, c.num_kv_heads, c.head_dim)
         self.attn = buf(t, c.num_heads, c.head_dim)
-        self.dpbf16 = cpu_native.use_decode_dpbf16(self.q, k_cache0)
-        if self.dpbf16:  # the AMX variant where it runs (cpu_native.decode_bf16_kernel)
-            self.decode_bf16 = getattr(self.lib, cpu_native.decode_bf16_kernel())
+        self.choice = program.kernels.decode_attention
+        kernel = cpu_attention.decode_kernel(BF16, k_cache0.dtype, self.choice)
+        self.dpbf16 = kernel in ("paged_decode_amx", "paged_decode_dpbf16")
+        if self.dpbf16:  # called directly (its arguments are the step's)
+            self.decode_bf16 = getattr(self.lib, kernel)
 
     def norm(self, x, delta, weight, eps: float) -> torch.Tensor:
         """RMSNorm.add_forward(x, delta): x += delta in place (none for the first layer), then
-        the norm of x into the step's buffer, by the kernels cpu_fused/cpu_native call."""
+        the norm of x into the step's buffer, by the kernels of kernels/cpu/elementwise.py."""
         if delta is None:
             self.lib.rms_norm(
                 x.data_ptr(), weight.data_ptr(), self.h.data_ptr(), self.rows, x.shape[1], eps,
@@ -312,7 +314,7 @@ class _Step:
 
     def rope(self, qkv: torch.Tensor, rec: _Layer) -> torch.Tensor:
         """q and k rotated out of the merged projection [T, q + 2 kv] into the step's buffers (as
-        cpu_rope.rope does for column slices); returns qkv, whose v columns attention reads."""
+        elementwise.rope does for column slices); returns qkv, whose v columns attention reads."""
         if not qkv.is_contiguous():
             qkv = qkv.contiguous()
         c, ld = self.c, qkv.stride(0)
@@ -341,9 +343,9 @@ class _Step:
         )  # fmt: skip
         scale = rec.scale
         if not self.dpbf16:
-            return cpu_native.paged_decode_attention(
+            return cpu_attention.paged_decode_attention(
                 self.q, k_cache, v_cache, self.tables, self.lens, scale, meta.block_size,
-                meta.decode_max_len, False,
+                meta.decode_max_len, self.choice,
             )  # fmt: skip
         failed = self.decode_bf16(
             self.q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), self.tables.data_ptr(),

@@ -13,17 +13,11 @@ plain CPU/GPU tensors of one dtype and device, with biases on all or none.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import nn
-
-
-def enabled() -> bool:
-    """False when LLMCTL_MERGE_LINEARS=0: separate projections everywhere (A/B measurements)."""
-    return os.environ.get("LLMCTL_MERGE_LINEARS", "1") not in ("0", "false", "no")
 
 
 @dataclass(frozen=True)
@@ -96,9 +90,7 @@ def merge(parts: Sequence[nn.Module], linear_type: type) -> Merged | None:
 
 def refreshed(current: Merged | None, parts: Sequence[nn.Module], linear_type: type):
     """`current` where it still serves `parts` (Merged.live), else a new `merge` of them; None
-    where they cannot merge or LLMCTL_MERGE_LINEARS=0."""
-    if not enabled():
-        return None
+    where they cannot merge."""
     if current is not None and current.live(*parts):
         return current
     return merge(parts, linear_type)

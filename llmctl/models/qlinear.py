@@ -9,7 +9,7 @@ tokens (prefill), the weight is dequantized to the compute dtype for that call a
 matmul runs, which is faster there. Other weights (8-bit, odd widths, CUDA) are kept as codes
 (two 4-bit codes per byte, or one 8-bit code per byte, the layouts the Triton kernel reads) and
 dequantized per call, except on CUDA at or below `TRITON_MAX_TOKENS` rows, where the
-Triton dequantize-GEMM in `llmctl/kernels/triton_quant.py` reads the stored codes directly (see
+Triton dequantize-GEMM in `llmctl/kernels/cuda/quant.py` reads the stored codes directly (see
 `_use_triton`).
 
 The int4 kernel computes w = (q - 8) * scale + zero_f per group, so our (q - z) * s is passed as
@@ -79,7 +79,7 @@ def _use_triton(device: torch.device, rows: int, group_size: int) -> bool:
         return False
     if group_size < 16 or group_size & (group_size - 1):
         return False
-    from llmctl.kernels import triton_quant
+    from llmctl.kernels.cuda import quant as triton_quant
 
     return triton_quant.available()
 
@@ -203,7 +203,7 @@ class QuantLinear(nn.Module):
             )
             y = y.to(x2.dtype)
         elif not self.use_int4_kernel and _use_triton(x2.device, x2.shape[0], self.group_size):
-            from llmctl.kernels.triton_quant import quant_matmul_triton
+            from llmctl.kernels.cuda.quant import quant_matmul_triton
 
             y = quant_matmul_triton(
                 x2, self.qweight, self.scales, self.zeros, self.storage_bits, self.group_size

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from llmctl.kernels import cpu_rope
+from llmctl.kernels.config import KernelConfig
+from llmctl.kernels.cpu import elementwise
 from llmctl.models.config import ModelConfig
 
 
@@ -45,6 +46,8 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(torch.nn.Module):
     """Holds a [max_positions, head_dim] cos and sin table (float32) and rotates q/k by position."""
 
+    kernels = KernelConfig()  # set by models/prepare.py: whether the C kernel may serve
+
     def __init__(self, config: ModelConfig, max_positions: int | None = None):
         super().__init__()
         n = max_positions or config.max_position_embeddings
@@ -57,8 +60,9 @@ class RotaryEmbedding(torch.nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...]; q [..., heads, D], k [..., kv_heads, D] with the same leading shape."""
-        if cpu_rope.use_rope(q, k, self.cos, positions):  # bf16 inference: one C call
-            return cpu_rope.rope(q, k, self.cos, self.sin, positions)
+        # bf16 inference: one C call
+        if self.kernels.native and elementwise.use_rope(q, k, self.cos, positions):
+            return elementwise.rope(q, k, self.cos, self.sin, positions)
         cos = self.cos[positions].to(q.dtype).unsqueeze(-2)  # [..., 1, D]
         sin = self.sin[positions].to(q.dtype).unsqueeze(-2)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):

@@ -1,9 +1,9 @@
 """This machine's measured peaks (memory bandwidth, bfloat16 and float32 matmul FLOP/s), cached per
 machine.
 
-Owns: the measurements behind `profile --measure-machine` and the cache file
-`$XDG_CACHE_HOME/llmctl/machine.json` (default `~/.cache/llmctl/machine.json`), a JSON object keyed
-by `environment.machine_key(device)` so a cached value is only reused on the same CPU model and
+Owns: the measurements behind `profile --measure-machine` and the cache file `machine.json` in
+llmctl's cache folder (llmctl/cache_dir.py), a JSON object keyed by
+`environment.machine_key(device)` so a cached value is only reused on the same CPU model and
 thread count, or the same GPU. Measured profiles divide by these peaks to report MBU and MFU.
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from llmctl.cache_dir import cache_root
 from llmctl.profiling.dtypes import canonical_dtype
 from llmctl.profiling.environment import machine_key
 
@@ -47,8 +47,7 @@ class MachinePeaks:
 
 
 def cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "llmctl" / "machine.json"
+    return cache_root() / "machine.json"
 
 
 def _sync(device: str) -> None:

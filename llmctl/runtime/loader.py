@@ -1,7 +1,7 @@
 """A model ready to serve: weights, tokenizer and EOS ids bundled into a `Runtime`.
 
-Owns: `Runtime` (model, config, text codec; `start_engine` builds an engine over them, after
-choosing the CPU linear kernels by measurement, and loads a draft model for speculative decoding)
+Owns: `Runtime` (model, config, text codec; `start_engine` builds an engine over them, which
+prepares the model for inference, and loads a draft model for speculative decoding)
 and `load_runtime`. Resolving the model is in resolve.py,
 weights in weights.py, the tokenizer and chat template in tokenizer.py.
 """
@@ -38,10 +38,8 @@ class Runtime(TextMethods):
     def start_engine(self, engine_config=None):
         """A new engine over this model (`EngineConfig` settings); loads the draft model first when
         `speculative == "draft"`."""
-        from llmctl.engine.config import EngineConfig
         from llmctl.engine.llm_engine import LLMEngine
 
-        self._choose_kernels(engine_config or EngineConfig())
         return LLMEngine(
             self.model,
             self.config,
@@ -51,20 +49,6 @@ class Runtime(TextMethods):
             proposer=self._proposer(engine_config),
             device=self.device,
             dtype=self.dtype,
-        )
-
-    def _choose_kernels(self, cfg) -> None:
-        """Time the CPU linear kernels for this engine's row counts (kernels/autotune.py, a few
-        seconds at most, cached); with `autotune` off or batch-invariant runs, the static rules."""
-        from llmctl.kernels import autotune
-
-        tune = getattr(self.model, "tune_linears", None)
-        if tune is None or self.device != "cpu":
-            return
-        tune(
-            cfg.max_num_batched_tokens,
-            cfg.max_num_seqs,
-            enabled=cfg.autotune and not cfg.batch_invariant and autotune.allowed(),
         )
 
     def _proposer(self, engine_config):

@@ -60,11 +60,11 @@ def _download(repo_id: str) -> Path:
 def resolve_dtype(dtype: str, config: ModelConfig, device: str):
     """--dtype to a torch dtype. auto: the checkpoint's dtype, except on the CPU, where half
     precision becomes bfloat16 (fast CPU half matmuls are rare), or float32 when the CPU has no bf16
-    units (`cpu_bf16.native_bf16`: PyTorch's bf16 matmuls there run several times slower than
-    float32)."""
+    units (kernels/cpu/features.native_bf16: PyTorch's bf16 matmuls there run several times slower
+    than float32)."""
     import torch
 
-    from llmctl.kernels.cpu_bf16 import native_bf16
+    from llmctl.kernels.cpu.features import native_bf16
 
     if dtype == "auto":
         wanted = DTYPE_NAMES.get(

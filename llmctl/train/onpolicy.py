@@ -52,6 +52,7 @@ def build_engine(student, rows: int, seq_len: int, eos_ids: tuple[int, ...]):
     """An engine over the student's live parameters (no copy), its KV cache for `rows` sequences."""
     from llmctl.engine.config import EngineConfig
     from llmctl.engine.llm_engine import LLMEngine
+    from llmctl.kernels.config import KernelConfig
 
     weight = next(student.parameters())
     cfg = EngineConfig(
@@ -61,6 +62,9 @@ def build_engine(student, rows: int, seq_len: int, eos_ids: tuple[int, ...]):
         max_num_seqs=rows,
         max_model_len=seq_len,
         cuda_graphs=False,  # a capture per step would cost more than the step
+        # Merging would replace the parameters the optimizer holds with views of a new tensor;
+        # timing kernels per step would cost more than the step.
+        kernels=KernelConfig(autotune=False, merge_linears=False),
     )
     return LLMEngine(student, student.config, cfg, eos_token_ids=eos_ids, device=str(weight.device))
 
@@ -74,6 +78,7 @@ def student_samples(
     at an end-of-sequence token early is padded with that token, masked out; `row0` numbers the
     rows across micro-batches and ranks for their seeds."""
     from llmctl.engine.params import SamplingParams
+    from llmctl.models.prepare import drop_weight_copies
 
     b, s = ids.shape
     engine = build_engine(student, b, s, eos_ids)
@@ -89,8 +94,7 @@ def student_samples(
             for out in engine.step():
                 done[int(out.request_id)] = out.output_token_ids
     finally:
-        if hasattr(student, "packed_head"):
-            student.packed_head = None  # the engine's packed lm_head copy goes stale next step
+        drop_weight_copies(student)  # the engine's packed copies go stale at the next step
     new_ids, new_mask = ids.clone(), torch.zeros_like(mask)
     for r in range(b):
         p, gen = prompts[r], done[r][: s - prompts[r]]

@@ -1,15 +1,15 @@
-"""Linear kernels chosen by measurement: at model load, each distinct linear shape is timed at a
-few row counts over every kernel that can serve it on this CPU, and the fastest is used per count.
+"""Linear kernels chosen by measurement: when an engine starts, each distinct linear shape is timed
+at a few row counts over every candidate (dispatch.CANDIDATES) that can serve it on this CPU, and
+the fastest is used per count.
 
-Owns: the candidates (`CANDIDATES`: F.linear in the weight's dtype, the C kernel of cpu_linear.c,
-the bf16 dot-product kernel of cpu_linear_dpbf16.c, float32 widening of cpu_bf16.py, oneDNN-packed
-weights, the AMX kernel of cpu_linear_amx.c over its own packed copy), the row buckets, the choice
-rule (`choose`, and one packed copy per shape: `_rechoose_packed`), the time budget and early stop
-(`tune`), the per-shape plan a layer consults per call (`Plan`), and the JSON cache of the
-choices, one file per CPU model (cpu_native's fingerprint) under $LLMCTL_CACHE_DIR or
-~/.cache/llmctl/autotune. Rows between buckets use the nearest bucket's choice (in ratio); a
-bucket left unmeasured (budget spent) has no choice, and the caller's static rules serve it. The
-batch-invariant paths (invariant.py) never consult a plan.
+Owns: the row buckets, the choice rule (`choose`, and one packed copy per shape:
+`_rechoose_packed`), the time budget and early stop (`tune`), the per-shape plan a layer consults
+per call (`Plan`), and the JSON cache of the choices, one file per CPU model (features.fingerprint)
+in llmctl's cache folder (autotune/), keyed per shape by what else decides the timings (threads,
+torch, and every source file of the C linear kernels, c_kernels.SOURCES). Rows between buckets
+use the nearest bucket's choice (in ratio); a bucket left unmeasured (budget spent) has no choice,
+and the static rule (dispatch.static) serves it. The batch-invariant paths (invariant.py) never
+consult a plan.
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from llmctl.kernels import cpu_amx, cpu_bf16, cpu_dpbf16, cpu_native, onednn_linear
+from llmctl.cache_dir import cache_root
+from llmctl.kernels.cpu.features import fingerprint
+from llmctl.kernels.cpu.linear.c_kernels import SOURCES
+from llmctl.kernels.cpu.linear.dispatch import BY_NAME, CANDIDATES, Candidate
 
 BUCKETS = (1, 8, 32, 64, 128)  # and the caller's largest row count (the token budget)
 BUDGET_S = 6.0  # wall seconds of timing per model at most
@@ -46,71 +48,6 @@ PASS_CALLS = 4  # calls per timed pass (each over another weight)
 # a VM whose memory bandwidth drifts (seen 38-67 GB/s within an hour, AMD EPYC Zen 5), one block
 # per candidate let the drift pick the kernel (choices flipped between runs).
 ROUNDS = 2
-
-# (x, weight, bias, packed): packed maps a packing candidate's name to its copy of the weight
-Kernel = Callable[[torch.Tensor, torch.Tensor, Any, Any], torch.Tensor]
-
-
-def allowed() -> bool:
-    """False when LLMCTL_AUTOTUNE=0: the static rules everywhere, as with --no-autotune. The test
-    suite sets it, since a choice made by timing can differ between two engines of one test (their
-    outputs would then differ in the last bits); the autotune tests turn it back on."""
-    return os.environ.get("LLMCTL_AUTOTUNE", "1") != "0"
-
-
-def _packed(x: torch.Tensor, w: torch.Tensor, b: Any, packed: dict) -> torch.Tensor:
-    y = onednn_linear.packed_linear(x.reshape(-1, x.shape[-1]), packed["packed"], b)
-    return y.view(*x.shape[:-1], y.shape[-1])
-
-
-@dataclass(frozen=True)
-class Candidate:
-    name: str
-    run: Kernel
-    applies: Callable[[torch.Tensor], bool]  # for this weight [N, K] on this CPU
-    # weight -> the copy of it this kernel reads (None: cannot); None for kernels of the plain one
-    pack: Callable[[torch.Tensor], Any] | None = None
-    # A kernel for few rows (a register tile per call): against the BLAS it only falls further
-    # behind as rows grow, so once far behind it is not timed at larger buckets. The BLAS-backed
-    # ones gain with rows and are timed at every bucket.
-    few_rows: bool = False
-
-    @property
-    def packs(self) -> bool:
-        return self.pack is not None
-
-
-def _native_applies(w: torch.Tensor) -> bool:
-    probe = torch.empty(1, w.shape[1], dtype=w.dtype)
-    with torch.no_grad():
-        return cpu_native.linear_applies(probe, w)
-
-
-CANDIDATES = (
-    Candidate("torch", lambda x, w, b, p: F.linear(x, w, b), lambda w: True),
-    Candidate(
-        "native", lambda x, w, b, p: cpu_native.linear(x, w, b), _native_applies, few_rows=True
-    ),
-    Candidate(
-        "dpbf16",
-        lambda x, w, b, p: cpu_dpbf16.linear(x, w, b),
-        lambda w: w.dtype is torch.bfloat16 and cpu_dpbf16.library() is not None,
-        few_rows=True,
-    ),
-    Candidate(
-        "upcast",
-        lambda x, w, b, p: cpu_bf16.upcast_linear(x, w, b),
-        lambda w: w.dtype is torch.bfloat16,
-    ),
-    Candidate("packed", _packed, onednn_linear.can_pack, pack=onednn_linear.pack_weight),
-    Candidate(
-        "amx",
-        lambda x, w, b, p: cpu_amx.linear(x, w, b, p["amx"]),
-        cpu_amx.applies,
-        pack=cpu_amx.pack,
-    ),
-)
-BY_NAME = {c.name: c for c in CANDIDATES}
 
 
 def buckets(max_rows: int) -> tuple[int, ...]:
@@ -145,7 +82,7 @@ class Plan:
 
     choices: dict[int, str]  # bucket -> candidate name
     max_rows: int
-    table: list[Kernel | None] = field(init=False, repr=False)
+    table: list[Candidate | None] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         planned = buckets(self.max_rows)
@@ -153,7 +90,7 @@ class Plan:
         self.table = [None] * (self.max_rows + 1)
         for rows in range(1, self.max_rows + 1):
             name = self.choices.get(nearest(rows, planned))
-            self.table[rows] = None if name is None else BY_NAME[name].run
+            self.table[rows] = None if name is None else BY_NAME[name]
         # the packing candidates chosen for some bucket: each needs its copy of the weight
         self.packings = tuple(sorted({n for n in self.choices.values() if BY_NAME[n].packs}))
 
@@ -161,7 +98,7 @@ class Plan:
     def packs(self) -> bool:
         return bool(self.packings)
 
-    def kernel(self, rows: int) -> Kernel | None:
+    def kernel(self, rows: int) -> Candidate | None:
         return self.table[rows] if rows <= self.max_rows else self.table[-1]
 
 
@@ -170,21 +107,20 @@ class Plan:
 
 def cache_path() -> Path:
     """One JSON file per CPU model (its flags, as the kernel build keys it)."""
-    root = os.environ.get("LLMCTL_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "llmctl"
-    )
-    cpu = hashlib.sha256(cpu_native._cpu_fingerprint().encode()).hexdigest()[:16]
-    return Path(root) / "autotune" / f"linear-{cpu}.json"
+    cpu = hashlib.sha256(fingerprint().encode()).hexdigest()[:16]
+    return cache_root() / "autotune" / f"linear-{cpu}.json"
 
 
-def shape_key(n: int, k: int, dtype: torch.dtype, bias: bool) -> str:
-    """The cache key of one shape, with what else decides the timings (threads, torch, kernels)."""
-    sources = [cpu_native.SOURCES[1], cpu_dpbf16.SOURCE, *cpu_native.HEADERS]
-    src = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:8]
+def shape_key(n: int, k: int, dtype: torch.dtype, bias: bool, native: bool = True) -> str:
+    """The cache key of one shape, with what else decides the timings (threads, torch, the C
+    kernels' sources, or that they were not candidates: choices made without them must not stand
+    in for a run that has them)."""
+    src = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:8]
     dt = str(dtype).replace("torch.", "")
     threads = torch.get_num_threads()
     with_bias = " bias" if bias else ""
-    return f"{n}x{k} {dt}{with_bias} threads={threads} torch={torch.__version__} c={src}"
+    c = f"c={src}" if native else "c=off"
+    return f"{n}x{k} {dt}{with_bias} threads={threads} torch={torch.__version__} {c}"
 
 
 def load_cache(path: Path) -> dict[str, dict[int, str]]:
@@ -269,13 +205,19 @@ class _Group:
 TIMED_LAYERS = 32
 
 
-def _groups(layers: Sequence[Any], max_rows: Sequence[int], cache: dict) -> list[_Group]:
+def _groups(
+    layers: Sequence[Any], max_rows: Sequence[int], cache: dict, native: bool
+) -> list[_Group]:
     groups: dict[tuple[str, int], _Group] = {}
     total = sum(m.weight.numel() * m.weight.element_size() for m in layers)
-    allowed = [c for c in CANDIDATES if total <= PACK_MAX_BYTES or not c.packs]
+    allowed = [
+        c
+        for c in CANDIDATES
+        if (total <= PACK_MAX_BYTES or not c.packs) and (native or not c.native)
+    ]
     for i, (layer, rows) in enumerate(zip(layers, max_rows)):
         w = layer.weight
-        key = shape_key(*w.shape, w.dtype, layer.bias is not None)
+        key = shape_key(*w.shape, w.dtype, layer.bias is not None, native)
         g = groups.get((key, rows))
         if g is None:
             alive = [c for c in allowed if c.applies(w)]
@@ -350,12 +292,14 @@ def tune(
     clock: Callable[[], float] = time.perf_counter,
     budget_s: float = BUDGET_S,
     path: Path | None = None,
+    native: bool = True,
 ) -> list[Plan]:
     """A plan per layer (objects with `weight` [N, K] and `bias`, plain CPU tensors), layer i seeing
     at most max_rows[i] rows. Cached choices are reused; the rest are timed, smallest buckets first
-    (decode sizes matter most), until `budget_s` is spent; new choices are saved."""
+    (decode sizes matter most), until `budget_s` is spent; new choices are saved. Not `native`:
+    the C kernels are not candidates (KernelConfig.native)."""
     path = path or cache_path()
-    groups = _groups(layers, max_rows, load_cache(path))
+    groups = _groups(layers, max_rows, load_cache(path), native)
     deadline = clock() + budget_s
     todo = sorted(
         ((b, n) for n, g in enumerate(groups) for b in buckets(g.max_rows) if b not in g.choices),

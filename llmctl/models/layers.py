@@ -1,0 +1,230 @@
+"""The layers decoder models are built from, each a drop-in for its Hugging Face counterpart
+(parameter names equal theirs, so checkpoints load and save one to one): `Linear`, `RMSNorm`,
+`Attention` (q/k/v, optional q/k norms, RoPE, paged attention) and `MLP` (gated SiLU).
+
+Owns: each layer's forward paths and what it holds once prepared for inference
+(models/prepare.py): `kernels` (the engine's KernelConfig: which kernels may serve), a linear's
+`plan` and `packed` copies (kernels/cpu/linear), the `merged` q/k/v and gate/up linears
+(models/merged.py). Unprepared layers (calibration, eval, training) take the default
+KernelConfig and no plan. A model file (models/llama.py) composes these.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmctl.kernels import invariant
+from llmctl.kernels.attention import PagedAttentionMetadata, paged_attention
+from llmctl.kernels.config import KernelConfig
+from llmctl.kernels.cpu import elementwise
+from llmctl.kernels.cpu.linear import dispatch
+from llmctl.models import merged as merging
+from llmctl.models.config import ModelConfig
+from llmctl.models.rope import RotaryEmbedding
+
+DEFAULT_KERNELS = KernelConfig()
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose CPU inference goes where it measured faster than F.linear: one call to
+    kernels/cpu/linear/dispatch.linear, which takes the `plan`'s kernel for the call's row count
+    (chosen by timing when an engine starts), else the static rule (few rows through the C
+    kernel, many bf16 rows on CPUs without native bf16 through float32 BLAS on widened slabs, a
+    oneDNN-packed copy where the layer holds one); anything with gradients is plain F.linear. A
+    subclass, so hooks and isinstance checks still see an nn.Linear and checkpoints keep their
+    names."""
+
+    kernels: KernelConfig = DEFAULT_KERNELS
+    plan: Any = None  # kernels/cpu/linear/autotune.Plan
+    # packing kernel name -> its copy of the weight (oneDNN-packed, AMX tile order), where the
+    # plan (or, for the float32 vocabulary projection, models/prepare.py) uses one
+    packed: dict[str, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dispatch.linear(self, x)
+
+
+def project(
+    layer: nn.Module, x: torch.Tensor, fixed_order: bool, kernels: KernelConfig = DEFAULT_KERNELS
+) -> torch.Tensor:
+    """layer(x); with `fixed_order` (batch-invariant mode) through kernels/invariant.py, whose
+    rows do not depend on each other's presence. Any linear module (dense, quantized, sparse)."""
+    if not fixed_order:
+        return layer(x)
+    if type(layer) is not Linear:  # quantized and other modules: one row a call
+        return invariant.linear(x, None, None, layer, kernels)
+    return invariant.linear(x, layer.weight, layer.bias, layer, kernels)
+
+
+class RMSNorm(nn.Module):
+    kernels: KernelConfig = DEFAULT_KERNELS
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, fixed_order: bool = False) -> torch.Tensor:
+        """`fixed_order` (batch-invariant mode): one program a row where the Triton kernels apply
+        (kernels/invariant.py); the CPU paths below are one fixed-order reduction a row anyway."""
+        kernels = self.kernels
+        out = invariant.rms_norm(x, self.weight, self.eps, kernels) if fixed_order else None
+        if out is not None:
+            return out
+        # one pass in C: PyTorch takes 5+ ops, ~20 us a row
+        if kernels.native and elementwise.use_rms_norm(x, self.weight):
+            return elementwise.rms_norm(x, self.weight, self.eps)
+        if x.dtype == torch.float32:  # the same arithmetic, fused: about 1.2-1.5x faster on the CPU
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Normalise in float32, as the reference implementation does, then scale in the model dtype.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, r: torch.Tensor | None, fixed_order: bool = False):
+        """x.add_(r) (inference: x is the residual stream, updated in place), then self(x); one
+        pass in C where it applies (vLLM's fused_add_rms_norm). r None: self(x) alone."""
+        if r is None:
+            return self(x, fixed_order)
+        fused = not fixed_order and self.kernels.native
+        if fused and elementwise.use_add_rms_norm(x, r, self.weight):
+            return elementwise.add_rms_norm(x, r, self.weight, self.eps)
+        return self(x.add_(r), fixed_order)
+
+
+class Attention(nn.Module):
+    kernels: KernelConfig = DEFAULT_KERNELS
+
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.scale = d**-0.5
+        bias = config.attention_bias
+        self.q_proj = Linear(h, config.q_size, bias=bias)
+        self.k_proj = Linear(h, config.kv_size, bias=bias)
+        self.v_proj = Linear(h, config.kv_size, bias=bias)
+        # qwen2 has biases on q/k/v only; llama and qwen3 put `attention_bias` on o_proj too.
+        self.o_proj = Linear(config.q_size, h, bias=bias and config.model_type != "qwen2")
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self._rotary = [rotary]  # a list, so the shared table is not registered once per layer
+        self.merged: merging.Merged | None = None  # q/k/v as one linear (merge_projections)
+
+    def projections(self) -> tuple[nn.Module, ...]:
+        """The linears reading x, in the merged weight's row order [q_size + 2 kv_size]."""
+        return self.q_proj, self.k_proj, self.v_proj
+
+    def _project_qkv(self, x: torch.Tensor, fixed_order: bool):
+        """x [..., hidden] -> q [..., q_size], k, v [..., kv_size]: one GEMM where merged."""
+        m = self.merged
+        if (
+            m is not None
+            and not fixed_order
+            and not torch.is_grad_enabled()
+            and m.live(*self.projections())
+        ):
+            return m.linear(x).split(m.sizes, dim=-1)  # column slices of [..., q + 2 kv]
+        return tuple(project(p, x, fixed_order, self.kernels) for p in self.projections())
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, fixed_order: bool = False):
+        """x [..., hidden] -> q [..., heads, D], k and v [..., kv_heads, D], RoPE applied; q and
+        k contiguous, v possibly a column slice of the merged projection (read through its
+        strides)."""
+        lead = x.shape[:-1]
+        q, k, v = self._project_qkv(x, fixed_order)
+        q = q.view(*lead, self.num_heads, self.head_dim)
+        k = k.view(*lead, self.num_kv_heads, self.head_dim)
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # the norm kernels read contiguous rows
+            q = self.q_norm(q.contiguous(), fixed_order)
+            k = self.k_norm(k.contiguous(), fixed_order)
+        # The bf16 RoPE kernel reads merged slices and writes new contiguous q and k (no copies
+        # first); elsewhere the rotation runs in place and the copies follow.
+        q, k = self._rotary[0](positions, q, k)
+        return q.contiguous(), k.contiguous(), v
+
+    def forward(self, x, positions, meta: PagedAttentionMetadata, kv_cache) -> torch.Tensor:
+        fixed = meta.batch_invariant
+        q, k, v = self.qkv(x, positions, fixed)  # [T, heads, D], [T, kv_heads, D]
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return project(self.o_proj, out.reshape(x.shape[0], -1), fixed, self.kernels)
+
+    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, past):
+        """x [S, hidden] at `positions` after `past` = (k, v) [kv_heads, P, D] or None (a dense,
+        contiguous per-request cache, used by the speculative draft model). Returns (out, cache)."""
+        q, k, v = self.qkv(x, positions)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, S, D]
+        if past is not None:
+            k, v = torch.cat((past[0], k), dim=1), torch.cat((past[1], v), dim=1)
+        s, total = x.shape[0], k.shape[1]
+        mask = torch.arange(total, device=x.device)[None, :] <= (positions[:, None])  # [S, total]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(s, -1)), (k, v)
+
+    def forward_dense(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, S, hidden], positions [S]."""
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x, positions)  # [B, S, heads, D]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    kernels: KernelConfig = DEFAULT_KERNELS
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = Linear(h, f, bias=False)
+        self.up_proj = Linear(h, f, bias=False)
+        self.down_proj = Linear(f, h, bias=False)
+        self.merged: merging.Merged | None = None  # gate/up as one linear (merge_projections)
+
+    def projections(self) -> tuple[nn.Module, ...]:
+        """The linears reading x, in the merged weight's row order [2 intermediate]."""
+        return self.gate_proj, self.up_proj
+
+    def forward(self, x: torch.Tensor, fixed_order: bool = False) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        kernels = self.kernels
+        if fixed_order:  # batch-invariant mode: see kernels/invariant.py
+            gate = project(self.gate_proj, x, True, kernels)
+            up = project(self.up_proj, x, True, kernels)
+            act = invariant.silu_mul(gate, up, kernels.native)
+            return project(self.down_proj, act, True, kernels)
+        m = self.merged
+        if m is not None and m.live(*self.projections()):
+            y = m.linear(x)  # [..., 2 intermediate]: gate | up
+            if kernels.native and elementwise.use_silu_and_mul(y):
+                return self.down_proj(elementwise.silu_and_mul(y))
+            gate, up = y.chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate).mul_(up))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if kernels.native and elementwise.use_silu_mul(gate, up):  # one pass in C, into gate
+            return self.down_proj(elementwise.silu_mul(gate, up))
+        h = F.silu(gate, inplace=True)  # in place: no [T, intermediate] temporaries
+        return self.down_proj(h.mul_(up))

@@ -1,0 +1,125 @@
+"""Preparing a model for inference: the one step between loading a model and serving it.
+
+Owns: `prepare_for_inference(model, kernels, ...)`, called by the engine's model runner only. It
+hands every layer the engine's KernelConfig (which kernels may serve), merges each decoder layer's
+q/k/v and gate/up into one linear each (models/merged.py), chooses each plain CPU linear's kernel
+per row count by measurement (kernels/cpu/linear/autotune.py: decoder linears see at most the
+token budget, the vocabulary projection at most `logit_rows`), keeps a oneDNN-packed copy of the
+float32 vocabulary projection for batched logits, and builds the flat decode program
+(models/decode_program.py) over the result where it applies. Each is undone or redone on a
+second call (a new engine over the same model). Models without these layers (other classes)
+are left as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from llmctl.kernels.config import KernelConfig
+from llmctl.kernels.cpu.linear import autotune, dispatch, torch_kernels
+from llmctl.models import merged as merging
+from llmctl.models.decode_program import DecodeProgram
+from llmctl.models.layers import Linear
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What the engine will ask of the model: its device and dtype, the most rows a decoder linear
+    and the vocabulary projection see in one call, and whether every step is batch-invariant."""
+
+    device: str
+    dtype: torch.dtype
+    max_rows: int
+    logit_rows: int
+    batch_invariant: bool = False
+
+
+def prepare_for_inference(model: nn.Module, kernels: KernelConfig, serving: Serving) -> None:
+    """See the module docstring. Only models of our layers (a `layers` list) are prepared."""
+    if not hasattr(model, "layers") or not hasattr(model, "lm_head"):
+        return
+    cpu = serving.device == "cpu"
+    # merged, tuned and packed for the CPU's kernels; elsewhere the layers as loaded
+    merged, parts = merge_projections(model, kernels.merge_linears) if cpu else ([], set())
+    for m in (*model.modules(), *merged):
+        if hasattr(type(m), "kernels"):
+            m.kernels = kernels
+    if not cpu:
+        return
+    linears = _tunable(model, merged, parts)
+    for m in linears:
+        m.plan = m.packed = None
+    if kernels.autotune and not serving.batch_invariant and linears:
+        _tune(model, linears, serving, kernels.native)
+    if serving.dtype == torch.float32 and not serving.batch_invariant:
+        _pack_lm_head(model.lm_head)
+    model.decode_program = DecodeProgram.build(model, kernels) if kernels.decode_program else None
+
+
+def merge_projections(model: nn.Module, enabled: bool = True) -> tuple[list[Linear], set[int]]:
+    """Merge each decoder layer's q/k/v and gate/up into one linear each for the engine's path
+    (kept separate where they are not plain `Linear` modules of one dtype, or not `enabled`).
+    The parameters keep their names and memory. Returns the merged linears and the ids of the
+    parts they serve."""
+    linears, parts = [], set()
+    for layer in model.layers:
+        for block in (layer.self_attn, layer.mlp):
+            current = block.merged
+            block.merged = (
+                merging.refreshed(current, block.projections(), Linear) if enabled else None
+            )
+            if block.merged is not None:
+                linears.append(block.merged.linear)
+                parts.update(id(p) for p in block.merged.parts)
+    return linears, parts
+
+
+def _tunable(model: nn.Module, merged: list[Linear], parts: set[int]) -> list[Linear]:
+    """Our plain CPU float32/bf16 linears that serve the engine (merged ones, not their parts)."""
+    return [
+        m
+        for m in (*model.modules(), *merged)
+        if type(m) is Linear
+        and id(m) not in parts
+        and type(m.weight.data) is torch.Tensor
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype in (torch.float32, torch.bfloat16)
+    ]
+
+
+def _tune(model: nn.Module, linears: list[Linear], serving: Serving, native: bool) -> None:
+    """A plan per linear, and the packed copies its plan chose (none where one cannot be made)."""
+    rows = [serving.logit_rows if m is model.lm_head else serving.max_rows for m in linears]
+    for m, plan in zip(linears, autotune.tune(linears, rows, native=native)):
+        packed = {n: dispatch.BY_NAME[n].pack(m.weight) for n in plan.packings}
+        if all(p is not None for p in packed.values()):
+            m.plan, m.packed = plan, packed or None
+
+
+def _pack_lm_head(head: nn.Module) -> None:
+    """A oneDNN-packed copy of the vocabulary projection for batched float32 logits (one more
+    vocab x hidden matrix of memory; none more where the autotuner packed it already)."""
+    plain = type(head) is Linear and head.bias is None and type(head.weight.data) is torch.Tensor
+    if not plain or head.plan is not None:  # a plan serves every row count it measured
+        return
+    packed = torch_kernels.pack_weight(head.weight)
+    if packed is not None:
+        head.packed = {"packed": packed}
+
+
+def drop_weight_copies(model: nn.Module) -> None:
+    """Forget every packed copy of a weight (and the plans that read them): the weights are about
+    to change in place (on-policy distillation trains the model an engine served), and a copy
+    would go stale. The next `prepare_for_inference` makes them anew."""
+    merged = [
+        block.merged.linear
+        for layer in getattr(model, "layers", ())
+        for block in (layer.self_attn, layer.mlp)
+        if getattr(block, "merged", None) is not None
+    ]
+    for m in (*model.modules(), *merged):
+        if type(m) is Linear and m.packed:
+            m.plan = m.packed = None
