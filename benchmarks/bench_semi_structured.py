@@ -26,7 +26,7 @@ def _bench_model(
     2:4-pruned by magnitude, dense against semi-structured (only the linears measured faster are
     converted)."""
     from llmctl.compress.sparse.masks import parse_pattern
-    from llmctl.compress.sparse.pipeline import SparsifySettings, sparsify_model
+    from llmctl.compress.sparse.model import SparsifySettings, sparsify_model
     from llmctl.models.config import ModelConfig
     from llmctl.models.llama import LlamaForCausalLM
 

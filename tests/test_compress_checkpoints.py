@@ -13,7 +13,7 @@ import torch
 from llmctl.compress.driver import calibrate_layers
 from llmctl.compress.quant.layer_methods import AwqMethod, gptq_method
 from llmctl.compress.sparse.masks import parse_pattern
-from llmctl.compress.sparse.pipeline import SparsifySettings, WandaMethod
+from llmctl.compress.sparse.model import SparsifySettings, WandaMethod
 from llmctl.runtime.formats.spec import QuantSpec
 from tests.conftest import REPO
 from tests.test_quant_driver import ids, tiny_model

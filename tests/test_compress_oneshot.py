@@ -118,8 +118,8 @@ def test_recipe_interrupted_in_its_quantize_step_resumes(tiny, tmp_path):
         tmp_path,
         'sparsify: {method: sparsegpt, pattern: "2:4"}\nquantize: {method: gptq, group_size: 32}\n',
     )
-    from llmctl.compress.recipe import load_recipe, merge_args
-    from llmctl.compress.recipe_run import run_recipe
+    from llmctl.recipes.sparsify_recipe import load_recipe, merge_args
+    from llmctl.recipes.sparsify_run import run_recipe
 
     def args(out):
         values = {"model": str(model), "output": str(out), "calib": str(calib), "seq_len": 32}
@@ -160,7 +160,7 @@ def test_recipe_interrupted_in_its_quantize_step_resumes(tiny, tmp_path):
     ],
 )
 def test_recipe_errors_name_the_field_path(tmp_path, text, needle):
-    from llmctl.compress.recipe import load_recipe
+    from llmctl.recipes.sparsify_recipe import load_recipe
 
     with pytest.raises(UsageError) as e:
         load_recipe(_recipe(tmp_path, text))
@@ -250,13 +250,32 @@ def test_shared_knobs_have_one_default():
 
 def test_compress_imports_no_cli_and_recipe_has_no_circle():
     code = (
-        "import sys, llmctl.compress.recipe as r, llmctl.compress.recipe_run;"
+        "import sys, llmctl.recipes.sparsify_recipe as r, llmctl.recipes.sparsify_run;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('typer', 'rich')"
         " or m.startswith('llmctl.commands')))"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
-    # the recipe schema needs neither job: sparse/job imports it, not the other way round
-    code = "import sys, llmctl.compress.recipe; print('llmctl.compress.sparse.job' in sys.modules)"
+    # reading a recipe needs no job: the run (sparsify_run) imports the jobs, not the reader
+    code = (
+        "import sys, llmctl.recipes.sparsify_recipe;"
+        "print('llmctl.compress.sparse.job' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_recipe_sections_take_the_keys_a_run_writes():
+    """compress.args lists the keys sparsify's recipe.yaml writes (compress may not import
+    llmctl.recipes); they are exactly the keys the sections read back."""
+    from llmctl.compress import args
+    from llmctl.recipes.sections import (
+        CalibrationSection,
+        QuantizeSection,
+        SparsifySection,
+        keys,
+    )
+
+    assert keys(CalibrationSection) == args.CALIBRATION_KEYS
+    assert keys(SparsifySection) == args.SPARSIFY_KEYS
+    assert keys(QuantizeSection) == args.QUANTIZE_KEYS

@@ -179,7 +179,7 @@ def test_a_recipe_with_a_bad_later_stage_is_refused_before_pruning(
 
 
 def test_recipe_value_types_are_checked(tmp_path):
-    from llmctl.compress.recipe import load_recipe
+    from llmctl.recipes.sparsify_recipe import load_recipe
 
     for text, needle in (
         (

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from llmctl.cli import main
-from llmctl.pipelines import recipe_job, stages
+from llmctl.recipes import recipe_job, stages
 from llmctl.runtime.resolve import DEMO_MODEL_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,7 +83,7 @@ def test_every_shipped_recipe_runs_on_the_demo_model(name, tmp_path, prompts, ca
     resolved = yaml.safe_load((out / "recipe.resolved.yaml").read_text())
     assert resolved["llmctl_recipe"] == 1 and list(resolved["stages"]) == kinds
     if "quantize" in kinds and "sparsify" in kinds:  # the pruned zeros survived quantization
-        from llmctl.compress.recipe_run import zeros_not_kept
+        from llmctl.recipes.sparsify_run import zeros_not_kept
         from llmctl.runtime.tensors import read_tensors
 
         pruned = read_tensors(out / "stages" / "sparsify")

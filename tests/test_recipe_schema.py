@@ -11,8 +11,8 @@ import yaml
 
 from llmctl.cli import main
 from llmctl.errors import UsageError
-from llmctl.pipelines.llmcompressor import translate
-from llmctl.pipelines.recipe_job import RecipeRequest, load_plan
+from llmctl.recipes.llmcompressor import translate
+from llmctl.recipes.recipe_job import RecipeRequest, load_plan
 from llmctl.runtime.resolve import DEMO_MODEL_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -278,8 +278,8 @@ def test_sparsify_recipe_points_a_multi_stage_recipe_to_recipe_run(tmp_path, cap
     assert "llmctl recipe run" in capsys.readouterr().err
 
 
-def test_pipelines_sit_between_the_commands_and_the_four_peers():
-    """Only commands/ imports llmctl.pipelines, which imports neither typer nor rich."""
+def test_recipes_sit_between_the_commands_and_the_four_peers():
+    """Only commands/ imports llmctl.recipes, which imports neither typer nor rich."""
     import ast
 
     def imports(path: Path) -> set[str]:
@@ -292,8 +292,8 @@ def test_pipelines_sit_between_the_commands_and_the_four_peers():
         return names
 
     package = ROOT / "llmctl"
-    for path in (package / "pipelines").glob("*.py"):
+    for path in (package / "recipes").glob("*.py"):
         assert not {n.split(".")[0] for n in imports(path)} & {"typer", "rich"}, path
     for peer in ("batch", "compress", "profiling", "train", "runtime", "engine", "models"):
         for path in (package / peer).rglob("*.py"):
-            assert not any(n.startswith("llmctl.pipelines") for n in imports(path)), path
+            assert not any(n.startswith("llmctl.recipes") for n in imports(path)), path

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from llmctl.cli import main
-from llmctl.compress.recipe import load_recipe, merge_args
 from llmctl.compress.sparse.job import SparsifyArgs, run_sparsify
 from llmctl.errors import UsageError
+from llmctl.recipes.sparsify_recipe import load_recipe, merge_args
 from llmctl.runtime.semi_structured import satisfies_nm
 from tests.conftest import REPO, make_random_model
 

@@ -9,7 +9,7 @@ import torch
 
 from llmctl.compress.sparse.export import save_dense_model, sparsity_config
 from llmctl.compress.sparse.masks import parse_pattern
-from llmctl.compress.sparse.pipeline import SparsifySettings, sparsify_model, target_linears
+from llmctl.compress.sparse.model import SparsifySettings, sparsify_model, target_linears
 from llmctl.runtime.semi_structured import (
     accelerate_2of4,
     satisfies_nm,

@@ -14,7 +14,7 @@ from llmctl.compress.calib_data import cut_sequences
 from llmctl.compress.driver import calibrate_layers
 from llmctl.compress.quant.layer_methods import gptq_method
 from llmctl.compress.sparse.masks import parse_pattern
-from llmctl.compress.sparse.pipeline import SparsifySettings, sparsify_model
+from llmctl.compress.sparse.model import SparsifySettings, sparsify_model
 from llmctl.runtime.evaluate import perplexity
 from llmctl.runtime.formats.spec import QuantSpec
 from llmctl.runtime.loader import load_runtime

@@ -1,7 +1,7 @@
 """`llmctl recipe run|validate`: a multi-stage compression pipeline from one YAML file.
 
 Owns: the two subcommands, each stage's terminal (compress and eval progress, distill's bar,
-run-batch's UI) and the summary table. The work is `llmctl.pipelines.recipe_job`.
+run-batch's UI) and the summary table. The work is `llmctl.recipes.recipe_job`.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ app = typer.Typer(
 
 
 def _request(recipe, output, model, calib, eval_data, num_samples, seq_len, sets, device, ow):
-    from llmctl.pipelines.recipe_job import RecipeRequest
+    from llmctl.recipes.recipe_job import RecipeRequest
 
     calibration = given(
         calib=path_str(calib), eval_data=path_str(eval_data), num_samples=num_samples,
@@ -88,7 +88,7 @@ def run(
     quiet: QuietOpt = False,
 ) -> None:
     from llmctl.commands._output import emit_json, info, json_to_stdout
-    from llmctl.pipelines.recipe_job import run_recipe_file
+    from llmctl.recipes.recipe_job import run_recipe_file
     from llmctl.runtime.output_dir import check_output_file
 
     if report_json is not None and not json_to_stdout(report_json):
@@ -116,7 +116,7 @@ def validate(
 ) -> None:
     import yaml
 
-    from llmctl.pipelines.recipe_job import validate_recipe
+    from llmctl.recipes.recipe_job import validate_recipe
 
     req = _request(recipe, None, model, calib, eval_data, num_samples, seq_len, sets, device, False)
     plan = validate_recipe(req)
@@ -133,7 +133,7 @@ def register(root: typer.Typer) -> None:
 @contextmanager
 def _stage_ui(kind: str, quiet: bool) -> Iterator:
     """The stage's hooks: run-batch's UI, distill's bar, or the layer/window progress."""
-    from llmctl.pipelines.stages import StageHooks
+    from llmctl.recipes.stages import StageHooks
 
     if kind == "run-batch":
         from llmctl.commands._batch_ui import RichUI

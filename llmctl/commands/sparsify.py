@@ -1,7 +1,7 @@
 """`llmctl sparsify`: prune a model's linear layers to 2:4, 4:8 or an unstructured sparsity with
 magnitude, Wanda or SparseGPT, optionally followed by quantization (a recipe).
 
-The work is in llmctl.compress.recipe_run (through llmctl.compress.oneshot); this file parses
+The work is in llmctl.recipes.sparsify_run (through llmctl.compress.oneshot); this file parses
 options (defaults: SparsifyArgs, then the recipe), shows progress and prints the report (a table,
 or JSON with --report-json; `-` for stdout).
 """
@@ -128,7 +128,7 @@ def register(app: typer.Typer) -> None:
         overwrite: OverwriteOpt = False,
         quiet: QuietOpt = False,
     ) -> None:
-        from llmctl.compress.recipe import load_recipe, merge_args
+        from llmctl.recipes.sparsify_recipe import load_recipe, merge_args
 
         notes = [BLOCK_SIZE_DEPRECATED] if block_size is not None else []
         loaded = load_recipe(recipe) if recipe is not None else None
@@ -157,7 +157,7 @@ def register(app: typer.Typer) -> None:
 def _run(recipe, args: SparsifyArgs, notes: list[str], quiet: bool) -> None:
     """Run the job with progress on stderr; the report as JSON (--report-json) and a table."""
     from llmctl.commands._output import emit_json, json_to_stdout, stage_progress
-    from llmctl.compress.recipe_run import run_recipe
+    from llmctl.recipes.sparsify_run import run_recipe
 
     with stage_progress(quiet) as (progress, warn):
         for note in notes:

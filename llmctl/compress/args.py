@@ -1,12 +1,14 @@
 """The resolved arguments of the compression steps, with their defaults written once.
 
 Owns: `QuantizeArgs` and `SparsifyArgs` (every default of `llmctl quantize` / `llmctl sparsify`
-and of a recipe's sections: the command modules pass None for what the user did not set) and
-their `resolve()` checks that need no model (each error names the flag). Both carry the two
-second-order knobs under one name: `dampening` (the fraction of the mean Hessian diagonal added
-before the Cholesky factorisation) and `column_block` (the columns GPTQ and SparseGPT process per
-lazy update block; not the KV cache's `--block-size`). Light on purpose (no torch): the command
-modules quote these defaults in their help, and `llmctl --help` must stay instant.
+and of a recipe's sections: the command modules pass None for what the user did not set), their
+`resolve()` checks that need no model (each error names the flag) and the keys of a recipe's
+sections (`CALIBRATION_KEYS`, `SPARSIFY_KEYS`, `QUANTIZE_KEYS`: the fields a recipe sets, in the
+order a run's recipe.yaml lists them). Both carry the two second-order knobs under one name:
+`dampening` (the fraction of the mean Hessian diagonal added before the Cholesky factorisation)
+and `column_block` (the columns GPTQ and SparseGPT process per lazy update block; not the KV
+cache's `--block-size`). Light on purpose (no torch): the command modules quote these defaults
+in their help, and `llmctl --help` must stay instant.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ from llmctl.runtime.shards import DEFAULT_MAX_SHARD_SIZE
 
 QUANT_METHODS = ("awq", "gptq", "rtn")
 PRUNE_METHODS = ("magnitude", "wanda", "sparsegpt")
+CALIBRATION_KEYS = ("calib", "eval_data", "num_samples", "seq_len")
+SPARSIFY_KEYS = ("method", "pattern", "sparsity", "ignore", "dampening", "column_block")
+QUANTIZE_KEYS = (
+    "method", "bits", "group_size", "symmetric", "format", "ignore", "act_order", "observer",
+    "dampening", "column_block",
+)  # fmt: skip
 
 
 def check_column_block(column_block: int, pattern=None) -> None:

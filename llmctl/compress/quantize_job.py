@@ -1,7 +1,7 @@
 """The whole `llmctl quantize` job, below the CLI: one quantize step through the one-shot
 pipeline (llmctl.compress.oneshot), its report and its recipe.yaml.
 
-Owns: `QuantizeReport`, `quantize_report` (built from a finished pipeline run, also for a
+Owns: `QuantizeReport`, `quantize_report` (built from a finished one-shot run, also for a
 recipe's quantize step), `write_recipe` (the resolved arguments, saved as recipe.yaml) and
 `run_quantize`. The arguments and their defaults are `llmctl.compress.args.QuantizeArgs`; the
 checks, the method and the output's layout are `llmctl.compress.quant.step`. The command module

@@ -1,8 +1,9 @@
 """The whole `llmctl sparsify` job, below the CLI: one prune step through the one-shot pipeline
 (llmctl.compress.oneshot) and its report.
 
-Owns: `SparsifyReport`, `sparsify_report` (built from a finished pipeline run, also for a
-recipe's sparsify step) and `run_sparsify`. The arguments and their defaults are
+Owns: `SparsifyReport`, `sparsify_report` (built from a finished one-shot run, also for a
+recipe's sparsify step), `write_recipe` (the run's resolved settings, saved as recipe.yaml in the
+form `llmctl sparsify --recipe` reads) and `run_sparsify`. The arguments and their defaults are
 `llmctl.compress.args.SparsifyArgs`; the checks and the pass are `llmctl.compress.sparse.step`.
 The output is a dense checkpoint (zeros stored as zeros) in the source dtype: smaller only after
 compression or quantization, faster only where a sparse kernel runs (2:4 on NVIDIA Ampere+;
@@ -13,16 +14,28 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-from llmctl.compress.args import SparsifyArgs
+from llmctl.compress.args import (
+    CALIBRATION_KEYS,
+    QUANTIZE_KEYS,
+    SPARSIFY_KEYS,
+    QuantizeArgs,
+    SparsifyArgs,
+)
 from llmctl.compress.job_common import calibration_summary, eval_tokens
 from llmctl.compress.oneshot import Finish, Oneshot, StepOutcome, run_oneshot
-from llmctl.compress.recipe import write_recipe
 from llmctl.compress.sparse.step import PruneStep
 from llmctl.runtime.evaluate import HELDOUT_METHOD
 
-__all__ = ["SPEED_NOTE", "SparsifyArgs", "SparsifyReport", "run_sparsify", "sparsify_report"]
+__all__ = [
+    "SPEED_NOTE",
+    "SparsifyArgs",
+    "SparsifyReport",
+    "run_sparsify",
+    "sparsify_report",
+    "write_recipe",
+]
 
 SPEED_NOTE = (
     "dense checkpoint with zeros: no speedup on the CPU; on NVIDIA Ampere+ GPUs 2:4 matmuls can "
@@ -75,6 +88,26 @@ def sparsify_report(job: Oneshot, outcome: StepOutcome) -> SparsifyReport:
         resumed_layers=result.resumed_layers,
         warnings=job.notes.items,
     )
+
+
+def write_recipe(
+    path: Path, args: SparsifyArgs, qargs: QuantizeArgs | None, note: str | None = None
+) -> None:
+    """The resolved settings of this run (its quantize step's too, when it had one) in recipe
+    form: `llmctl sparsify MODEL -o OUT --recipe path` repeats it."""
+    import yaml
+
+    doc: dict[str, Any] = {
+        "calibration": {k: getattr(args, k) for k in CALIBRATION_KEYS},
+        "sparsify": {k: getattr(args, k) for k in SPARSIFY_KEYS},
+    }
+    if qargs is not None:
+        doc["quantize"] = {k: getattr(qargs, k) for k in QUANTIZE_KEYS}
+    header = (
+        "# llmctl sparsify: resolved settings of the run that wrote this folder "
+        f"(model: {args.model})\n"
+    )
+    path.write_text(header + (f"# {note}\n" if note else "") + yaml.safe_dump(doc, sort_keys=False))
 
 
 def run_sparsify(

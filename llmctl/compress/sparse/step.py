@@ -1,7 +1,7 @@
 """The prune step of the one-shot pipeline (llmctl.compress.oneshot): magnitude, Wanda, SparseGPT.
 
 Owns: `PruneStep` (checks against the model's config, the whole-model pass of
-llmctl.compress.sparse.pipeline, the `sparsity_config` entry and the dense output), and
+llmctl.compress.sparse.model, the `sparsity_config` entry and the dense output), and
 `check_targets` (a run that would prune nothing is refused before loading).
 """
 
@@ -15,7 +15,7 @@ import torch
 from llmctl.compress.args import SparsifyArgs
 from llmctl.compress.driver import make_ignore
 from llmctl.compress.sparse.masks import parse_pattern
-from llmctl.compress.sparse.pipeline import (
+from llmctl.compress.sparse.model import (
     SparsifyResult,
     SparsifySettings,
     Targets,

@@ -1,8 +1,9 @@
 """Reading a recipe file: safe YAML, which syntax it is, its relative paths, command-line values.
 
-Owns: `read_doc` (yaml.safe_load; the file is ours when it has `llmctl_recipe: 1`,
-llm-compressor's when its top-level keys are `*_stage` mappings, and `llmctl sparsify --recipe`'s
-older single-run form, `calibration`/`sparsify`/`quantize`, is read as two stages),
+Owns: `read_yaml` (yaml.safe_load, one line when the file is missing or not YAML; both recipe
+forms are read with it), `syntax_of` (ours when it has `llmctl_recipe: 1`, llm-compressor's when
+its top-level keys are `*_stage` mappings, "legacy" for `llmctl sparsify --recipe`'s older
+single-run form, `calibration`/`sparsify`/`quantize`), `from_legacy` (that form as two stages),
 `resolve_paths` (a relative path in a recipe is read beside the recipe file, so a recipe keeps
 working from any folder; a model or student that is not a folder there stays a hub id) and
 `set_value` / `parse_set` (`--set stages.quantize.bits=8` and the dedicated flags, applied to
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from llmctl.errors import UsageError
-from llmctl.pipelines.schema import FORMAT_KEY, FORMAT_VERSION, MODEL_KEYS, PATH_KEYS
+from llmctl.recipes.schema import FORMAT_KEY, FORMAT_VERSION, MODEL_KEYS, PATH_KEYS
 
 LEGACY_SECTIONS = ("calibration", "sparsify", "quantize")
 

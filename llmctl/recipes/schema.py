@@ -5,8 +5,8 @@ settings quantize and sparsify share, and `stages`, a mapping of stage kinds in 
 sparsify, quantize, distill, eval, run-batch), `STAGE_ORDER`, `PATH_KEYS` (the keys that name
 files) and `validate_doc`, which turns pydantic's first error into one line naming the key's
 path (`recipe stages.quantize.bits: must be 2, 3, 4 or 8, got 5`). The sparsify, quantize and
-calibration sections are `llmctl sparsify --recipe`'s (llmctl.compress.recipe); distill's keys are
-DistillArgs' fields. The file is read with yaml.safe_load (llmctl.pipelines.paths).
+calibration sections are the ones `llmctl sparsify --recipe` reads too (llmctl.recipes.sections);
+distill's keys are DistillArgs' fields. The file is read with yaml.safe_load (llmctl.recipes.paths).
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, Literal, Optional, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, Field, ValidationError, create_model
 
-from llmctl.compress.recipe import CalibrationSection, QuantizeSection, SparsifySection
 from llmctl.errors import UsageError
+from llmctl.recipes.sections import CalibrationSection, QuantizeSection, Section, SparsifySection
 from llmctl.train.args import DistillArgs
 
 FORMAT_KEY = "llmctl_recipe"  # first key of ours: never mistaken for an llm-compressor recipe
 FORMAT_VERSION = 1
 STAGE_ORDER = ("sparsify", "quantize", "distill", "eval", "run-batch")
-# keys naming files: relative ones are read beside the recipe (llmctl.pipelines.paths)
+# keys naming files: relative ones are read beside the recipe (llmctl.recipes.paths)
 PATH_KEYS = (
     ("calibration", "calib"),
     ("calibration", "eval_data"),
@@ -35,13 +35,8 @@ PATH_KEYS = (
     ("stages", "run-batch", "input"),
 )
 MODEL_KEYS = (("model",), ("stages", "distill", "student"))  # a folder beside it, or a hub id
-# DistillArgs fields a recipe does not set: the pipeline does (teacher, output) or the command
+# DistillArgs fields a recipe does not set: the recipe run does (teacher, output) or the command
 DISTILL_NOT_IN_RECIPE = ("teacher", "output", "resume", "overwrite", "report_json", "device")
-
-
-class _Section(BaseModel):
-    # strict: YAML's types are kept as written (no "8" for 8, no 1 for true)
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class SparsifyStage(SparsifySection):
@@ -60,10 +55,10 @@ def _distill_fields() -> dict[str, Any]:
     return out
 
 
-DistillStage = create_model("DistillStage", __base__=_Section, **_distill_fields())
+DistillStage = create_model("DistillStage", __base__=Section, **_distill_fields())
 
 
-class EvalStage(_Section):
+class EvalStage(Section):
     data: str
     seq_len: int | None = Field(None, ge=2)
     stride: int | None = Field(None, ge=1)
@@ -82,7 +77,7 @@ ENGINE_KEYS = (
 )  # fmt: skip
 
 
-class RunBatchStage(_Section):
+class RunBatchStage(Section):
     input: str
     input_format: str | None = None
     prompt_column: str | None = None
@@ -112,7 +107,7 @@ class RunBatchStage(_Section):
     batch_invariant: bool | None = None
 
 
-class Stages(_Section):
+class Stages(Section):
     sparsify: SparsifyStage | None = None
     quantize: QuantizeSection | None = None
     distill: DistillStage | None = None  # type: ignore[valid-type]
@@ -120,7 +115,7 @@ class Stages(_Section):
     run_batch: RunBatchStage | None = Field(None, alias="run-batch")
 
 
-class RecipeFile(_Section):
+class RecipeFile(Section):
     llmctl_recipe: Literal[1]
     model: str | None = None
     calibration: CalibrationSection | None = None

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from llmctl.compress.args import CALIBRATION_KEYS
 from llmctl.errors import UsageError
-from llmctl.pipelines import paths as rp
-from llmctl.pipelines.schema import FORMAT_KEY, FORMAT_VERSION, STAGE_ORDER, validate_doc
-from llmctl.pipelines.stages import (
+from llmctl.recipes import paths as rp
+from llmctl.recipes.schema import FORMAT_KEY, FORMAT_VERSION, STAGE_ORDER, validate_doc
+from llmctl.recipes.stages import (
     COMPRESS_STAGES,
     MODEL_STAGES,
     Stage,
@@ -41,7 +42,6 @@ RESOLVED = "recipe.resolved.yaml"
 HEADER = "# llmctl recipe: the resolved recipe of the run in this folder; "
 REPORT = "recipe_report.json"
 STAGES_DIR = "stages"
-CALIBRATION_KEYS = ("calib", "eval_data", "num_samples", "seq_len")
 StageUI = Callable[[str], AbstractContextManager[StageHooks]]
 
 
@@ -67,7 +67,7 @@ class Plan:
 
 def _document(req: RecipeRequest) -> tuple[dict, dict[str, str], str]:
     """(the recipe as our document with the command line applied, origins, syntax)."""
-    from llmctl.pipelines.llmcompressor import translate
+    from llmctl.recipes.llmcompressor import translate
 
     raw = rp.read_yaml(req.recipe)
     syntax = rp.syntax_of(raw, req.recipe)

@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from llmctl.errors import UsageError
-from llmctl.pipelines.schema import _WANT_TYPE, FORMAT_KEY, FORMAT_VERSION
+from llmctl.recipes.schema import _WANT_TYPE, FORMAT_KEY, FORMAT_VERSION
 
 SPARSITY = {"SparseGPTModifier": "sparsegpt", "WandaPruningModifier": "wanda"}
 QUANT = {"GPTQModifier": "gptq", "AWQModifier": "awq", "QuantizationModifier": "rtn"}

@@ -22,16 +22,16 @@ from typing import Any, Callable
 from llmctl.batch.options import BatchOptions, default_sampling
 from llmctl.compress.args import QuantizeArgs, SparsifyArgs
 from llmctl.errors import LlmctlError, UsageError
-from llmctl.pipelines.schema import (
+from llmctl.profiling.eval_job import EvalRequest
+from llmctl.recipes.schema import (
     DISTILL_NOT_IN_RECIPE,
     ENGINE_KEYS,
     SAMPLING_KEYS,
     EvalStage,
-    QuantizeSection,
     RunBatchStage,
     SparsifyStage,
 )
-from llmctl.profiling.eval_job import EvalRequest
+from llmctl.recipes.sections import QuantizeSection
 from llmctl.train.args import DistillArgs
 
 REPORT = "report.json"
@@ -52,7 +52,7 @@ class StageHooks:
 
 @dataclass
 class Stage:
-    kind: str  # one of llmctl.pipelines.schema.STAGE_ORDER
+    kind: str  # one of llmctl.recipes.schema.STAGE_ORDER
     folder: Path  # OUT/stages/KIND
     model: str  # the model it reads: the source, or the folder of the model stage before it
     settings: dict[str, Any]  # the recipe's values (unset keys left out)
@@ -214,7 +214,7 @@ def _labelled(hooks: StageHooks, label: str):
 
 
 def _sparsify(stage: Stage, hooks: StageHooks) -> dict:
-    from llmctl.compress.recipe_run import run_recipe
+    from llmctl.recipes.sparsify_run import run_recipe
 
     a = stage.args
     layers = _labelled(hooks, f"sparsify {a.method} {a.pattern or a.sparsity}")
@@ -234,7 +234,7 @@ def _quantize(stage: Stage, hooks: StageHooks) -> dict:
 def _zeros_check(model: Path, output: str):
     """For a pruned input (sparsity_config in its config.json): a check that every weight pruned
     there is still exactly zero in the quantized files, as `sparsify --recipe` checks."""
-    from llmctl.compress.recipe_run import zeros_not_kept
+    from llmctl.recipes.sparsify_run import zeros_not_kept
     from llmctl.runtime.tensors import iter_tensors
 
     config = model / "config.json"

@@ -1,5 +1,6 @@
-"""Running `llmctl sparsify` with or without a recipe: the prune step, then the recipe's quantize
-step when it has one, through the one-shot pipeline (llmctl.compress.oneshot).
+"""Running `llmctl sparsify` with or without a recipe (llmctl.recipes.sparsify_recipe): the prune
+step, then the recipe's quantize step when it has one, through the one-shot pipeline
+(llmctl.compress.oneshot). It is also the multi-stage recipe's sparsify stage.
 
 Owns: `RecipeReport`, `run_recipe` and `zeros_not_kept`. Both steps are checked against the
 model's config before any work (a later step's bad setting is refused before pruning); the
@@ -20,10 +21,10 @@ from llmctl.compress.args import QuantizeArgs, SparsifyArgs
 from llmctl.compress.oneshot import Oneshot, StageProgress, Step, run_oneshot
 from llmctl.compress.quant.step import QuantizeStep
 from llmctl.compress.quantize_job import QuantizeReport, quantize_report
-from llmctl.compress.recipe import Recipe, write_recipe
-from llmctl.compress.sparse.job import SparsifyReport, sparsify_report
+from llmctl.compress.sparse.job import SparsifyReport, sparsify_report, write_recipe
 from llmctl.compress.sparse.step import PruneStep
 from llmctl.errors import LlmctlError
+from llmctl.recipes.sparsify_recipe import Recipe
 
 
 @dataclass
