@@ -1,5 +1,5 @@
-"""The run-batch loop (`BatchLoop`) on a fake engine: ordering, bad rows, --max-errors, resume, memory
-bounds."""
+"""The run-batch loop (`BatchLoop`) on a fake engine: ordering, bad rows, --max-errors, resume,
+memory bounds."""
 
 from __future__ import annotations
 

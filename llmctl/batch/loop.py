@@ -159,6 +159,7 @@ class BatchLoop:
             # (otherwise the previous commit stays the resume point and the rows after it are
             # served again).
             if not self._busy:
+                self._count_drafts()  # the engine may have counted some before a step raised
                 c.safe_commit()
             raise
         c.finish()
@@ -306,7 +307,8 @@ class BatchLoop:
         return ResumePoint(nxt[0], nxt[1], sorted(self._written), self._next_read[1])
 
     def _count_drafts(self) -> None:
-        """The session's speculative-decoding counts (the engine's, after earlier sessions')."""
+        """The speculative-decoding counts: the engine's (they change only in `step`) after
+        those of earlier sessions. Brought up to date before every commit."""
         engine_stats = getattr(self.engine, "stats", None)
         if engine_stats is not None and hasattr(engine_stats, "spec_proposed"):
             self.stats.spec_proposed = self._base_spec[0] + engine_stats.spec_proposed
