@@ -5,7 +5,7 @@ Owns: `ProcessorConfig` and `build_processor(config)`, whose result maps a Ray `
 `max_tokens` or `seed`, the keys of run-batch's simple JSONL rows) to the same rows with `text`,
 `finish_reason`, `prompt_tokens`, `completion_tokens` and `error` (null, or the JSON text of
 `{code, message}`) added. One llmctl engine per replica (a Ray actor loading the model once),
-through run-batch's own replica code (`llmctl.batch.ray_processor`), so a row's output is the one
+through run-batch's own replica code (`llmctl.batch.ray.processor`), so a row's output is the one
 `run-batch` writes for it.
 
     from llmctl.ray_data import ProcessorConfig, build_processor
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from llmctl.batch.options import BatchOptions, default_sampling
-from llmctl.batch.ray_job import import_ray
-from llmctl.batch.ray_processor import Replica, ReplicaSpec, rows_table
+from llmctl.batch.ray.cluster import import_ray
+from llmctl.batch.ray.processor import Replica, ReplicaSpec, rows_table
 from llmctl.batch.rows import parse_simple
 from llmctl.engine.config import EngineConfig
 

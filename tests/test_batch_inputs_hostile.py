@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from llmctl.batch.fake import FakeEngine, FakeRuntime
 from llmctl.batch.inputs import DETECT_LINES, MAX_LINE_BYTES, JsonlSource, open_input
-from llmctl.batch.job import BatchJob
+from llmctl.batch.loop import BatchLoop
 from llmctl.batch.outputs import RowResult, encode_record, openai_record, simple_record
 from llmctl.batch.rows import BOM, parse_line, parse_simple
 from llmctl.batch.summary import BatchStats
 from llmctl.engine.params import SamplingParams
 from llmctl.errors import RequestError, UsageError
+from tests.fakes import FakeEngine, FakeRuntime
 
 HUGE = b"9" * 5000  # more digits than Python converts: json.loads raises ValueError
 DEEP = b"[" * 100_000 + b"]" * 100_000
@@ -40,9 +40,9 @@ class _Sink:
 
 
 def _serve(rows) -> list[dict]:
-    """Run rows through the job loop on the fake engine; the output records."""
+    """Run rows through `BatchLoop` on the fake engine; the output records."""
     engine, sink = FakeEngine(), _Sink()
-    BatchJob(
+    BatchLoop(
         engine,
         FakeRuntime(engine),
         iter(rows),

@@ -8,8 +8,7 @@ import tracemalloc
 
 import pytest
 
-from llmctl.batch.fake import FakeEngine
-from llmctl.batch.job import BatchJob
+from llmctl.batch.loop import BatchLoop
 from llmctl.batch.outputs import encode_record, simple_record
 from llmctl.batch.rows import InputRow
 from llmctl.engine.params import SamplingParams
@@ -17,6 +16,7 @@ from llmctl.errors import RequestError
 from llmctl.runtime.chat_template import ChatTemplate, TemplateLimits
 from llmctl.runtime.loader import Runtime
 from llmctl.runtime.resolve import DEMO_MODEL_DIR
+from tests.fakes import FakeEngine
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
@@ -216,7 +216,7 @@ def test_a_hostile_template_fails_its_rows_and_the_job_serves_the_others():
         def commit(self):
             return 0
 
-    job = BatchJob(
+    job = BatchLoop(
         FakeEngine(),
         _runtime(tok),
         iter(rows),

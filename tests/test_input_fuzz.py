@@ -14,12 +14,12 @@ import random
 
 import pytest
 
-from llmctl.batch.fake import FakeEngine, FakeRuntime
 from llmctl.batch.inputs import JsonlSource, open_input
-from llmctl.batch.job import BatchJob, JobSettings
+from llmctl.batch.loop import BatchLoop, LoopSettings
 from llmctl.batch.outputs import encode_record, openai_record, simple_record
 from llmctl.batch.rows import BOM
 from llmctl.engine.params import SamplingParams
+from tests.fakes import FakeEngine, FakeRuntime
 
 LINES = int(os.environ.get("LLMCTL_FUZZ_LINES", "3000"))
 SEED = 13
@@ -167,14 +167,14 @@ def _serve(rows, fmt: str) -> _Sink:
         def record(row, r):
             return encode_record(simple_record(row, r))
 
-    BatchJob(
+    BatchLoop(
         engine,
         FakeRuntime(engine),
         rows,
         sink,
         record,
         SamplingParams(max_tokens=2),
-        JobSettings(max_in_flight=128, window=512),
+        LoopSettings(max_in_flight=128, window=512),
     ).run()
     return sink
 

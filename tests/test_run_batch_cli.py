@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import llmctl.commands.run_batch as rb
-from llmctl.batch.fake import FakeEngine, FakeRuntime
 from llmctl.batch.journal import journal_path, state_path
 from llmctl.cli import main
+from tests.fakes import FakeEngine, FakeRuntime
 
 
 @pytest.fixture

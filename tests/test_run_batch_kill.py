@@ -36,7 +36,7 @@ import os, sys
 import llmctl.batch.runner as runner
 import llmctl.commands.run_batch as rb
 from llmctl.batch import outputs
-from llmctl.batch.fake import FakeEngine, FakeRuntime
+from tests.fakes import FakeEngine, FakeRuntime
 
 _write = outputs.FileSink.write
 

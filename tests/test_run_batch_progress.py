@@ -14,10 +14,10 @@ from pathlib import Path
 
 from test_run_batch_cli import engines, write_jsonl  # noqa: F401
 
-from llmctl.batch.fake import FakeEngine
 from llmctl.batch.summary import Progress
 from llmctl.cli import main
 from llmctl.commands._batch_ui import LinesUI, RichUI, make_ui, progress_line
+from tests.fakes import FakeEngine
 
 REPO = Path(__file__).resolve().parent.parent
 LINE = re.compile(

@@ -121,12 +121,12 @@ def _result(index, index_from, position_from, end, done=False):
     }  # fmt: skip
 
 
-def test_driver_loop_resume_point_over_rows_back_in_any_order():
+def test_ray_loop_resume_point_over_rows_back_in_any_order():
     """Rows 0..4 at byte spans of 10, a blank line (index 2) owned by row 3; row 4 was written
     by an earlier session (done). Back in the order 3, 4, 1, 0: the resume point stays at row 0
     until row 0 is written, then jumps past every row; done_after lists what is written ahead."""
-    from llmctl.batch.job import JobSettings
-    from llmctl.batch.ray_job import DriverLoop
+    from llmctl.batch.loop import LoopSettings
+    from llmctl.batch.ray.loop import RayLoop
     from llmctl.batch.summary import BatchStats
 
     class Sink:
@@ -146,20 +146,20 @@ def test_driver_loop_resume_point_over_rows_back_in_any_order():
     }
     commits = []
     sink = Sink()
-    loop = DriverLoop(sink, BatchStats(), JobSettings(ordered=False, commit_rows=1), 0, 0)
-    loop.on_commit = commits.append
+    settings = LoopSettings(ordered=False, commit_rows=1)
+    loop = RayLoop(sink, BatchStats(), settings, 0, 0, on_commit=commits.append)
     loop.run(iter([_Batch([rows[3]]), _Batch([rows[4], rows[1]]), _Batch([rows[0]])]), lambda: 0)
     seen = [(c.next_index, c.next_position, c.done_after, c.read_position) for c in commits]
     assert seen == [(0, 0, [3], 40), (0, 0, [1, 3, 4], 50), (5, 50, [], 50), (5, 50, [], 50)]
     assert sink.data == b"3\n1\n0\n" and loop.stats.rows == 3 and commits[-1].finished
     assert (loop.stats.spec_proposed, loop.stats.spec_accepted) == (3, 1)
-    ordered = DriverLoop(Sink(), BatchStats(), JobSettings(ordered=True), 0, 0)
+    ordered = RayLoop(Sink(), BatchStats(), LoopSettings(ordered=True), 0, 0)
     with pytest.raises(Exception, match="out of input order"):
         ordered.run(iter([_Batch([rows[1]])]), lambda: 0)
 
 
 def test_a_replica_error_comes_back_as_its_one_line_llmctl_error():
-    from llmctl.batch.ray_job import _llmctl_cause
+    from llmctl.batch.ray.loop import _llmctl_cause
     from llmctl.errors import ModelLoadError
 
     text = (

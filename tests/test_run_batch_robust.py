@@ -15,10 +15,10 @@ import pytest
 from test_run_batch_cli import InterruptAt, engines, prompts, read_jsonl, write_jsonl  # noqa: F401
 
 import llmctl.commands.run_batch as rb
-from llmctl.batch import driver, outputs, runner
-from llmctl.batch.fake import FakeEngine, FakeRuntime
+from llmctl.batch import outputs, runner, session
 from llmctl.batch.journal import journal_path, state_path
 from llmctl.cli import main
+from tests.fakes import FakeEngine, FakeRuntime
 
 REAL_LOAD = rb._load_runtime  # the command's loader, before a fixture replaces it
 
@@ -534,7 +534,7 @@ def test_ctrl_c_while_converting_to_parquet_finishes_on_rerun(
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(driver, "journal_to_parquet", interrupted)
+    monkeypatch.setattr(session, "journal_to_parquet", interrupted)
     assert main(["run-batch", str(inp), "-o", str(out), "-q"]) == 130
     assert "while finishing" in one_line_error(capsys) and journal_path(out).exists()
     monkeypatch.undo()

@@ -9,7 +9,6 @@ import pytest
 from test_run_batch_cli import engines, read_jsonl, write_jsonl  # noqa: F401
 from test_run_batch_options import captured_options
 
-from llmctl.batch.fake import FakeEngine
 from llmctl.batch.options import default_sampling
 from llmctl.cli import main
 from llmctl.engine.config import EngineConfig
@@ -17,6 +16,7 @@ from llmctl.engine.vllm_config import parse_vllm_bytes, speculative_from_vllm
 from llmctl.errors import UsageError
 from llmctl.runtime.generation_config import generation_defaults
 from llmctl.runtime.resolve import DEMO_MODEL_DIR
+from tests.fakes import FakeEngine
 
 
 class Recording(FakeEngine):

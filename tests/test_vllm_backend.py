@@ -16,11 +16,11 @@ import vllm_stub
 
 import llmctl.commands.run_batch as rb
 from llmctl.batch.backends import check_backend, vllm_engine_args
-from llmctl.batch.fake import FakeRuntime
 from llmctl.batch.journal import state_path
 from llmctl.cli import main
 from llmctl.errors import UsageError
 from llmctl.runtime.resolve import DEMO_MODEL_DIR
+from tests.fakes import FakeRuntime
 
 
 def write_jsonl(path: Path, rows: list, raw: list[bytes] = ()) -> Path:

@@ -4,7 +4,7 @@
 engine that needs no model.
 
 Each step gives every running request one token (a function of its prompt and position, as
-`llmctl.batch.fake.FakeEngine`), returned as DELTA outputs; a request finishes at max_tokens or
+`tests.fakes.FakeEngine`), returned as DELTA outputs; a request finishes at max_tokens or
 the context length with "length". `test_real_vllm_api_matches_the_stub` checks these names
 against the real vLLM where it imports. `install` puts it in this process's sys.modules;
 `write_package` writes a `vllm` package over it for other processes (Ray replicas).

@@ -1,16 +1,16 @@
 """Which engine serves a run-batch job: llmctl's own, or vLLM's offline engine.
 
-Owns: the backend names, `load_backend_runtime` (the one place a job's runtime is loaded, also
-called inside each Ray replica), the refusal of llmctl-only engine options under `vllm`, and the
-mapping of the `EngineConfig` fields a user set to vLLM's `EngineArgs`. vLLM itself is imported
-only in `vllm_backend`, when that backend is chosen.
+Owns: the backend names, `load_engine` (the one place a job's runtime and engine are loaded:
+by `runner.run_batch` in a single-process job, inside each replica under `--ray`), the refusal of
+llmctl-only engine options under `vllm`, and the mapping of the `EngineConfig` fields a user set to
+vLLM's `EngineArgs`. vLLM itself is imported only in `vllm_backend`, when that backend is chosen.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from llmctl.engine.config import EngineConfig
+from llmctl.engine.config import EngineConfig, format_bytes
 from llmctl.errors import UsageError
 
 BACKENDS = ("llmctl", "vllm")
@@ -70,7 +70,36 @@ def vllm_engine_args(engine: dict[str, Any], engine_args: dict[str, Any]) -> dic
     return {**out, **engine_args, **_FIXED_ARGS}
 
 
-def load_backend_runtime(opts: Any, load_runtime: Callable[..., Any]) -> Any:
+def load_engine(
+    opts: Any, engine_config: EngineConfig, load_runtime: Callable[..., Any], ui: Any
+) -> tuple[Any, Any]:
+    """(runtime, engine) of `opts.backend` for `opts` (a `BatchOptions`), the engine started with
+    `engine_config` and warmed up; what the settings came to is said through `ui.info`."""
+    runtime = _backend_runtime(opts, load_runtime)
+    engine = runtime.start_engine(engine_config)
+    warm_up = getattr(engine, "warm_up", None)  # our engine: one-time costs before the job clock
+    if warm_up is not None:
+        warm_up()
+    if engine_config.gpu_memory_utilization is not None:
+        if not str(getattr(runtime, "device", "cpu")).startswith("cuda"):
+            ui.info(
+                "--gpu-memory-utilization is for CUDA and ignored on the CPU; the KV cache is "
+                "sized by --kv-cache-memory"
+            )
+        elif engine_config.kv_cache_memory is not None:
+            ui.info("--gpu-memory-utilization is ignored: --kv-cache-memory sets the KV cache")
+    asked, got = engine_config.max_model_len, getattr(engine, "max_model_len", None)
+    if asked is not None and isinstance(got, int) and got < asked:
+        ui.info(f"--max-model-len {asked} is above the model's context length; capped to {got}")
+    kv = getattr(engine, "kv_cache_bytes", None)
+    if kv is not None:
+        blocks, bs = getattr(engine, "num_kv_blocks", None), engine_config.block_size
+        layout = f", {blocks} blocks of {bs} tokens ({blocks * bs} tokens)" if blocks else ""
+        ui.info(f"KV cache: {format_bytes(kv)}{layout}")
+    return runtime, engine
+
+
+def _backend_runtime(opts: Any, load_runtime: Callable[..., Any]) -> Any:
     """The runtime of `opts.backend` for `opts` (a `BatchOptions`): `load_runtime` (llmctl's
     loader, or a test's stand-in) for llmctl, vLLM's offline engine behind the same protocol for
     vllm. Its `start_engine(EngineConfig)` gives the engine."""

@@ -27,7 +27,7 @@ LATER_SAMPLING_FIELDS = {"n": 1, "logprobs": None, "prompt_logprobs": None}
 
 @dataclass(frozen=True)
 class RayOptions:
-    """`--ray`: where and how wide to run the job on Ray (llmctl.batch.ray_job)."""
+    """`--ray`: where and how wide to run the job on Ray (llmctl.batch.ray)."""
 
     address: str | None = None  # None: start a local cluster for the job, and stop it after
     replicas: int = 1  # engines, one per Ray actor, each loading the model once

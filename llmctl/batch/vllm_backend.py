@@ -1,4 +1,4 @@
-"""run-batch on vLLM's offline engine, behind the runtime and engine protocol of `batch.job`.
+"""run-batch on vLLM's offline engine, behind the runtime and engine protocol of `batch.loop`.
 
 Owns: `VllmRuntime` (llmctl's tokenizer and sandboxed chat template, so rows are encoded and
 refused exactly as with llmctl's engine; `start_engine` starts vLLM's `LLMEngine` over token-id

@@ -1,7 +1,7 @@
 """run-batch's terminal: progress (a Rich bar, or plain lines for logs), the summary table and
 the engine's log lines, all on stderr.
 
-Owns: `RichUI` and `LinesUI`, the `llmctl.batch.driver.BatchUI`s the command passes to the
+Owns: `RichUI` and `LinesUI`, the `llmctl.batch.session.BatchUI`s the command passes to the
 runner (stdout may carry the rows, so nothing here writes it), `make_ui` (--progress, --quiet:
 everything silent) and `engine_logging` (a stderr handler on the `llmctl` logger for the
 command's duration, at --log-level).

@@ -47,7 +47,7 @@ class StageHooks:
     warn: Callable[[str], None] = lambda message: None
     progress: Callable[[str, int, int], None] | None = None  # (label, done, total)
     train: Callable[[int, int, dict], None] | None = None  # distill's (step, steps, metrics)
-    batch_ui: Any = None  # llmctl.batch.driver.BatchUI for run-batch
+    batch_ui: Any = None  # llmctl.batch.session.BatchUI for run-batch
 
 
 @dataclass

@@ -4,9 +4,10 @@ Owns: `read_rows` (a Ray Data task running run-batch's own reader from the resum
 detection, row-level errors and positions are those of a single-process job), the Arrow table of
 rows between the stages (one JSON column per row: no pickle), and `Replica`, the callable class
 `map_batches` runs in an actor pool. A replica loads the model once, through the same loader as
-a single-process job, and serves each batch with a `BatchJob` of its own, so tokenization,
-sampling settings, error rows and the output line's bytes are the single-process ones. It returns
-rows; it never writes a file (the driver, `ray_job`, is the only writer).
+a single-process job (`backends.load_engine`), and serves each batch with a `BatchLoop` of its
+own, so tokenization, sampling settings, error rows and the output line's bytes are the
+single-process ones. It returns rows; it never writes a file (the driver, `ray.session`, is the
+only writer).
 
 Between the stages each row carries `index_from`/`position_from`: where the previous row the
 reader met ends (blank lines in between belong to this row), which lets the driver move its
@@ -20,12 +21,13 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from llmctl.batch.driver import SilentUI, record_format
+from llmctl.batch.backends import load_engine
 from llmctl.batch.inputs import open_input
-from llmctl.batch.job import BatchJob, JobSettings
+from llmctl.batch.loop import BatchLoop, LoopSettings
 from llmctl.batch.options import BatchOptions
 from llmctl.batch.outputs import RowResult
 from llmctl.batch.rows import InputRow
+from llmctl.batch.session import SilentUI, record_format
 from llmctl.engine.config import EngineConfig
 from llmctl.engine.params import SamplingParams
 from llmctl.errors import RequestError
@@ -122,17 +124,14 @@ class Replica:
     """One engine in a Ray actor: loads the model once, then serves batches of rows."""
 
     def __init__(self, spec: ReplicaSpec):
-        # the one place a job loads its runtime and engine (whatever the backend)
-        from llmctl.batch.runner import _load_model
-
         self.spec = spec
-        self.runtime, self.engine = _load_model(
+        self.runtime, self.engine = load_engine(
             spec.opts, spec.engine_config, spec.load_runtime, SilentUI()
         )
         name = getattr(self.runtime, "model_name", None) or spec.opts.model or "llmctl-demo"
         self._format = record_format(spec.opts, spec.source_format, name, spec.created)
         in_flight = spec.opts.max_in_flight or 2 * spec.engine_config.max_num_seqs
-        self._settings = JobSettings(
+        self._settings = LoopSettings(
             max_in_flight=in_flight,
             window=4 * in_flight,
             ordered=False,
@@ -153,7 +152,7 @@ class Replica:
             return data
 
         before = self._spec_counts()
-        job = BatchJob(
+        loop = BatchLoop(
             self.engine,
             self.runtime,
             iter(rows),
@@ -162,7 +161,7 @@ class Replica:
             self.spec.defaults,
             self._settings,
         )
-        job.run()
+        loop.run()
         spec = tuple(a - b for a, b in zip(self._spec_counts(), before))
         return _results_table(batch, results, spec)
 

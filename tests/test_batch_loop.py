@@ -1,5 +1,5 @@
-"""The run-batch driver loop on a fake engine: ordering, bad rows, --max-errors, resume, memory
-bounds."""
+"""The run-batch loop (`BatchLoop`) on a fake engine: ordering, bad rows, --max-errors, resume,
+memory bounds."""
 
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ import json
 
 import pytest
 
-from llmctl.batch.fake import FakeEngine, FakeRuntime
+from llmctl.batch.commits import Checkpoint
 from llmctl.batch.inputs import JsonlSource
-from llmctl.batch.job import BatchJob, Checkpoint, JobSettings
+from llmctl.batch.loop import BatchLoop, LoopSettings
 from llmctl.batch.outputs import encode_record, simple_record
 from llmctl.batch.rows import InputRow
 from llmctl.batch.summary import BatchStats
 from llmctl.engine.params import SamplingParams
 from llmctl.errors import AbortedError
+from tests.fakes import FakeEngine, FakeRuntime
 
 
 class MemorySink:
@@ -63,14 +64,14 @@ def make_job(rows, sink=None, engine=None, **settings):
         for k in list(settings)
         if k in ("stats", "start_index", "start_position", "done_after", "on_commit", "on_progress")
     }
-    job = BatchJob(
+    job = BatchLoop(
         engine,
         FakeRuntime(engine),
         rows,
         sink,
         fmt,
         SamplingParams(max_tokens=3, temperature=0.0),
-        JobSettings(**settings),
+        LoopSettings(**settings),
         **kw,
     )
     return job, sink, engine
@@ -190,7 +191,7 @@ def test_seed_option_gives_each_row_its_own_reproducible_seed():
         for i in range(4)
     ]
     engine = Recording()
-    job = BatchJob(
+    job = BatchLoop(
         engine,
         FakeRuntime(engine),
         iter(rows),
@@ -304,14 +305,14 @@ def test_memory_stays_bounded_whatever_the_input_length(ordered):
         src = CountingRows(n)
         sink = CountingSink(src, window=64)
         engine = FakeEngine(max_num_seqs=8)
-        job = BatchJob(
+        job = BatchLoop(
             engine,
             FakeRuntime(engine),
             iter(src),
             sink,
             fmt,
             SamplingParams(max_tokens=2, temperature=0.0),
-            JobSettings(max_in_flight=16, window=64, ordered=ordered),
+            LoopSettings(max_in_flight=16, window=64, ordered=ordered),
         )
         job.run()
         assert sink.lines == n
@@ -333,14 +334,14 @@ def test_a_slow_first_row_stalls_reading_instead_of_buffering_everything():
     src = CountingRows(5_000, slow_first=400)  # row 0 takes 400 steps; the others 1-3
     sink = CountingSink(src, window=50)
     engine = FakeEngine(max_num_seqs=8)
-    job = BatchJob(
+    job = BatchLoop(
         engine,
         FakeRuntime(engine),
         iter(src),
         sink,
         fmt,
         SamplingParams(max_tokens=2, temperature=0.0),
-        JobSettings(max_in_flight=10, window=50, ordered=True),
+        LoopSettings(max_in_flight=10, window=50, ordered=True),
     )
     job.run()
     assert sink.lines == 5_000
@@ -427,14 +428,14 @@ def test_traced_memory_does_not_grow_with_the_input():
         src = CountingRows(n)
         sink = CountingSink(src, window=64)
         engine = FakeEngine(max_num_seqs=8)
-        job = BatchJob(
+        job = BatchLoop(
             engine,
             FakeRuntime(engine),
             iter(src),
             sink,
             fmt,
             SamplingParams(max_tokens=2, temperature=0.0),
-            JobSettings(max_in_flight=16, window=64),
+            LoopSettings(max_in_flight=16, window=64),
         )
         tracemalloc.start()
         job.run()

@@ -1,5 +1,7 @@
 """A deterministic stand-in for the engine and runtime, for testing the run-batch I/O layer.
 
+Imported as `tests.fakes` (a child process gets the repo root on PYTHONPATH).
+
 Owns: `FakeRuntime` (byte-level "tokenizer", role-checked chat template) and `FakeEngine`
 (continuous batching of at most `max_num_seqs` requests, one token per running request per step,
 up to max_tokens or the context length, like the engine).

@@ -1,9 +1,11 @@
-"""One session of a run-batch job: the job loop, its state commits and its failures.
+"""One session of a run-batch job: its loop, its state commits and its failures.
 
-Owns: `JobSession` (drives a `BatchJob` into a sink, saves the state at each commit, converts a
-Parquet journal and records the finished output's size and hash), how rows are encoded for the
-input's format, the UI protocol the command implements, and the one-line errors an interruption,
-a closed stdout or a failed write become (`BatchInterrupted` 130, `StdoutClosed` 141, 1).
+Owns: `JobSession` (drives a `loop.BatchLoop` into a sink, saves the state at each commit,
+converts a Parquet journal and records the finished output's size and hash), how rows are encoded
+for the input's format, the UI protocol the command implements (`BatchUI`), and the one-line
+errors an interruption, a closed stdout or a failed write become (`BatchInterrupted` 130,
+`StdoutClosed` 141, 1). The Ray session (`ray.session.RayJobSession`) is this one with its rows
+served by Ray replicas.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from llmctl.batch.commits import Checkpoint
 from llmctl.batch.digests import NotVerifiedYet, hash_file_prefix
-from llmctl.batch.job import BatchJob, Checkpoint, JobSettings
 from llmctl.batch.journal import JobState, journal_path, save_state, state_path
+from llmctl.batch.loop import BatchLoop, LoopSettings
 from llmctl.batch.options import BatchOptions
 from llmctl.batch.outputs import (
     FileSink,
@@ -76,7 +79,7 @@ def record_format(opts: BatchOptions, source_format: str, model_name: str, creat
 
 @dataclasses.dataclass
 class JobSession:
-    """The session's state commits and the job loop, with interruptions and write failures turned
+    """The session's state commits and its loop, with interruptions and write failures turned
     into one-line errors. `state` only ever holds what is on disk; `out` is None for stdout."""
 
     opts: BatchOptions
@@ -123,10 +126,10 @@ class JobSession:
 
         return on_commit
 
-    def _settings(self) -> JobSettings:
+    def _settings(self) -> LoopSettings:
         opts = self.opts
         max_in_flight = opts.max_in_flight or 2 * self.engine_config.max_num_seqs
-        return JobSettings(
+        return LoopSettings(
             max_in_flight=max_in_flight,
             window=4 * max_in_flight,
             ordered=opts.ordered,
@@ -148,7 +151,7 @@ class JobSession:
         rows_total = self.source.count_rows()
         fmt = record_format(self.opts, self.source.format, model_name, state.created)
         rows = self.source.rows(state.next_index, state.next_position)
-        job = BatchJob(
+        loop = BatchLoop(
             engine,
             runtime,
             rows,
@@ -168,8 +171,8 @@ class JobSession:
             self.ui.info(f"resuming {self.out}: {stats.rows} rows already written")
         self.ui.start(rows_total, stats.rows)
         try:
-            with self._write_errors(lambda: job.stats.rows):
-                return job.run()
+            with self._write_errors(lambda: loop.stats.rows):
+                return loop.run()
         finally:
             self.ui.stop()
 
@@ -194,8 +197,10 @@ class JobSession:
 class _WriteErrors:
     """Turns an interruption, a closed stdout or a failed write into the one-line error for it."""
 
-    def __init__(self, job: JobSession, rows_written: Callable[[], int] | None, finishing: bool):
-        self.job, self.rows_written, self.finishing = job, rows_written, finishing
+    def __init__(
+        self, session: JobSession, rows_written: Callable[[], int] | None, finishing: bool
+    ):
+        self.session, self.rows_written, self.finishing = session, rows_written, finishing
 
     def __enter__(self) -> None:
         return None
@@ -203,19 +208,19 @@ class _WriteErrors:
     def __exit__(self, kind, error, tb) -> bool:
         if kind is None:
             return False
-        job, out = self.job, self.job.out
-        rows = self.rows_written() if self.rows_written is not None else job.committed_rows()
+        session, out = self.session, self.session.out
+        rows = self.rows_written() if self.rows_written is not None else session.committed_rows()
         if issubclass(kind, (BrokenPipeError, KeyboardInterrupt, OSError)):
-            job.ui.stop()  # before the message, so it is not drawn over
+            session.ui.stop()  # before the message, so it is not drawn over
         if issubclass(kind, BrokenPipeError) and out is None:
             # no second BrokenPipeError when Python flushes stdout at exit
             os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-            job.ui.info(f"stdout was closed after {rows} rows; stopping")
+            session.ui.info(f"stdout was closed after {rows} rows; stopping")
             raise StdoutClosed("") from None
         if issubclass(kind, KeyboardInterrupt):
-            raise _interrupted(out, rows, job.committed_rows(), self.finishing) from None
+            raise _interrupted(out, rows, session.committed_rows(), self.finishing) from None
         if issubclass(kind, OSError):
-            raise _write_error(error, out, job.committed_rows(), rows) from None
+            raise _write_error(error, out, session.committed_rows(), rows) from None
         return False
 
 

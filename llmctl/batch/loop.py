@@ -1,9 +1,10 @@
-"""The run-batch driver loop: feed the engine up to a bound, step it, reorder, write, commit.
+"""The run-batch loop: feed the engine up to a bound, step it, reorder, write, commit.
 
-Owns: `BatchJob`, a plain-Python loop over an engine-like object (`add_request`, `step`,
+Owns: `BatchLoop`, a plain-Python loop over an engine-like object (`add_request`, `step`,
 `has_unfinished_requests`) and a tokenizer-like runtime (`encode`, `apply_chat_template`), so it
-runs unchanged on a fake engine in tests. It knows nothing of files, Typer or Rich: rows come from
-an iterator, bytes go to a sink (`write`, `commit`), and commits and progress are callbacks.
+runs unchanged on a fake engine in tests, and its `LoopSettings`. It knows nothing of files, Typer
+or Rich: rows come from an iterator, and finished rows go through a `commits.Committer` to a sink
+(`write`, `commit`), with commits and progress as callbacks.
 
 Memory bound: at most `window` rows are between the first row not yet written (the watermark)
 and the last row read, so the reorder buffer, the set of rows written ahead of the watermark
@@ -14,11 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
+from llmctl.batch.commits import Checkpoint, Committer, ResumePoint
 from llmctl.batch.outputs import RowResult
 from llmctl.batch.rows import InputRow
 from llmctl.batch.summary import BatchStats, Progress
@@ -40,7 +41,7 @@ class RuntimeLike(Protocol):
 
 
 @dataclass(frozen=True)
-class JobSettings:
+class LoopSettings:
     max_in_flight: int = 512  # requests handed to the engine and not finished
     window: int = 2048  # rows read but not yet behind the watermark (bounds the reorder buffer)
     ordered: bool = True  # False: write rows as they finish (--unordered)
@@ -52,19 +53,6 @@ class JobSettings:
     def __post_init__(self) -> None:
         if self.max_in_flight < 1 or self.window < 1:
             raise ValueError("max_in_flight and window must be >= 1")
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """What is durable after a commit (see journal.JobState for the invariant)."""
-
-    next_index: int
-    next_position: int
-    done_after: list[int]
-    read_position: int  # where the last row read ends: every row written lies before it
-    output_bytes: int
-    stats: BatchStats
-    finished: bool
 
 
 @dataclass
@@ -86,7 +74,10 @@ class _Pending:
     result: RowResult
 
 
-class BatchJob:
+class BatchLoop:
+    """Serves `rows` on `engine` and writes each row's output line (`format_record`) to `sink`,
+    in input order unless `settings.ordered` is False; `run` returns the totals."""
+
     def __init__(
         self,
         engine: EngineLike,
@@ -95,7 +86,7 @@ class BatchJob:
         sink: Any,
         format_record: Callable[[InputRow, RowResult], bytes],
         defaults: SamplingParams,
-        settings: JobSettings = JobSettings(),
+        settings: LoopSettings = LoopSettings(),
         *,
         stats: BatchStats | None = None,
         start_index: int = 0,
@@ -111,10 +102,17 @@ class BatchJob:
         self._defaults = dataclasses.asdict(defaults)
         self.settings = settings
         self.stats = stats if stats is not None else BatchStats()
-        self._base_elapsed = self.stats.elapsed_s
         self._base_spec = (self.stats.spec_proposed, self.stats.spec_accepted)
         self._resume_done = set(done_after or ())
-        self._on_commit, self._on_progress, self._rows_total = on_commit, on_progress, rows_total
+        self.committer = Committer(
+            sink,
+            self.stats,
+            settings,
+            self._resume_point,
+            on_commit=on_commit,
+            on_progress=on_progress,
+            rows_total=rows_total,
+        )
         self._vocab_size = getattr(getattr(runtime, "config", None), "vocab_size", None)
 
         self._order: deque[int] = (
@@ -129,25 +127,25 @@ class BatchJob:
         self._written: set[int] = set()  # rows written ahead of the watermark
         self._next_read = (start_index, start_position)  # resume point when _order is empty
         self._exhausted = False
-        self._since_commit = 0
         self._busy = False  # True while one row's bookkeeping is half-updated: no commit then
         self.peaks = Peaks()
-        self._t0 = self._last_commit = self._last_progress = time.perf_counter()
-        self._session_output_tokens = 0
 
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self) -> BatchStats:
         """Serve every row; returns the totals. Commits before re-raising any interruption."""
-        self._t0 = self._last_commit = time.perf_counter()
+        c = self.committer
+        c.start()
         try:
             while True:
                 admitted = self._admit()
                 if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
+                    outputs = self.engine.step()
+                    self._count_drafts()
+                    for out in outputs:
                         self._finish(out)
-                    self._maybe_commit()
-                    self._progress()  # also while no row finishes (a timed progress line)
+                    c.maybe_commit()
+                    c.progress()  # also while no row finishes (a timed progress line)
                 elif self._exhausted and not self._in_flight:
                     break
                 elif not admitted:
@@ -155,16 +153,16 @@ class BatchJob:
                         "run-batch loop made no progress (engine idle with requests in flight)"
                     )
         except AbortedError:
-            raise  # committed by _check_errors before raising
+            raise  # committed by check_errors before raising
         except BaseException:
             # Ctrl-C can land anywhere; commit only when the bookkeeping is not half-updated
-            # (otherwise
-            # the previous commit stays the resume point and the rows after it are served again).
+            # (otherwise the previous commit stays the resume point and the rows after it are
+            # served again).
             if not self._busy:
-                self._safe_commit()
+                self._count_drafts()  # the engine may have counted some before a step raised
+                c.safe_commit()
             raise
-        self._commit(finished=True)
-        self._progress(force=True, finished=True)
+        c.finish()
         return self.stats
 
     def _admit(self) -> int:
@@ -193,7 +191,7 @@ class BatchJob:
             else:
                 self._submit(row)
             self._busy = False
-            self._check_errors()
+            self.committer.check_errors()
         return n
 
     def _submit(self, row: InputRow) -> None:
@@ -263,7 +261,7 @@ class BatchJob:
             raise RuntimeError(f"engine returned unknown request {out.request_id!r}")
         self._complete(row, RowResult.of(out, params, self.runtime.decode))
         self._busy = False
-        self._check_errors()
+        self.committer.check_errors()
 
     # -- ordering and writing -------------------------------------------------------------------
 
@@ -293,87 +291,28 @@ class BatchJob:
             del self._positions[index]
 
     def _write(self, data: bytes, result: RowResult) -> None:
-        self.sink.write(data)
         r = result
-        self.stats.add_row(
-            r.prompt_tokens,
-            r.completion_tokens,
-            None if r.error is None else r.error.code,
-            r.ttft,
-            r.tpot,
-        )
-        self._session_output_tokens += r.completion_tokens
-        self._since_commit += 1
-        self._progress()
+        code = None if r.error is None else r.error.code
+        self.committer.write(data, r.prompt_tokens, r.completion_tokens, code, r.ttft, r.tpot)
+        self.committer.progress()
 
-    def _check_errors(self) -> None:
-        """--max-errors: called between rows, when a commit is consistent."""
-        limit = self.settings.max_errors
-        if limit is not None and self.stats.errors > limit:
-            self._commit()
-            self._progress(force=True)
-            error = AbortedError(
-                f"stopped after {self.stats.errors} failed rows (--max-errors {limit}); "
-                f"{self.stats.rows} rows are written and kept"
-            )
-            error.stats = self.stats  # for --report-json
-            raise error
+    # -- what a commit holds --------------------------------------------------------------------
 
-    # -- commits and progress -------------------------------------------------------------------
-
-    def _maybe_commit(self) -> None:
-        now = time.perf_counter()
-        if self._since_commit and (
-            self._since_commit >= self.settings.commit_rows
-            or now - self._last_commit >= self.settings.commit_interval_s
-        ):
-            self._commit()
-
-    def _commit(self, finished: bool = False) -> None:
-        output_bytes = self.sink.commit()
-        self.stats.elapsed_s = self._base_elapsed + (time.perf_counter() - self._t0)
-        engine_stats = getattr(self.engine, "stats", None)
-        if engine_stats is not None and hasattr(engine_stats, "spec_proposed"):
-            self.stats.spec_proposed = self._base_spec[0] + engine_stats.spec_proposed
-            self.stats.spec_accepted = self._base_spec[1] + engine_stats.spec_accepted
+    def _resume_point(self) -> ResumePoint:
+        """The first row not yet written; rows written past it (--unordered) are done_after."""
         if self._order:
             nxt = (self._order[0], self._positions[self._order[0]])
         else:
             nxt = self._next_read
-        if self._on_commit is not None:
-            self._on_commit(
-                Checkpoint(
-                    next_index=nxt[0],
-                    next_position=nxt[1],
-                    done_after=sorted(self._written),
-                    read_position=self._next_read[1],
-                    output_bytes=output_bytes,
-                    stats=self.stats,
-                    finished=finished,
-                )
-            )
-        self._since_commit = 0
-        self._last_commit = time.perf_counter()
+        return ResumePoint(nxt[0], nxt[1], sorted(self._written), self._next_read[1])
 
-    def _safe_commit(self) -> None:
-        try:
-            self._commit()
-        except Exception:
-            pass  # the previous commit stays valid; the original error is what matters
-
-    def _progress(self, force: bool = False, finished: bool = False) -> None:
-        if self._on_progress is None:
-            return
-        now = time.perf_counter()
-        if not force and now - self._last_progress < self.settings.progress_interval_s:
-            return
-        self._last_progress = now
-        elapsed = now - self._t0
-        self._on_progress(
-            Progress.of(
-                self.stats, self._rows_total, self._session_output_tokens, elapsed, finished
-            )
-        )
+    def _count_drafts(self) -> None:
+        """The speculative-decoding counts: the engine's (they change only in `step`) after
+        those of earlier sessions. Brought up to date before every commit."""
+        engine_stats = getattr(self.engine, "stats", None)
+        if engine_stats is not None and hasattr(engine_stats, "spec_proposed"):
+            self.stats.spec_proposed = self._base_spec[0] + engine_stats.spec_proposed
+            self.stats.spec_accepted = self._base_spec[1] + engine_stats.spec_accepted
 
 
-__all__ = ["BatchJob", "Checkpoint", "JobSettings", "Peaks", "EngineLike", "RuntimeLike"]
+__all__ = ["BatchLoop", "EngineLike", "LoopSettings", "Peaks", "RuntimeLike"]
