@@ -91,8 +91,8 @@ ADVISE_HELP = (
     "Measure each optimisation (prefix caching, speculative decoding, int8/int4 weights, ...) on"
     " a sample of your workload and advise the run-batch line that serves it best.\n"
     "\n\b\nExamples:\n"
-    "  llmctl profile advise --workload examples/prompts.jsonl --sample 2 --max-tokens 4"
-    " --budget 2m --confirm-rounds 0 --markdown\n"
+    "  llmctl profile advise --workload examples/prompts.jsonl --sample 2 --max-tokens 2"
+    " --budget 15s --confirm-rounds 0 --markdown\n"
     "\n"
     "MODEL is a local folder or hub id (default: the embedded demo model).\n"
 )
