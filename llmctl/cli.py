@@ -10,12 +10,27 @@ import os
 import sys
 
 import typer
+from typer.core import TyperGroup
 
 from llmctl import __version__
 from llmctl.commands import distill, profile, quantize, recipe, run_batch, sparsify
 from llmctl.commands import eval as eval_cmd
 
+MODULES = (quantize, sparsify, distill, run_batch, profile, eval_cmd, recipe)
+ORDER = ("quantize", "sparsify", "distill", "run-batch", "profile", "eval", "recipe")
+
+
+class _Root(TyperGroup):
+    """Lists the commands in ORDER (Typer lists a command with sub-commands, such as profile or
+    recipe, after the plain ones)."""
+
+    def list_commands(self, ctx) -> list[str]:
+        names = super().list_commands(ctx)
+        return sorted(names, key=lambda n: ORDER.index(n) if n in ORDER else len(ORDER))
+
+
 app = typer.Typer(
+    cls=_Root,
     name="llmctl",
     help="Compress large language models and push millions of prompts through them offline.",
     no_args_is_help=True,
@@ -41,7 +56,7 @@ def _root(
     models, alone or as the stages of a recipe."""
 
 
-for module in (quantize, sparsify, distill, run_batch, profile, eval_cmd, recipe):
+for module in MODULES:
     module.register(app)
 
 

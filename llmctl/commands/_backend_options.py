@@ -1,4 +1,4 @@
-"""run-batch's backend options (`--backend`, and vLLM's engine arguments), declared once.
+"""run-batch's backend options (`--backend`, and vLLM's engine arguments): `BackendFlags`.
 
 Owns: the flags that choose the engine serving a job and pass arguments through to vLLM, and
 `backend_fields`, their mapping to the `BatchOptions` fields `backend` and `engine_args`. The
@@ -8,7 +8,7 @@ refusal of llmctl-only options under vLLM and the vLLM mapping are in `llmctl.ba
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Annotated, Any, Optional
 
 import typer
@@ -16,43 +16,48 @@ import typer
 from llmctl.batch.backends import BACKENDS, DEFAULT_BACKEND
 from llmctl.errors import UsageError
 
-BackendOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--backend",
-        help=f"Engine that generates: {' or '.join(BACKENDS)} (vLLM's offline engine, an optional "
-        f"extra; same inputs, outputs and resume) (default: {DEFAULT_BACKEND}).",
-        show_default=False,
-    ),
-]
-TensorParallelOpt = Annotated[
-    Optional[int],
-    typer.Option(
-        "--tensor-parallel-size",
-        min=1,
-        help="--backend vllm: GPUs each layer is split across (vLLM's tensor parallelism).",
-        show_default=False,
-    ),
-]
-PipelineParallelOpt = Annotated[
-    Optional[int],
-    typer.Option(
-        "--pipeline-parallel-size",
-        min=1,
-        help="--backend vllm: pipeline stages the layers are split into.",
-        show_default=False,
-    ),
-]
-EngineArgsOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--engine-args",
-        metavar="JSON",
-        help="--backend vllm: a JSON object of vLLM engine arguments (EngineArgs fields), e.g. "
-        '\'{"gpu_memory_utilization": 0.8, "quantization": "gptq"}\'; they win over the flags.',
-        show_default=False,
-    ),
-]
+
+@dataclass(frozen=True)
+class BackendFlags:
+    """The engine that generates, and vLLM's engine arguments."""
+
+    backend: Annotated[
+        Optional[str],
+        typer.Option(
+            "--backend",
+            help=f"Engine that generates: {' or '.join(BACKENDS)} (vLLM's offline engine, an "
+            f"optional extra; same inputs, outputs and resume) (default: {DEFAULT_BACKEND}).",
+            show_default=False,
+        ),
+    ] = None
+    tensor_parallel_size: Annotated[
+        Optional[int],
+        typer.Option(
+            "--tensor-parallel-size",
+            min=1,
+            help="--backend vllm: GPUs each layer is split across (vLLM's tensor parallelism).",
+            show_default=False,
+        ),
+    ] = None
+    pipeline_parallel_size: Annotated[
+        Optional[int],
+        typer.Option(
+            "--pipeline-parallel-size",
+            min=1,
+            help="--backend vllm: pipeline stages the layers are split into.",
+            show_default=False,
+        ),
+    ] = None
+    engine_args: Annotated[
+        Optional[str],
+        typer.Option(
+            "--engine-args",
+            metavar="JSON",
+            help="--backend vllm: a JSON object of vLLM engine arguments (EngineArgs fields), e.g. "
+            '\'{"gpu_memory_utilization": 0.8, "quantization": "gptq"}\'; they win over the flags.',
+            show_default=False,
+        ),
+    ] = None
 
 
 def _engine_args(text: str | None) -> dict[str, Any]:
@@ -67,7 +72,7 @@ def _engine_args(text: str | None) -> dict[str, Any]:
     return value
 
 
-def backend_fields(a: SimpleNamespace) -> dict[str, Any]:
+def backend_fields(a: BackendFlags) -> dict[str, Any]:
     """`backend` and `engine_args` for BatchOptions from the command's flags (only those set)."""
     backend = a.backend or DEFAULT_BACKEND
     if backend not in BACKENDS:

@@ -1,4 +1,4 @@
-"""run-batch's vLLM spellings and its progress and logging flags, declared once as aliases.
+"""run-batch's vLLM spellings and its progress and logging flags: the option record `VllmFlags`.
 
 Owns: the options a `vllm run-batch` command line brings (`-i/--input-file`,
 `--kv-cache-memory-bytes`, `--gpu-memory-utilization`, `--speculative-config`,
@@ -11,7 +11,7 @@ the job is refused rather than one silently winning.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Annotated, Any, Optional
 
 import typer
@@ -29,98 +29,108 @@ def _opt(*names: str, help: str, **kw: Any) -> Any:
     return typer.Option(*names, help=help, show_default=False, **kw)
 
 
-InputFileOpt = Annotated[
-    Optional[str], _opt("--input-file", "-i", help="vLLM's spelling of INPUT (give one of them).")
-]
-ServedNameOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--served-model-name",
-        help="The model field of OpenAI output rows (default: the model's folder or hub id; "
-        "llmctl-demo for the demo model).",
-    ),
-]
-GenerationConfigOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--generation-config",
-        help="Sampling defaults under the flags and rows: none (the default: run-batch's own, "
-        "greedy, so that a batch job is reproducible and a resumed job equals one run), auto "
-        "(vLLM's default: the model's generation_config.json temperature, top_p, top_k, min_p "
-        "and penalties over vLLM's temperature 1), vllm (vLLM's defaults: temperature 1) or a "
-        "folder holding a generation_config.json.",
-    ),
-]
-GpuUtilOpt = Annotated[
-    Optional[float],
-    _opt(
-        "--gpu-memory-utilization",
-        help="CUDA: the fraction of GPU memory this job may use; the KV cache takes what the "
-        "weights and an activation reserve leave (default: --kv-cache-memory auto). Accepted "
-        "and ignored on the CPU.",
-    ),
-]
-KvBytesOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--kv-cache-memory-bytes",
-        help="vLLM's spelling of --kv-cache-memory, read as vLLM reads it: 4G = 4 GiB, 4g = 4e9.",
-    ),
-]
-SpecConfigOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--speculative-config",
-        help="vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": DIR}\', in place of '
-        "--speculative, --draft and --num-speculative-tokens (prompt_lookup_min/max: 5 unless "
-        "given, as in vLLM).",
-    ),
-]
-ProgressOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--progress",
-        help="auto (the default: a bar on a terminal, else lines), bar, lines (a plain line "
-        "every --log-interval seconds: rows done/total, errors, output tok/s, ETA) or none.",
-    ),
-]
-LogIntervalOpt = Annotated[
-    Optional[float],
-    _opt(
-        "--log-interval",
-        min=0.01,
-        help=f"Seconds between progress lines and engine statistics lines (default: "
-        f"{DEFAULT_LOG_INTERVAL_S:g}).",
-    ),
-]
-LogLevelOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--log-level",
-        help="What the engine logs on stderr: warning (the default), info (statistics every "
-        "--log-interval: step time, queue, KV blocks, prefix-cache hit rate, preemptions), "
-        "debug (every step) or error.",
-    ),
-]
-VerboseOpt = Annotated[
-    int,
-    typer.Option(
-        "--verbose", "-v", count=True, show_default=False, help="-v: --log-level info; -vv: debug."
-    ),
-]
+@dataclass(frozen=True)
+class VllmFlags:
+    """vLLM's spellings, progress and logging."""
+
+    input_file: Annotated[
+        Optional[str],
+        _opt("--input-file", "-i", help="vLLM's spelling of INPUT (give one of them)."),
+    ] = None
+    served_model_name: Annotated[
+        Optional[str],
+        _opt(
+            "--served-model-name",
+            help="The model field of OpenAI output rows (default: the model's folder or hub id; "
+            "llmctl-demo for the demo model).",
+        ),
+    ] = None
+    generation_config: Annotated[
+        Optional[str],
+        _opt(
+            "--generation-config",
+            help="Sampling defaults under the flags and rows: none (the default: run-batch's own, "
+            "greedy, so that a batch job is reproducible and a resumed job equals one run), auto "
+            "(vLLM's default: the model's generation_config.json temperature, top_p, top_k, min_p "
+            "and penalties over vLLM's temperature 1), vllm (vLLM's defaults: temperature 1) or a "
+            "folder holding a generation_config.json.",
+        ),
+    ] = None
+    kv_cache_memory_bytes: Annotated[
+        Optional[str],
+        _opt(
+            "--kv-cache-memory-bytes",
+            help="vLLM's spelling of --kv-cache-memory, read as vLLM reads it: 4G = 4 GiB, "
+            "4g = 4e9.",
+        ),
+    ] = None
+    gpu_memory_utilization: Annotated[
+        Optional[float],
+        _opt(
+            "--gpu-memory-utilization",
+            help="CUDA: the fraction of GPU memory this job may use; the KV cache takes what the "
+            "weights and an activation reserve leave (default: --kv-cache-memory auto). Accepted "
+            "and ignored on the CPU.",
+        ),
+    ] = None
+    speculative_config: Annotated[
+        Optional[str],
+        _opt(
+            "--speculative-config",
+            help="vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+            '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": DIR}\', in place of '
+            "--speculative, --draft and --num-speculative-tokens (prompt_lookup_min/max: 5 unless "
+            "given, as in vLLM).",
+        ),
+    ] = None
+    progress: Annotated[
+        Optional[str],
+        _opt(
+            "--progress",
+            help="auto (the default: a bar on a terminal, else lines), bar, lines (a plain line "
+            "every --log-interval seconds: rows done/total, errors, output tok/s, ETA) or none.",
+        ),
+    ] = None
+    log_interval: Annotated[
+        Optional[float],
+        _opt(
+            "--log-interval",
+            min=0.01,
+            help=f"Seconds between progress lines and engine statistics lines (default: "
+            f"{DEFAULT_LOG_INTERVAL_S:g}).",
+        ),
+    ] = None
+    log_level: Annotated[
+        Optional[str],
+        _opt(
+            "--log-level",
+            help="What the engine logs on stderr: warning (the default), info (statistics every "
+            "--log-interval: step time, queue, KV blocks, prefix-cache hit rate, preemptions), "
+            "debug (every step) or error.",
+        ),
+    ] = None
+    verbose: Annotated[
+        int,
+        typer.Option(
+            "--verbose",
+            "-v",
+            count=True,
+            show_default=False,
+            help="-v: --log-level info; -vv: debug.",
+        ),
+    ] = 0
 
 
-def input_of(a: SimpleNamespace) -> str:
+def input_of(input: str | None, a: VllmFlags) -> str:
     """INPUT, or vLLM's -i/--input-file: exactly one of them."""
-    if a.input is not None and a.input_file is not None:
+    if input is not None and a.input_file is not None:
         raise UsageError("give the input once: INPUT or -i/--input-file, not both")
-    if a.input is None and a.input_file is None:
+    if input is None and a.input_file is None:
         raise UsageError("no input: give INPUT (or -i/--input-file)")
-    return a.input if a.input is not None else a.input_file
+    return input if input is not None else a.input_file
 
 
-def vllm_fields(a: SimpleNamespace) -> dict[str, Any]:
+def vllm_fields(a: VllmFlags) -> dict[str, Any]:
     """The BatchOptions fields of the vLLM options that the user set."""
     mode = a.generation_config
     if mode is not None and not mode:
@@ -132,9 +142,9 @@ def vllm_fields(a: SimpleNamespace) -> dict[str, Any]:
     }
 
 
-def kv_cache_memory(a: SimpleNamespace) -> int | None:
-    """--kv-cache-memory or vLLM's --kv-cache-memory-bytes (None: auto)."""
-    ours, theirs = a.kv_cache_memory, a.kv_cache_memory_bytes
+def kv_cache_memory(ours: str | None, a: VllmFlags) -> int | None:
+    """--kv-cache-memory (`ours`) or vLLM's --kv-cache-memory-bytes (None: auto)."""
+    theirs = a.kv_cache_memory_bytes
     if ours is not None and theirs is not None:
         raise UsageError("give --kv-cache-memory or --kv-cache-memory-bytes, not both")
     if theirs is not None:
@@ -142,30 +152,37 @@ def kv_cache_memory(a: SimpleNamespace) -> int | None:
     return None if ours is None or ours == "auto" else parse_bytes(ours)
 
 
-def speculative_fields(a: SimpleNamespace) -> dict[str, Any]:
-    """EngineConfig's speculative fields, from --speculative-config or our own flags."""
+def speculative_fields(
+    a: VllmFlags,
+    speculative: str | None,
+    draft: str | None,
+    num_speculative_tokens: int | None,
+    speculative_max_batch: int | None,
+) -> dict[str, Any]:
+    """EngineConfig's speculative fields, from --speculative-config or our own flags (the other
+    arguments: --speculative, --draft, --num-speculative-tokens, --speculative-max-batch)."""
     if a.speculative_config is None:
         return speculative_settings(
-            a.speculative or "off", a.draft, a.num_speculative_tokens, a.speculative_max_batch
+            speculative or "off", draft, num_speculative_tokens, speculative_max_batch
         )
     ours = [
         f
         for f, v in (
-            ("--speculative", a.speculative),
-            ("--draft", a.draft),
-            ("--num-speculative-tokens", a.num_speculative_tokens),
+            ("--speculative", speculative),
+            ("--draft", draft),
+            ("--num-speculative-tokens", num_speculative_tokens),
         )
         if v is not None
     ]
     if ours:
         raise UsageError(f"--speculative-config says what {', '.join(ours)} says; give one")
     fields = speculative_from_vllm(a.speculative_config)
-    if a.speculative_max_batch is not None:
-        fields["speculative_max_batch"] = a.speculative_max_batch
+    if speculative_max_batch is not None:
+        fields["speculative_max_batch"] = speculative_max_batch
     return fields
 
 
-def vllm_engine_fields(a: SimpleNamespace) -> dict[str, Any]:
+def vllm_engine_fields(a: VllmFlags) -> dict[str, Any]:
     """EngineConfig fields of --gpu-memory-utilization and --log-interval, when set."""
     fields = {}
     if a.gpu_memory_utilization is not None:
@@ -175,14 +192,14 @@ def vllm_engine_fields(a: SimpleNamespace) -> dict[str, Any]:
     return fields
 
 
-def progress_mode(a: SimpleNamespace) -> str:
+def progress_mode(a: VllmFlags) -> str:
     mode = a.progress or "auto"
     if mode not in PROGRESS_MODES:
         raise UsageError(f"--progress must be one of {', '.join(PROGRESS_MODES)}, got {mode!r}")
     return mode
 
 
-def log_level(a: SimpleNamespace) -> str:
+def log_level(a: VllmFlags) -> str:
     """--log-level, else -v (info) / -vv (debug), else warning."""
     if a.log_level is not None:
         level = a.log_level.lower()

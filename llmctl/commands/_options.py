@@ -10,11 +10,9 @@ is written once and an explicit flag can be told apart from a default (recipes n
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import MISSING, fields
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -85,21 +83,3 @@ EvalDataOpt = Annotated[
         "--eval-data", help="Held-out data for perplexity (same formats).", show_default=False
     ),
 ]
-
-
-def options_of(*groups: Callable[..., None]) -> Callable[[Callable], Callable]:
-    """A decorator: the command takes the parameters of `groups` (signature-only functions, one per
-    group of options, in order) and `fn` receives them as one namespace. Typer reads the joined
-    signature, so a command with many options needs no single function declaring all of them."""
-    params = [p for g in groups for p in inspect.signature(g, eval_str=True).parameters.values()]
-
-    def wrap(fn: Callable[[SimpleNamespace], None]) -> Callable[..., None]:
-        def command(**kwargs: Any) -> None:
-            fn(SimpleNamespace(**kwargs))
-
-        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-        command.__annotations__ = {p.name: p.annotation for p in params}
-        command.__doc__, command.__name__ = fn.__doc__, fn.__name__.lstrip("_")
-        return command
-
-    return wrap

@@ -1,12 +1,15 @@
-"""profile's options, declared once as `Annotated` aliases, in the help panels of its forms.
+"""profile's options as option records (`_records`), in the help panels of its forms.
 
-Owns: every profile flag's name, panel and help. Flags default to None; the help quotes the
-defaults that `SweepRequest`, `EstimateRequest` and `profiling.compare` own.
+Owns: every profile flag's name, panel and help, grouped into the records its sub-commands take
+(`SweepFlags`, `RunFlags`, `DeviceFlags`, `EstimateFlags`, `CompareFlags`, `DtypeFlag`,
+`CommonFlags`, `MachineFlag`, and `EstimateSwitch` of the old `--estimate` spelling), and the
+positional arguments of each form. Flags default to None; the help quotes the defaults that
+`SweepRequest`, `EstimateRequest`, `AdviseRequest` (--repeat) and `profiling.compare` own.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -47,282 +50,268 @@ def _est(name: str) -> str:
     return default_of(EstimateRequest, name)
 
 
+# The positional arguments of the forms (the old spelling's TARGETS holds all of them).
 TargetsArg = Annotated[
     Optional[list[str]],
     typer.Argument(metavar="MODEL | compare A B", help=MODEL_HELP, show_default=False),
 ]
-BatchSizesOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--batch-sizes",
-        panel=SWEEP,
-        help="Comma-separated batch sizes" + _list_default("batch_sizes") + ".",
+ModelArg = Annotated[
+    Optional[str], typer.Argument(metavar="[MODEL]", help=MODEL_HELP, show_default=False)
+]
+ModelOrConfigArg = Annotated[
+    str,
+    typer.Argument(
+        metavar="MODEL_OR_CONFIG",
+        help="A model folder, its config.json, or a hub id (no weights are loaded).",
+        show_default=False,
     ),
 ]
-PromptLensOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--prompt-lens",
-        panel=SWEEP,
-        help="Comma-separated prompt lengths (tokens)" + _list_default("prompt_lens") + ".",
+RecordsArg = Annotated[
+    Optional[list[str]],
+    typer.Argument(
+        metavar="A.json B.json",
+        help="Two records of `profile --report-json`: A the baseline, B the candidate.",
+        show_default=False,
     ),
-]
-GenLensOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--gen-lens",
-        panel=SWEEP,
-        help="Comma-separated generation lengths (tokens)" + _list_default("gen_lens") + ".",
-    ),
-]
-RepeatOpt = Annotated[
-    Optional[int],
-    _opt(
-        "--repeat",
-        min=1,
-        panel=SWEEP,
-        help="Measured repeats per point" + _sweep("repeat") + "; profile advise: fresh-engine "
-        "passes per measurement, each request's best kept" + default_of(AdviseRequest, "repeats"),
-    ),
-]
-WarmupOpt = Annotated[
-    Optional[int],
-    _opt(
-        "--warmup",
-        min=0,
-        panel=SWEEP,
-        help="Unrecorded warm-up repeats per point" + _sweep("warmup"),
-    ),
-]
-CsvOpt = Annotated[Optional[Path], _opt("--csv", panel=SWEEP, help="Write one CSV row per point.")]
-MarkdownOpt = Annotated[
-    bool, _switch("--markdown", SWEEP, "Print a Markdown table instead of the rich table.")
-]
-NoAutotuneOpt = Annotated[bool, _switch("--no-autotune", SWEEP, NO_AUTOTUNE_HELP)]
-PlotOpt = Annotated[
-    Optional[Path],
-    _opt(
-        "--plot",
-        panel=SWEEP,
-        help="Write a PNG of throughput and latency vs batch size (needs matplotlib).",
-    ),
-]
-DeviceOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--device",
-        panel=SWEEP,
-        help="auto (cuda when present, else cpu), cpu or cuda" + _sweep("device") + ".",
-    ),
-]
-KvMemoryOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--kv-cache-memory",
-        panel=SWEEP,
-        help="KV-cache size, e.g. 4GiB (default: what the largest point needs).",
-    ),
-]
-SeedOpt = Annotated[
-    Optional[int], _opt("--seed", panel=SWEEP, help="Seed of the random prompts" + _sweep("seed"))
-]
-EstimateOpt = Annotated[
-    bool, _switch("--estimate", ESTIMATE, "Estimate from config.json alone (no weights loaded).")
-]
-GroupSizeOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--group-size",
-        panel=ESTIMATE,
-        help="int8/int4 group size along the input dimension, by quantize's rule: auto, "
-        "channel, or a power of two >= 16 dividing every layer" + _est("group_size") + ".",
-    ),
-]
-KvDtypeOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--kv-dtype",
-        panel=ESTIMATE,
-        help="KV element type: bfloat16, float16, float32, fp8, int8 (default: the weights' "
-        "float dtype).",
-    ),
-]
-SeqLenOpt = Annotated[
-    Optional[int],
-    _opt(
-        "--seq-len",
-        min=1,
-        panel=ESTIMATE,
-        help="Tokens per sequence (default: max_position_embeddings).",
-    ),
-]
-BatchOpt = Annotated[
-    Optional[int],
-    _opt("--batch", min=1, panel=ESTIMATE, help="Concurrent sequences" + _est("batch") + "."),
-]
-MemoryOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--memory",
-        panel=ESTIMATE,
-        help="Memory budget, e.g. 24GiB: how many sequences fit next to the weights.",
-    ),
-]
-BandwidthOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--bandwidth",
-        panel=ESTIMATE,
-        help="Memory bandwidth in GB/s (e.g. 900 or 3.35TB/s) for the decode ceiling "
-        "(default: this machine's, if measured).",
-    ),
-]
-QuantizeEmbeddingsOpt = Annotated[
-    bool,
-    _switch(
-        "--quantize-embeddings", ESTIMATE, "Count embeddings and lm_head at the int dtype too."
-    ),
-]
-ThresholdOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--threshold",
-        panel=COMPARE,
-        help=f"Allowed change before B counts as a regression (default: {DEFAULT_THRESHOLD}).",
-    ),
-]
-StatOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--stat",
-        panel=COMPARE,
-        help=f"Statistic compared: mean, p50, p90 or p99 (default: {DEFAULT_STAT}).",
-    ),
-]
-DtypeOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--dtype",
-        panel=COMMON,
-        help="auto, bfloat16, float16 or float32 (bf16, fp16, fp32 are read too); --estimate "
-        "also int8, int4 (auto: the checkpoint's dtype).",
-    ),
-]
-ReportJsonOpt = Annotated[
-    Optional[Path],
-    _opt(
-        "--report-json",
-        panel=COMMON,
-        help="Write the versioned JSON record to this file ('-': standard output, no table).",
-    ),
-]
-OldJsonOpt = Annotated[
-    Optional[Path], _opt("--json", panel=COMMON, hidden=True, help="Old spelling of --report-json.")
-]
-MeasureOpt = Annotated[
-    bool,
-    _switch(
-        "--measure-machine",
-        COMMON,
-        "Measure this machine's memory bandwidth and bfloat16/float32 matmul peaks now and cache "
-        "them (for MBU/MFU).",
-    ),
-]
-QuietOpt = Annotated[
-    bool,
-    typer.Option("--quiet", "-q", help="No progress output on stderr.", rich_help_panel=COMMON),
 ]
 
-ADVISE = "Advise (profile advise MODEL --workload FILE)"
+
+@dataclass(frozen=True)
+class SweepFlags:
+    """A measured sweep's grid, repeats and outputs (`profile sweep`)."""
+
+    batch_sizes: Annotated[
+        Optional[str],
+        _opt(
+            "--batch-sizes",
+            panel=SWEEP,
+            help="Comma-separated batch sizes" + _list_default("batch_sizes") + ".",
+        ),
+    ] = None
+    prompt_lens: Annotated[
+        Optional[str],
+        _opt(
+            "--prompt-lens",
+            panel=SWEEP,
+            help="Comma-separated prompt lengths (tokens)" + _list_default("prompt_lens") + ".",
+        ),
+    ] = None
+    gen_lens: Annotated[
+        Optional[str],
+        _opt(
+            "--gen-lens",
+            panel=SWEEP,
+            help="Comma-separated generation lengths (tokens)" + _list_default("gen_lens") + ".",
+        ),
+    ] = None
+    warmup: Annotated[
+        Optional[int],
+        _opt(
+            "--warmup",
+            min=0,
+            panel=SWEEP,
+            help="Unrecorded warm-up repeats per point" + _sweep("warmup"),
+        ),
+    ] = None
+    csv_path: Annotated[
+        Optional[Path], _opt("--csv", panel=SWEEP, help="Write one CSV row per point.")
+    ] = None
+    plot_path: Annotated[
+        Optional[Path],
+        _opt(
+            "--plot",
+            panel=SWEEP,
+            help="Write a PNG of throughput and latency vs batch size (needs matplotlib).",
+        ),
+    ] = None
+    kv_cache_memory: Annotated[
+        Optional[str],
+        _opt(
+            "--kv-cache-memory",
+            panel=SWEEP,
+            help="KV-cache size, e.g. 4GiB (default: what the largest point needs).",
+        ),
+    ] = None
+    no_autotune: Annotated[bool, _switch("--no-autotune", SWEEP, NO_AUTOTUNE_HELP)] = False
 
 
-def _adv(name: str) -> str:
-    return default_of(AdviseRequest, name)
+@dataclass(frozen=True)
+class RunFlags:
+    """What measured runs share (`profile sweep` and `profile advise`)."""
+
+    repeat: Annotated[
+        Optional[int],
+        _opt(
+            "--repeat",
+            min=1,
+            panel=SWEEP,
+            help="Measured repeats per point" + _sweep("repeat") + "; profile advise: fresh-engine "
+            "passes per measurement, each request's best kept"
+            + default_of(AdviseRequest, "repeats"),
+        ),
+    ] = None
+    seed: Annotated[
+        Optional[int],
+        _opt("--seed", panel=SWEEP, help="Seed of the random prompts" + _sweep("seed")),
+    ] = None
+    markdown: Annotated[
+        bool, _switch("--markdown", SWEEP, "Print a Markdown table instead of the rich table.")
+    ] = False
 
 
-WorkloadOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--workload",
-        panel=ADVISE,
-        help="The user's prompts, in run-batch's input formats (.jsonl or .parquet).",
-    ),
-]
-ObjectiveOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--objective",
-        panel=ADVISE,
-        help="What the ranking optimises: throughput, ttft, tpot or memory" + _adv("objective"),
-    ),
-]
-SampleOpt = Annotated[
-    Optional[int],
-    _opt("--sample", min=1, panel=ADVISE, help="Workload rows measured" + _adv("sample")),
-]
-BudgetOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--budget",
-        panel=ADVISE,
-        help="Time for all trials, e.g. 10m, 90s (a trial that would exceed it is skipped)"
-        + _adv("budget"),
-    ),
-]
-MaxTokensAdviseOpt = Annotated[
-    Optional[int],
-    _opt(
-        "--max-tokens",
-        min=1,
-        panel=ADVISE,
-        help="Output tokens per request unless its row says max_tokens" + _adv("max_tokens"),
-    ),
-]
-ConcurrencyOpt = Annotated[
-    Optional[int],
-    _opt(
-        "--concurrency",
-        min=1,
-        panel=ADVISE,
-        help="Requests in flight at once (default: the whole sample, as run-batch sends it).",
-    ),
-]
-DraftOpt = Annotated[
-    Optional[str],
-    _opt("--draft", panel=ADVISE, help="Draft model folder: also try speculative draft."),
-]
-CalibOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--calib",
-        panel=ADVISE,
-        help="Calibration text: also try int4 GPTQ and AWQ weights (quantize --calib).",
-    ),
-]
-ConfirmRoundsOpt = Annotated[
-    Optional[int],
-    _opt(
-        "--confirm-rounds",
-        min=0,
-        panel=ADVISE,
-        help="Rounds of the printed run-batch line against the baseline's, in fresh processes "
-        "on the sample, to confirm the advised gain (0: no confirmation)" + _adv("confirm_rounds"),
-    ),
-]
-QualityDataOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--quality-data",
-        panel=ADVISE,
-        help="Text file (or .jsonl/.parquet rows) the quantization KL is measured on "
-        "(default: the workload's prompts).",
-    ),
-]
-MaxKlOpt = Annotated[
-    Optional[float],
-    _opt(
-        "--max-kl",
-        panel=ADVISE,
-        help="Quantization costing more mean KL (nats/token) is not advised" + _adv("max_kl"),
-    ),
-]
+@dataclass(frozen=True)
+class DeviceFlags:
+    """The device measured on (sweep, advise, machine)."""
+
+    device: Annotated[
+        Optional[str],
+        _opt(
+            "--device",
+            panel=SWEEP,
+            help="auto (cuda when present, else cpu), cpu or cuda" + _sweep("device") + ".",
+        ),
+    ] = None
+
+
+@dataclass(frozen=True)
+class EstimateSwitch:
+    """The old spelling's form switch: `profile --estimate MODEL_OR_CONFIG`."""
+
+    estimate: Annotated[
+        bool,
+        _switch("--estimate", ESTIMATE, "Estimate from config.json alone (no weights loaded)."),
+    ] = False
+
+
+@dataclass(frozen=True)
+class EstimateFlags:
+    """What `profile estimate` assumes."""
+
+    group_size: Annotated[
+        Optional[str],
+        _opt(
+            "--group-size",
+            panel=ESTIMATE,
+            help="int8/int4 group size along the input dimension, by quantize's rule: auto, "
+            "channel, or a power of two >= 16 dividing every layer" + _est("group_size") + ".",
+        ),
+    ] = None
+    kv_dtype: Annotated[
+        Optional[str],
+        _opt(
+            "--kv-dtype",
+            panel=ESTIMATE,
+            help="KV element type: bfloat16, float16, float32, fp8, int8 (default: the weights' "
+            "float dtype).",
+        ),
+    ] = None
+    seq_len: Annotated[
+        Optional[int],
+        _opt(
+            "--seq-len",
+            min=1,
+            panel=ESTIMATE,
+            help="Tokens per sequence (default: max_position_embeddings).",
+        ),
+    ] = None
+    batch: Annotated[
+        Optional[int],
+        _opt("--batch", min=1, panel=ESTIMATE, help="Concurrent sequences" + _est("batch") + "."),
+    ] = None
+    memory: Annotated[
+        Optional[str],
+        _opt(
+            "--memory",
+            panel=ESTIMATE,
+            help="Memory budget, e.g. 24GiB: how many sequences fit next to the weights.",
+        ),
+    ] = None
+    bandwidth: Annotated[
+        Optional[str],
+        _opt(
+            "--bandwidth",
+            panel=ESTIMATE,
+            help="Memory bandwidth in GB/s (e.g. 900 or 3.35TB/s) for the decode ceiling "
+            "(default: this machine's, if measured).",
+        ),
+    ] = None
+    quantize_embeddings: Annotated[
+        bool,
+        _switch(
+            "--quantize-embeddings", ESTIMATE, "Count embeddings and lm_head at the int dtype too."
+        ),
+    ] = False
+
+
+@dataclass(frozen=True)
+class CompareFlags:
+    """How `profile compare` judges B against A."""
+
+    threshold: Annotated[
+        Optional[str],
+        _opt(
+            "--threshold",
+            panel=COMPARE,
+            help=f"Allowed change before B counts as a regression (default: {DEFAULT_THRESHOLD}).",
+        ),
+    ] = None
+    stat: Annotated[
+        Optional[str],
+        _opt(
+            "--stat",
+            panel=COMPARE,
+            help=f"Statistic compared: mean, p50, p90 or p99 (default: {DEFAULT_STAT}).",
+        ),
+    ] = None
+
+
+@dataclass(frozen=True)
+class DtypeFlag:
+    """The dtype measured or estimated (sweep, estimate, advise)."""
+
+    dtype: Annotated[
+        Optional[str],
+        _opt(
+            "--dtype",
+            panel=COMMON,
+            help="auto, bfloat16, float16 or float32 (bf16, fp16, fp32 are read too); --estimate "
+            "also int8, int4 (auto: the checkpoint's dtype).",
+        ),
+    ] = None
+
+
+@dataclass(frozen=True)
+class CommonFlags:
+    """Every form's JSON record and quietness."""
+
+    report_json: Annotated[
+        Optional[Path],
+        _opt(
+            "--report-json",
+            panel=COMMON,
+            help="Write the versioned JSON record to this file ('-': standard output, no table).",
+        ),
+    ] = None
+    json_path: Annotated[
+        Optional[Path],
+        _opt("--json", panel=COMMON, hidden=True, help="Old spelling of --report-json."),
+    ] = None
+    quiet: Annotated[
+        bool,
+        typer.Option("--quiet", "-q", help="No progress output on stderr.", rich_help_panel=COMMON),
+    ] = False
+
+
+@dataclass(frozen=True)
+class MachineFlag:
+    """--measure-machine: measure this machine's peaks first (`profile machine` alone)."""
+
+    measure_machine: Annotated[
+        bool,
+        _switch(
+            "--measure-machine",
+            COMMON,
+            "Measure this machine's memory bandwidth and bfloat16/float32 matmul peaks now and "
+            "cache them (for MBU/MFU).",
+        ),
+    ] = False

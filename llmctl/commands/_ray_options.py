@@ -1,4 +1,4 @@
-"""run-batch's Ray options (`--ray` and its sizing), declared once as `Annotated` aliases.
+"""run-batch's Ray options (`--ray` and its sizing): the option record `RayFlags`.
 
 Owns: the Ray flags' names and help (defaults quoted from `RayOptions`) and `ray_options`, which
 turns them into `RayOptions` (None without --ray; a sizing flag without --ray is refused).
@@ -6,7 +6,7 @@ turns them into `RayOptions` (None without --ray; a sizing flag without --ray is
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Annotated, Any, Optional
 
 import typer
@@ -20,54 +20,58 @@ def _opt(*names: str, help: str, **kw: Any) -> Any:
     return typer.Option(*names, help=help, show_default=False, rich_help_panel="Ray", **kw)
 
 
-RayOpt = Annotated[
-    bool,
-    typer.Option(
-        "--ray",
-        help="Run on Ray Data: one engine per replica (an actor loading the model once); "
-        "needs the ray extra (pip install 'llmctl\\[ray]').",
-        rich_help_panel="Ray",
-    ),
-]
-RayAddressOpt = Annotated[
-    Optional[str],
-    _opt(
-        "--ray-address",
-        help="Ray cluster to join (auto, or HOST:PORT); default: a local cluster started "
-        "and stopped by the command.",
-    ),
-]
-ReplicasOpt = Annotated[
-    Optional[int],
-    _opt("--replicas", min=1, help="Engines to run" + default_of(RayOptions, "replicas") + "."),
-]
-GpusPerReplicaOpt = Annotated[
-    Optional[float],
-    _opt(
-        "--gpus-per-replica",
-        min=0.0,
-        help="GPUs each replica reserves" + default_of(RayOptions, "gpus_per_replica") + ".",
-    ),
-]
-CpusPerReplicaOpt = Annotated[
-    Optional[float],
-    _opt(
-        "--cpus-per-replica",
-        min=0.0,
-        help="CPUs each replica reserves" + default_of(RayOptions, "cpus_per_replica") + ".",
-    ),
-]
-BatchRowsOpt = Annotated[
-    Optional[int],
-    _opt(
-        "--batch-rows",
-        min=1,
-        help="Rows sent to a replica at a time" + default_of(RayOptions, "batch_rows") + ".",
-    ),
-]
+@dataclass(frozen=True)
+class RayFlags:
+    """Ray Data: --ray and its sizing."""
+
+    ray: Annotated[
+        bool,
+        typer.Option(
+            "--ray",
+            help="Run on Ray Data: one engine per replica (an actor loading the model once); "
+            "needs the ray extra (pip install 'llmctl\\[ray]').",
+            rich_help_panel="Ray",
+        ),
+    ] = False
+    ray_address: Annotated[
+        Optional[str],
+        _opt(
+            "--ray-address",
+            help="Ray cluster to join (auto, or HOST:PORT); default: a local cluster started "
+            "and stopped by the command.",
+        ),
+    ] = None
+    replicas: Annotated[
+        Optional[int],
+        _opt("--replicas", min=1, help="Engines to run" + default_of(RayOptions, "replicas") + "."),
+    ] = None
+    gpus_per_replica: Annotated[
+        Optional[float],
+        _opt(
+            "--gpus-per-replica",
+            min=0.0,
+            help="GPUs each replica reserves" + default_of(RayOptions, "gpus_per_replica") + ".",
+        ),
+    ] = None
+    cpus_per_replica: Annotated[
+        Optional[float],
+        _opt(
+            "--cpus-per-replica",
+            min=0.0,
+            help="CPUs each replica reserves" + default_of(RayOptions, "cpus_per_replica") + ".",
+        ),
+    ] = None
+    batch_rows: Annotated[
+        Optional[int],
+        _opt(
+            "--batch-rows",
+            min=1,
+            help="Rows sent to a replica at a time" + default_of(RayOptions, "batch_rows") + ".",
+        ),
+    ] = None
 
 
-def ray_options(a: SimpleNamespace) -> RayOptions | None:
+def ray_options(a: RayFlags) -> RayOptions | None:
     """The Ray flags as `RayOptions`, or None without --ray."""
     sizing = given(
         address=a.ray_address,

@@ -1,33 +1,29 @@
 """`llmctl profile`: measured sweeps, config-only estimates, machine peaks and CI comparisons.
 
-One command with four forms (the first word decides):
-  llmctl profile MODEL [sweep options]            measured sweep through the serving engine
-  llmctl profile --estimate MODEL_OR_CONFIG ...   memory / speed estimate from config.json alone
-  llmctl profile compare A.json B.json            side-by-side table; exit 1 when B regresses
-  llmctl profile advise [MODEL] --workload FILE    each optimisation measured on the workload
-Owns: the options (None defaults: `SweepRequest` and `EstimateRequest` own them) and what is
-printed, through `_output`. The work is in llmctl.profiling (`sweep_job`, `estimate_job`,
-`compare`, `machine`, `advise_job`); its cells in `profiling.tables` and `advise_report`.
+Five sub-commands, one per form (and the one-command spellings of before them):
+  llmctl profile sweep [MODEL] [sweep options]      measured sweep through the serving engine
+                                                    (old: llmctl profile [MODEL] ...)
+  llmctl profile estimate MODEL_OR_CONFIG ...       memory / speed estimate from config.json alone
+                                                    (old: llmctl profile --estimate MODEL ...)
+  llmctl profile compare A.json B.json              side-by-side table; exit 1 when B regresses
+  llmctl profile advise [MODEL] --workload FILE     each optimisation measured on the workload
+  llmctl profile machine                            cache this machine's peaks
+                                                    (old: llmctl profile --measure-machine)
+Owns: the sub-commands, their help, and the hidden default command (`_default_group`) that takes
+every command line not starting with a sub-command's name, as the one command did. Options are
+option records (`_profile_options`, `_advise_options`; None defaults: `SweepRequest`,
+`EstimateRequest` and `AdviseRequest` own them); each form is run by `_profile_forms`.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
-
 import typer
 
+from llmctl.commands import _profile_forms as forms
 from llmctl.commands import _profile_options as o
-from llmctl.commands._options import given
-from llmctl.commands._output import (
-    emit_json,
-    info,
-    json_to_stdout,
-    print_lines,
-    print_table,
-    report_json_of,
-)
+from llmctl.commands._advise_options import AdviseFlags, AdviseModelArg
+from llmctl.commands._default_group import DefaultCommand, DefaultGroup
+from llmctl.commands._records import record_command
 from llmctl.errors import LlmctlError, UsageError
 
 # Long lines are joined here, not in the source: the help keeps the newlines it is given.
@@ -35,11 +31,17 @@ HELP = (
     """Profile a model: measured sweeps, estimates from config.json, and regression checks.
 
 \b
+  llmctl profile sweep [MODEL] [--batch-sizes 1,8,32] [--prompt-lens 128,512] ...
+  llmctl profile estimate MODEL_OR_CONFIG [--dtype int4] [--memory 24GiB]
+  llmctl profile compare A.json B.json [--threshold 5%]  (1: B regressed)
+  llmctl profile machine                     (cache peaks for MBU and MFU)
+  llmctl profile advise MODEL --workload PROMPTS.jsonl [--objective ttft] [--budget 10m]
+
+\b
+Each sub-command has its own --help. The one-command spellings still work:
   llmctl profile MODEL [--batch-sizes 1,8,32] [--prompt-lens 128,512] ...
   llmctl profile --estimate MODEL_OR_CONFIG [--dtype int4] [--memory 24GiB]
-  llmctl profile compare A.json B.json [--threshold 5%]  (1: B regressed)
   llmctl profile --measure-machine           (cache peaks for MBU and MFU)
-  llmctl profile advise MODEL --workload PROMPTS.jsonl [--objective ttft] [--budget 10m]
 
 \b
 Examples:
@@ -56,63 +58,97 @@ Examples:
     "the table.\n"
 )
 
+SWEEP_HELP = (
+    "Measured sweep: prefill and decode timed through the serving engine over every batch size,"
+    " prompt length and generation length (old spelling: llmctl profile [MODEL] ...).\n"
+    "\n\b\nExamples:\n"
+    "  llmctl profile sweep --batch-sizes 1,2 --prompt-lens 16 --gen-lens 8 --report-json run.json"
+    "\n"
+    "  llmctl profile sweep llmctl/data/demo-model --batch-sizes 1 --prompt-lens 8 --gen-lens 4"
+    " --repeat 2 --markdown\n"
+    "\n"
+    "MODEL is a local folder or hub id (default: the embedded demo model). --report-json - writes"
+    " the JSON record to standard output instead of the table.\n"
+)
+ESTIMATE_HELP = (
+    "Estimate memory and decode speed from config.json alone, no weights loaded (old spelling:"
+    " llmctl profile --estimate MODEL_OR_CONFIG ...).\n"
+    "\n\b\nExamples:\n"
+    "  llmctl profile estimate llmctl/data/demo-model/config.json --dtype int4 --seq-len 256"
+    " --batch 8 --memory 24GiB --bandwidth 1000\n"
+    "  llmctl profile estimate llmctl/data/demo-model --kv-dtype fp8 --bandwidth 3.35TB/s"
+    " --report-json -\n"
+)
+COMPARE_HELP = (
+    "Compare two records of profile --report-json side by side; exit 1 when B regresses beyond"
+    " --threshold.\n"
+    "\n\b\nExamples:\n"
+    "  llmctl profile sweep --batch-sizes 1 --prompt-lens 8 --gen-lens 4 --report-json a.json -q\n"
+    "  llmctl profile compare a.json a.json --threshold 10%\n"
+    "  llmctl profile compare a.json a.json --stat p90 --report-json -\n"
+)
+ADVISE_HELP = (
+    "Measure each optimisation (prefix caching, speculative decoding, int8/int4 weights, ...) on"
+    " a sample of your workload and advise the run-batch line that serves it best.\n"
+    "\n\b\nExamples:\n"
+    "  llmctl profile advise --workload examples/prompts.jsonl --sample 2 --max-tokens 2"
+    " --budget 15s --confirm-rounds 0 --markdown\n"
+    "\n"
+    "MODEL is a local folder or hub id (default: the embedded demo model).\n"
+)
+MACHINE_HELP = (
+    "Measure this machine's memory bandwidth and bfloat16/float32 matmul peaks and cache them,"
+    " for the MBU and MFU of sweeps (old spelling: llmctl profile --measure-machine).\n"
+    "\n\b\nExamples:\n"
+    "  llmctl profile machine --device cpu\n"
+)
+HELPS = {
+    "sweep": SWEEP_HELP,
+    "estimate": ESTIMATE_HELP,
+    "compare": COMPARE_HELP,
+    "advise": ADVISE_HELP,
+    "machine": MACHINE_HELP,
+}
+
 
 def register(app: typer.Typer) -> None:
-    @app.command("profile", help=HELP, no_args_is_help=False)
-    def profile(
-        targets: o.TargetsArg = None,
-        batch_sizes: o.BatchSizesOpt = None,
-        prompt_lens: o.PromptLensOpt = None,
-        gen_lens: o.GenLensOpt = None,
-        repeat: o.RepeatOpt = None,
-        warmup: o.WarmupOpt = None,
-        csv_path: o.CsvOpt = None,
-        markdown: o.MarkdownOpt = False,
-        plot_path: o.PlotOpt = None,
-        device: o.DeviceOpt = None,
-        kv_cache_memory: o.KvMemoryOpt = None,
-        seed: o.SeedOpt = None,
-        estimate: o.EstimateOpt = False,
-        group_size: o.GroupSizeOpt = None,
-        kv_dtype: o.KvDtypeOpt = None,
-        seq_len: o.SeqLenOpt = None,
-        batch: o.BatchOpt = None,
-        memory: o.MemoryOpt = None,
-        bandwidth: o.BandwidthOpt = None,
-        quantize_embeddings: o.QuantizeEmbeddingsOpt = False,
-        threshold: o.ThresholdOpt = None,
-        stat: o.StatOpt = None,
-        dtype: o.DtypeOpt = None,
-        report_json: o.ReportJsonOpt = None,
-        json_path: o.OldJsonOpt = None,
-        measure_machine: o.MeasureOpt = False,
-        quiet: o.QuietOpt = False,
-        workload: o.WorkloadOpt = None,
-        objective: o.ObjectiveOpt = None,
-        sample: o.SampleOpt = None,
-        budget: o.BudgetOpt = None,
-        max_tokens: o.MaxTokensAdviseOpt = None,
-        concurrency: o.ConcurrencyOpt = None,
-        draft: o.DraftOpt = None,
-        quality_data: o.QualityDataOpt = None,
-        calib: o.CalibOpt = None,
-        confirm_rounds: o.ConfirmRoundsOpt = None,
-        max_kl: o.MaxKlOpt = None,
-        no_autotune: o.NoAutotuneOpt = False,
-    ) -> None:
-        _profile(SimpleNamespace(**locals()))
+    group = typer.Typer(cls=DefaultGroup, help=HELP, add_completion=False)
+    group.command("forms", cls=DefaultCommand, help=HELP, hidden=True)(record_command(_forms))
+    for name, body in (
+        ("sweep", _sweep),
+        ("estimate", _estimate),
+        ("compare", _compare),
+        ("advise", _advise),
+        ("machine", _machine),
+    ):
+        group.command(name, help=HELPS[name])(record_command(body))
+    app.add_typer(group, name="profile")
 
 
-def _profile(a: SimpleNamespace) -> None:
-    """Pick the form (compare, measure, estimate, sweep) and run it."""
-    targets = a.targets or []
-    a.report_json = report_json_of(a.report_json, a.json_path, "--json", "--report-json")
-    _check_outputs(a)
+def _forms(
+    *,
+    targets: o.TargetsArg = None,
+    sweep: o.SweepFlags,
+    run: o.RunFlags,
+    device: o.DeviceFlags,
+    switch: o.EstimateSwitch,
+    estimate: o.EstimateFlags,
+    compare: o.CompareFlags,
+    dtype: o.DtypeFlag,
+    common: o.CommonFlags,
+    machine: o.MachineFlag,
+    advise: AdviseFlags,
+) -> None:
+    """The one-command spellings: the first word (compare, advise), --measure-machine and
+    --estimate pick the form; a sweep otherwise."""
+    common = forms.common_of(common)
+    forms.check_outputs(common, run.markdown, sweep.csv_path, sweep.plot_path)
+    targets = targets or []
     if targets and targets[0] == "compare":
-        _compare(targets[1:], a)
+        forms.compare(targets[1:], compare, common)
         return
     if targets and targets[0] == "advise":
-        _advise(targets[1:], a)
+        forms.advise(targets[1:], advise, run, device, dtype.dtype, common, _advise_tools)
         return
     if len(targets) > 1:
         raise UsageError(
@@ -120,196 +156,79 @@ def _profile(a: SimpleNamespace) -> None:
             "to compare two records use: llmctl profile compare A.json B.json"
         )
     target = targets[0] if targets else None
-    if a.measure_machine:
-        _measure(_device(a.device), a.quiet, stderr=json_to_stdout(a.report_json))
-        if target is None and not a.estimate:
+    if machine.measure_machine:
+        forms.measure(device, common)
+        if target is None and not switch.estimate:
             return
-    if a.estimate:
+    if switch.estimate:
         if target is None:
             raise UsageError("--estimate needs a model folder, config.json or hub id")
-        _estimate(target, a)
+        forms.estimate(target, estimate, dtype.dtype, common)
         return
-    _sweep(target, a)
+    forms.sweep(target, sweep, run, device, dtype.dtype, common)
 
 
-def _check_outputs(a: SimpleNamespace) -> None:
-    """--report-json/--csv/--plot are written after the run: check them before it (parents are
-    created); --markdown and --report-json - would both write stdout."""
-    from llmctl.runtime.output_dir import check_output_file
-
-    if a.markdown and json_to_stdout(a.report_json):
-        raise UsageError("--markdown and --report-json - both write standard output; pick one")
-    report = None if json_to_stdout(a.report_json) else a.report_json
-    for flag, path in (("--report-json", report), ("--csv", a.csv_path), ("--plot", a.plot_path)):
-        check_output_file(None if path is None else Path(path), flag, create_parents=True)
-
-
-def _device(device: str | None) -> str:
-    from llmctl.runtime.resolve import resolve_device
-
-    return resolve_device(device or "auto")
-
-
-def _measure(device: str, quiet: bool, stderr: bool) -> None:
-    from llmctl.profiling.machine import measure_machine, save_peaks
-    from llmctl.profiling.tables import machine_rows
-
-    info(f"measuring memory bandwidth and bfloat16/float32 matmul peaks on {device} ...", quiet)
-    peaks = measure_machine(device)
-    path = save_peaks(peaks)
-    title = f"Machine peaks ({peaks.key})"
-    print_table(title, machine_rows(peaks, str(path)), min_width=110, stderr=stderr)
+def _sweep(
+    *,
+    model: o.ModelArg = None,
+    sweep: o.SweepFlags,
+    run: o.RunFlags,
+    device: o.DeviceFlags,
+    dtype: o.DtypeFlag,
+    common: o.CommonFlags,
+    machine: o.MachineFlag,
+) -> None:
+    """`profile sweep`: the measured sweep (after --measure-machine, if given)."""
+    common = forms.common_of(common)
+    forms.check_outputs(common, run.markdown, sweep.csv_path, sweep.plot_path)
+    if machine.measure_machine:
+        forms.measure(device, common)
+    forms.sweep(model, sweep, run, device, dtype.dtype, common)
 
 
-def _default_peaks():
-    """Cached peaks of the machine a user most likely means: its GPU when present, else its CPU."""
-    import torch
-
-    from llmctl.profiling.machine import cached_peaks
-
-    return cached_peaks("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _estimate(target: str, a: SimpleNamespace) -> None:
-    from llmctl.profiling.estimate_job import EstimateRequest, estimate_rows, run_estimate
-
-    fields = given(
-        dtype=a.dtype,
-        group_size=a.group_size,
-        kv_dtype=a.kv_dtype,
-        seq_len=a.seq_len,
-        batch=a.batch,
-        memory=a.memory,
-        bandwidth=a.bandwidth,
-    )
-    req = EstimateRequest(**fields, quantize_embeddings=a.quantize_embeddings)
-    result = run_estimate(target, req, None if req.bandwidth else _default_peaks())
-    if not json_to_stdout(a.report_json):
-        print_table(f"Estimate: {target}", estimate_rows(result), min_width=110)
-    emit_json(a.report_json, result.record())
+def _estimate(
+    target: o.ModelOrConfigArg,
+    estimate: o.EstimateFlags,
+    dtype: o.DtypeFlag,
+    common: o.CommonFlags,
+    machine: o.MachineFlag,
+    device: o.DeviceFlags,
+) -> None:
+    """`profile estimate`: the estimate from config.json (after --measure-machine)."""
+    common = forms.common_of(common)
+    forms.check_outputs(common)
+    if machine.measure_machine:
+        forms.measure(device, common)
+    forms.estimate(target, estimate, dtype.dtype, common)
 
 
-def _sweep_request(a: SimpleNamespace):
-    from llmctl.profiling.sweep_job import SweepRequest, int_list
-
-    lists = {
-        name: int_list(getattr(a, name), "--" + name.replace("_", "-"))
-        for name in ("batch_sizes", "prompt_lens", "gen_lens")
-        if getattr(a, name) is not None
-    }
-    fields = given(repeat=a.repeat, warmup=a.warmup, dtype=a.dtype, seed=a.seed)
-    return SweepRequest(
-        **lists,
-        **fields,
-        device=_device(a.device),
-        kv_cache_memory=a.kv_cache_memory,
-        plot=a.plot_path is not None,
-        autotune=not a.no_autotune,
-    )
+def _compare(*, files: o.RecordsArg = None, compare: o.CompareFlags, common: o.CommonFlags) -> None:
+    """`profile compare A B`."""
+    common = forms.common_of(common)
+    forms.check_outputs(common)
+    forms.compare(files or [], compare, common)
 
 
-def _sweep(target: str | None, a: SimpleNamespace) -> None:
-    from llmctl.profiling import report
-    from llmctl.profiling.sweep_job import profile_sweep
-    from llmctl.profiling.tables import SWEEP_COLUMNS, sweep_rows, sweep_title
-    from llmctl.runtime.loader import load_runtime
-    from llmctl.runtime.output_dir import writing
-
-    def progress(i: int, n: int, point: Any) -> None:
-        if point is not None:
-            where = f"batch {point.batch_size}, prompt {point.prompt_len}, gen {point.gen_len}"
-            info(f"[{i + 1}/{n}] {where}", a.quiet)
-
-    record = profile_sweep(_sweep_request(a), target, load_runtime, progress)
-    emit_json(a.report_json, record)
-    with writing("the profile results"):
-        if a.csv_path:
-            report.write_csv(record, a.csv_path)
-        if a.plot_path:
-            report.plot(record, a.plot_path)
-    if a.markdown:
-        typer.echo(report.markdown(record), nl=False)
-    elif not json_to_stdout(a.report_json):
-        print_table(sweep_title(record), sweep_rows(record), SWEEP_COLUMNS, min_width=140)
-    if record.get("machine_peaks") is None:
-        info(
-            "MBU/MFU need this machine's peaks: run `llmctl profile --measure-machine` once",
-            a.quiet,
-        )
+def _advise(
+    *,
+    models: AdviseModelArg = None,
+    advise: AdviseFlags,
+    run: o.RunFlags,
+    device: o.DeviceFlags,
+    dtype: o.DtypeFlag,
+    common: o.CommonFlags,
+) -> None:
+    """`profile advise [MODEL] --workload FILE`."""
+    common = forms.common_of(common)
+    forms.check_outputs(common, run.markdown)
+    forms.advise(models or [], advise, run, device, dtype.dtype, common, _advise_tools)
 
 
-def _compare(files: list[str], a: SimpleNamespace) -> None:
-    """Print the table; raise LlmctlError (exit 1) when B regresses beyond the threshold."""
-    from llmctl.profiling import compare as c
-    from llmctl.profiling.report import load_record
-    from llmctl.profiling.tables import COMPARE_COLUMNS, COMPARE_LEFT, compare_notes, compare_rows
-
-    if len(files) != 2:
-        raise UsageError("usage: llmctl profile compare A.json B.json [--threshold 5%]")
-    ra, rb = load_record(Path(files[0])), load_record(Path(files[1]))
-    stat = a.stat or c.DEFAULT_STAT
-    result = c.compare_records(ra, rb, c.parse_threshold(a.threshold or c.DEFAULT_THRESHOLD), stat)
-    differences = c.environment_differences(ra, rb)
-    if not json_to_stdout(a.report_json):
-        title = f"{files[0]} (A) vs {files[1]} (B), {stat}, threshold {result.threshold:.1%}"
-        rows = compare_rows(result)
-        print_table(title, rows, COMPARE_COLUMNS, min_width=120, left=COMPARE_LEFT)
-        print_lines(compare_notes(result, differences), min_width=120)
-    if not result.deltas:
-        raise UsageError("the two records share no (batch, prompt, gen) point; nothing to compare")
-    emit_json(a.report_json, {**result.to_dict(), "environment_differences": differences})
-    n = len(result.regressions)
-    if n:
-        raise LlmctlError(f"{n} regression(s) of B beyond {result.threshold:.1%} ({stat})")
-    info(f"no regression beyond {result.threshold:.1%} ({stat})")
-
-
-def _advise(models: list[str], a: SimpleNamespace) -> None:
-    """Measure the trials on the workload; print (or write) what was measured, even when
-    interrupted (then exit 130)."""
-    from llmctl.profiling import advise_report as rep
-    from llmctl.profiling.advise import AdviseRequest
-    from llmctl.profiling.advise_job import run_advise
-
-    if len(models) > 1:
-        raise UsageError(f"profile advise takes one MODEL, got {len(models)}: {' '.join(models)}")
-    if not a.workload:
-        raise UsageError("profile advise needs --workload PROMPTS.jsonl|.parquet")
-    fields = given(
-        objective=a.objective,
-        sample=a.sample,
-        budget=a.budget,
-        max_tokens=a.max_tokens,
-        max_kl=a.max_kl,
-        dtype=a.dtype,
-        seed=a.seed,
-        repeats=a.repeat,
-        confirm_rounds=a.confirm_rounds,
-    )
-    req = AdviseRequest(
-        workload=a.workload,
-        **fields,
-        concurrency=a.concurrency,
-        draft=a.draft,
-        quality_data=a.quality_data,
-        calib=a.calib,
-        device=_device(a.device),
-    )
-    req.check()
-    stderr = json_to_stdout(a.report_json)
-    target = models[0] if models else None
-    state = run_advise(req, target, _advise_tools(), lambda m: info(m, a.quiet))
-    emit_json(a.report_json, state.record())
-    if a.markdown:
-        typer.echo(rep.markdown(state), nl=False)
-    elif not stderr:
-        title = f"profile advise: {state.ctx.runtime.model_name}, objective {req.objective}"
-        print_table(title, rep.table_rows(state), rep.COLUMNS, min_width=150, left=rep.LEFT)
-        print_lines(rep.notes(state), min_width=150)
-        for line in rep.commands(state):  # unwrapped, to copy
-            typer.echo(line)
-    if state.interrupted:
-        raise typer.Exit(130)
+def _machine(device: o.DeviceFlags, common: o.CommonFlags) -> None:
+    """`profile machine`: measure and cache this machine's peaks."""
+    common = forms.common_of(common)
+    forms.check_outputs(common)
+    forms.measure(device, common)
 
 
 def _advise_tools():

@@ -1,16 +1,16 @@
 """`llmctl run-batch`: push a file of prompts through a model, resumably, with bounded memory.
 
 Owns: the command (its help, its signal handling) and what it prints: the progress bar and
-summary on stderr (`_batch_ui`), --report-json. Its options are declared in `_batch_options`
-(defaulting to None: `BatchOptions`, `EngineConfig` and run-batch's sampling defaults own every
-default); the work is in `llmctl.batch.runner`.
+summary on stderr (`_batch_ui`), --report-json. Its options are six option records (`_records`):
+`JobFlags`, `SamplingFlags` and `EngineFlags` (`_batch_options`), `VllmFlags`, `RayFlags` and
+`BackendFlags`, defaulting to None (`BatchOptions`, `EngineConfig` and run-batch's sampling
+defaults own every default); the work is in `llmctl.batch.runner`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import signal
-from types import SimpleNamespace
 
 import typer
 
@@ -20,15 +20,8 @@ from llmctl.commands import _batch_options as o
 from llmctl.commands import _batch_vllm_options as v
 from llmctl.commands import _ray_options as ro
 from llmctl.commands._batch_ui import RichUI, engine_logging, make_ui
-from llmctl.commands._options import (
-    DeviceOpt,
-    DtypeOpt,
-    ModelOpt,
-    QuietOpt,
-    ReportJsonOpt,
-    options_of,
-)
 from llmctl.commands._output import emit_json
+from llmctl.commands._records import record_command
 
 __all__ = ["RichUI", "register"]
 
@@ -113,121 +106,26 @@ other Unix filters end.
 
 
 def register(app: typer.Typer) -> None:
-    groups = (
-        _job_options,
-        _sampling_options,
-        _engine_options,
-        _vllm_options,
-        _ray_options,
-        _backend_options,
-    )
-    command = options_of(*groups)(_command)
-    app.command("run-batch", epilog=EPILOG, no_args_is_help=True)(command)
+    app.command("run-batch", epilog=EPILOG, no_args_is_help=True)(record_command(_command))
 
 
-# The command's options in groups: signature-only functions (options_of joins them), so that no
-# one function holds all of them.
-def _job_options(
-    input: o.InputArg = None,
-    output: o.OutputOpt = None,
-    model: ModelOpt = None,
-    dtype: DtypeOpt = None,
-    device: DeviceOpt = None,
-    quiet: QuietOpt = False,
-    input_format: o.InputFormatOpt = None,
-    prompt_column: o.PromptColumnOpt = None,
-    id_column: o.IdColumnOpt = None,
-    messages_column: o.MessagesColumnOpt = None,
-    include_token_ids: o.TokenIdsOpt = False,
-    unordered: o.UnorderedOpt = False,
-    overwrite: o.OverwriteOpt = False,
-    max_errors: o.MaxErrorsOpt = None,
-    report_json: ReportJsonOpt = None,
-    summary_json: o.SummaryJsonOpt = None,
+def _command(
+    job: o.JobFlags,
+    sampling: o.SamplingFlags,
+    engine: o.EngineFlags,
+    vllm: v.VllmFlags,
+    ray: ro.RayFlags,
+    backend: b.BackendFlags,
 ) -> None:
-    """Input, output and the job's own options."""
-
-
-def _sampling_options(
-    max_tokens: o.MaxTokensOpt = None,
-    temperature: o.TemperatureOpt = None,
-    top_p: o.TopPOpt = None,
-    top_k: o.TopKOpt = None,
-    min_p: o.MinPOpt = None,
-    seed: o.SeedOpt = None,
-    stop: o.StopOpt = None,
-    repetition_penalty: o.RepetitionOpt = None,
-    presence_penalty: o.PresenceOpt = None,
-    frequency_penalty: o.FrequencyOpt = None,
-    ignore_eos: o.IgnoreEosOpt = False,
-    logprobs: o.LogprobsOpt = None,
-    prompt_logprobs: o.PromptLogprobsOpt = None,
-) -> None:
-    """Sampling defaults for every row (a row's own fields win)."""
-
-
-def _engine_options(
-    block_size: o.BlockSizeOpt = None,
-    kv_cache_memory: o.KvMemoryOpt = None,
-    prefix_caching: o.PrefixCachingOpt = None,
-    max_num_batched_tokens: o.BatchedTokensOpt = None,
-    max_num_seqs: o.MaxSeqsOpt = None,
-    max_model_len: o.MaxModelLenOpt = None,
-    speculative: o.SpeculativeOpt = None,
-    draft: o.DraftOpt = None,
-    num_speculative_tokens: o.SpecTokensOpt = None,
-    speculative_max_batch: o.SpecBatchOpt = None,
-    enforce_eager: o.EagerOpt = False,
-    batch_invariant: o.BatchInvariantOpt = False,
-    no_autotune: o.NoAutotuneOpt = False,
-    max_in_flight: o.InFlightOpt = None,
-) -> None:
-    """The engine's options."""
-
-
-def _vllm_options(
-    input_file: v.InputFileOpt = None,
-    served_model_name: v.ServedNameOpt = None,
-    generation_config: v.GenerationConfigOpt = None,
-    kv_cache_memory_bytes: v.KvBytesOpt = None,
-    gpu_memory_utilization: v.GpuUtilOpt = None,
-    speculative_config: v.SpecConfigOpt = None,
-    progress: v.ProgressOpt = None,
-    log_interval: v.LogIntervalOpt = None,
-    log_level: v.LogLevelOpt = None,
-    verbose: v.VerboseOpt = 0,
-) -> None:
-    """vLLM's spellings, progress and logging (_batch_vllm_options)."""
-
-
-def _ray_options(
-    ray: ro.RayOpt = False,
-    ray_address: ro.RayAddressOpt = None,
-    replicas: ro.ReplicasOpt = None,
-    gpus_per_replica: ro.GpusPerReplicaOpt = None,
-    cpus_per_replica: ro.CpusPerReplicaOpt = None,
-    batch_rows: ro.BatchRowsOpt = None,
-) -> None:
-    """Ray Data (_ray_options)."""
-
-
-def _backend_options(
-    backend: b.BackendOpt = None,
-    tensor_parallel_size: b.TensorParallelOpt = None,
-    pipeline_parallel_size: b.PipelineParallelOpt = None,
-    engine_args: b.EngineArgsOpt = None,
-) -> None:
-    """The backend (_backend_options)."""
-
-
-def _command(args: SimpleNamespace) -> None:
     """Generate a completion for every row of INPUT and write one output row per input row."""
     # The flags are read first (a bad one: UsageError before anything runs); the engine's log
     # lines go to stderr at --log-level.
-    opts = dataclasses.replace(o.batch_options(args), **b.backend_fields(args))
-    opts.ray = ro.ray_options(args)
-    ui = make_ui(args.quiet, v.progress_mode(args), args.log_interval or v.DEFAULT_LOG_INTERVAL_S)
-    with engine_logging(v.log_level(args)):
+    opts = o.batch_options(job, sampling, engine, vllm)
+    opts = dataclasses.replace(opts, **b.backend_fields(backend))
+    opts.ray = ro.ray_options(ray)
+    interval = vllm.log_interval or v.DEFAULT_LOG_INTERVAL_S
+    ui = make_ui(job.quiet, v.progress_mode(vllm), interval)
+    with engine_logging(v.log_level(vllm)):
         _run(opts, ui)
 
 
