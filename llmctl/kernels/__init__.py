@@ -1,4 +1,4 @@
-"""The kernels below the models: every way a layer's arithmetic can run, and the choice between them.
+"""The kernels below the models: every way a layer's arithmetic can run, and the choice of one.
 
 - `config`: `KernelConfig`, every kernel choice of an engine, passed down from where it is set;
 - `attention`: paged attention's dispatcher, its metadata and the PyTorch references;
