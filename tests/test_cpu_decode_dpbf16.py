@@ -122,7 +122,7 @@ def test_block_size_does_not_change_a_bit(new_bs, variant):
 def test_served_for_bf16_only_and_switched_off_by_the_config(variant, monkeypatch):
     """bf16 query and cache only (a float32 query is not rounded to bf16), unless
     KernelConfig.decode_attention is "generic" (LLMCTL_KERNELS=decode_attention=generic), which
-    the attention metadata carries to the kernel."""
+    the calling layer hands paged_attention."""
     bf16, f32 = torch.bfloat16, torch.float32
     want = "paged_decode_amx" if variant == "amx" else "paged_decode_dpbf16"
     assert cpu_attention.decode_kernel(bf16, bf16, CHOICE[variant]) == want
@@ -141,9 +141,8 @@ def test_served_for_bf16_only_and_switched_off_by_the_config(variant, monkeypatc
     monkeypatch.setattr(cpu_attention, "load", lambda name: Library())
     for choice in (CHOICE[variant], "generic"):
         meta = PagedAttentionMetadata(
-            torch.zeros(0, dtype=torch.long), 2, tables, lt, [], 16, decode_max_len=40,
-            kernels=KernelConfig(decode_attention=choice),
-        )  # fmt: skip
+            torch.zeros(0, dtype=torch.long), 2, tables, lt, [], 16, decode_max_len=40
+        )
         empty = torch.zeros(0, 3, 64, dtype=torch.bfloat16)
-        paged_attention(q, empty, empty, kc, vc, meta, 0.125)
+        paged_attention(q, empty, empty, kc, vc, meta, 0.125, KernelConfig(decode_attention=choice))
     assert kernels[-2:] == [want, "paged_decode_bf16"]

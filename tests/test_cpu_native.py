@@ -151,15 +151,14 @@ def test_native_off_keeps_the_c_kernels_out(monkeypatch):
     def run(kernels: KernelConfig):
         for m in (linear, norm, *mlp.modules()):  # each layer its own, as prepare sets them
             m.kernels = kernels
-        meta = PagedAttentionMetadata(slots, 0, None, None, [], 4, kernels=kernels)
+        meta = PagedAttentionMetadata(slots, 0, None, None, [], 4)
         k2, v2 = kc.clone(), vc.clone()
-        paged_attention(kv, kv, kv, k2, v2, meta, 0.1)  # writes K/V only (no queries)
+        paged_attention(kv, kv, kv, k2, v2, meta, 0.1, kernels)  # writes K/V only (no queries)
         meta = PagedAttentionMetadata(
-            torch.zeros(0, dtype=torch.long), 2, tables, lt, [], 4, decode_max_len=5,
-            kernels=kernels,
-        )  # fmt: skip
+            torch.zeros(0, dtype=torch.long), 2, tables, lt, [], 4, decode_max_len=5
+        )
         empty = torch.zeros(0, 2, 32)
-        out = paged_attention(q, empty, empty, k2, v2, meta, 0.25)
+        out = paged_attention(q, empty, empty, k2, v2, meta, 0.25, kernels)
         with torch.no_grad():
             return linear(x), norm(x), mlp(x), k2, v2, out
 

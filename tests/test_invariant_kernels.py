@@ -91,11 +91,10 @@ def _attend(q, kc, vc, tables, lens, bs, invariant_mode=True, kernels=KernelConf
         bs,
         decode_max_len=int(lens.max()),
         batch_invariant=invariant_mode,
-        kernels=kernels,
     )
     # write_kv with no slots writes nothing; k/v are not read by the decode path
     empty = torch.zeros(0, kc.shape[0], kc.shape[2], dtype=kc.dtype)
-    return paged_attention(q, empty, empty, kc, vc, meta, 0.25)
+    return paged_attention(q, empty, empty, kc, vc, meta, 0.25, kernels)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["c-kernel", "per-row-reference"])

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from llmctl.kernels.attention import PagedAttentionMetadata
-from llmctl.kernels.config import KernelConfig
 
 # Batch sizes that get a graph (up to the engine's max_num_seqs): a batch runs in the smallest one
 # that holds it, so padding wastes at most a third of a step above 8.
@@ -52,9 +51,7 @@ class DecodeGraphs:
         device: str | torch.device,
         use_graphs: bool,
         batch_invariant: bool = False,
-        kernels: KernelConfig = KernelConfig(),
     ):
-        self.kernels = kernels
         self.model, self.kv_caches, self.sizes = model, kv_caches, sizes
         # The fixed-order kernels are row-invariant, so a step padded to a captured size gives
         # each real row the bits it gets alone (kernels/cuda/invariant.py).
@@ -136,7 +133,6 @@ class DecodeGraphs:
             None,
             max_len,
             self.batch_invariant,
-            self.kernels,
         )
 
     def _forward(self, b: int, max_len: int) -> torch.Tensor:

@@ -170,7 +170,6 @@ class ModelRunner:
             self.device,
             use_graphs,
             self.batch_invariant,
-            self.kernels,
         )
 
     @property
@@ -252,7 +251,6 @@ class ModelRunner:
             self.workspace,
             max(st.dec_lens, default=0),
             self.batch_invariant,
-            self.kernels,
         )
         return (
             torch.tensor(st.ids, dtype=torch.long, device=dev),

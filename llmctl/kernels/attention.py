@@ -1,10 +1,10 @@
 """Attention over the paged KV cache: the dispatcher and the plain-PyTorch references.
 
 Owns: `paged_attention`, which sends each step to the Triton kernels (CUDA, kernels/cuda), the C
-kernels (CPU, kernels/cpu/attention.py and prefill.py, as the metadata's KernelConfig allows) or
-the PyTorch references here; writing new K/V into cache slots; and
-the references for the two attention shapes the engine issues each step:
-a batch of single-token decodes, and one multi-token chunk (prefill, possibly after cached context).
+kernels (CPU, kernels/cpu/attention.py and prefill.py, as the calling layer's KernelConfig allows)
+or the PyTorch references here; writing new K/V into cache slots; and the references for the two
+attention shapes the engine issues each step: a batch of single-token decodes, and one multi-token
+chunk (prefill, possibly after cached context).
 Cache layout per layer: [kv_heads, num_blocks * block_size, head_dim], head-major, so a gather of
 any sequence's slots is already [kv_heads, L, D]: batched matmuls read it without a transposing
 copy. Slot = block * block_size + offset.
@@ -20,6 +20,8 @@ from llmctl.kernels import invariant
 from llmctl.kernels.config import KernelConfig
 from llmctl.kernels.cpu import attention as cpu_attention
 from llmctl.kernels.cpu import prefill as cpu_prefill
+
+DEFAULT_KERNELS = KernelConfig()
 
 
 def write_kv(
@@ -127,7 +129,7 @@ def chunk_attention(
     num_computed: int,
     scale: float,
     lower_right: bool | None = None,
-    kernels: KernelConfig = KernelConfig(),
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:
     """Causal attention of one chunk over its cached prefix and itself; returns [Tq, heads, D].
 
@@ -192,7 +194,6 @@ class PagedAttentionMetadata:
         "workspace",
         "decode_max_len",
         "batch_invariant",
-        "kernels",
     )
 
     def __init__(
@@ -207,7 +208,6 @@ class PagedAttentionMetadata:
         workspace: GatherWorkspace | None = None,
         decode_max_len: int = 0,
         batch_invariant: bool = False,
-        kernels: KernelConfig = KernelConfig(),
     ):
         self.slot_mapping = slot_mapping  # [T] int64
         self.num_decodes = num_decodes  # tokens [0, num_decodes) are one-token decodes
@@ -222,7 +222,6 @@ class PagedAttentionMetadata:
         # Every token is a "decode" row (prefill tokens too, each with its own context length),
         # and linears and the MLP take the fixed-order paths of kernels/invariant.py.
         self.batch_invariant = batch_invariant
-        self.kernels = kernels  # which CPU kernels may serve (EngineConfig.kernels)
 
 
 def _triton_kernels(t: torch.Tensor):
@@ -237,9 +236,15 @@ def _triton_kernels(t: torch.Tensor):
 
 
 def _decode(
-    q, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float, triton
+    q,
+    k_cache,
+    v_cache,
+    meta: PagedAttentionMetadata,
+    scale: float,
+    triton,
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:
-    fixed = invariant.triton_kernels(q, meta.kernels) if meta.batch_invariant else None
+    fixed = invariant.triton_kernels(q, kernels) if meta.batch_invariant else None
     if fixed is not None:  # keys in tiles of a fixed size, whatever the block size
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         return fixed.paged_attention(q, k_cache, v_cache, tables, lens, scale, meta.block_size)
@@ -254,7 +259,6 @@ def _decode(
             meta.block_size,
         )
     tables, lens, bs = meta.decode_block_tables, meta.decode_context_lens, meta.block_size
-    kernels = meta.kernels
     if meta.decode_max_len and kernels.native and cpu_attention.supports(q, k_cache):
         return cpu_attention.paged_decode_attention(  # reads blocks in place
             q, k_cache, v_cache, tables, lens, scale, bs, meta.decode_max_len,
@@ -292,25 +296,32 @@ def _decode_per_row(q, k_cache, v_cache, tables, lens, scale: float, bs: int) ->
 
 
 def paged_attention(
-    q, k, v, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    meta: PagedAttentionMetadata,
+    scale: float,
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:
     """q [T, heads, D], k/v [T, kv_heads, D] for the packed batch; writes K/V and returns
-    [T, heads, D]."""
+    [T, heads, D]. `kernels`: which CPU kernels may serve (the calling layer's KernelConfig)."""
     triton = _triton_kernels(q)
     if triton:
         triton[0](k_cache, v_cache, k, v, meta.slot_mapping)
     else:
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.kernels.native)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, kernels.native)
     nd = meta.num_decodes
     if nd == q.shape[0]:
-        return _decode(q, k_cache, v_cache, meta, scale, triton)
+        return _decode(q, k_cache, v_cache, meta, scale, triton, kernels)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale, triton)
+        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale, triton, kernels)
     for p in meta.prefills:
         s, e = p.start, p.start + p.length
         out[s:e] = chunk_attention(
             q[s:e], k[s:e], v[s:e], k_cache, v_cache, p.slots, p.num_computed, scale,
-            kernels=meta.kernels,
+            kernels=kernels,
         )  # fmt: skip
     return out

@@ -289,6 +289,7 @@ class _Step:
         self.gate_up, self.act = buf(t, 2 * c.intermediate_size), buf(t, c.intermediate_size)
         self.q, self.k = buf(t, c.num_heads, c.head_dim), buf(t, c.num_kv_heads, c.head_dim)
         self.attn = buf(t, c.num_heads, c.head_dim)
+        self.kernels = program.kernels
         self.choice = program.kernels.decode_attention
         kernel = cpu_attention.decode_kernel(BF16, k_cache0.dtype, self.choice)
         self.dpbf16 = kernel in ("paged_decode_amx", "paged_decode_dpbf16")
@@ -334,7 +335,9 @@ class _Step:
         kvh, slots, d = self.kv_shape
         if not self.decode_only:
             v = qkv[:, rec.sizes[0] + rec.sizes[1] :].view(self.rows, kvh, d)
-            return paged_attention(self.q, self.k, v, k_cache, v_cache, meta, rec.scale)
+            return paged_attention(
+                self.q, self.k, v, k_cache, v_cache, meta, rec.scale, self.kernels
+            )
         v_ptr = qkv.data_ptr() + 2 * (rec.sizes[0] + rec.sizes[1])
         self.lib.write_kv(
             self.k.data_ptr(), c.kv_size, v_ptr, qkv.stride(0), k_cache.data_ptr(),

@@ -155,7 +155,7 @@ class Attention(nn.Module):
     def forward(self, x, positions, meta: PagedAttentionMetadata, kv_cache) -> torch.Tensor:
         fixed = meta.batch_invariant
         q, k, v = self.qkv(x, positions, fixed)  # [T, heads, D], [T, kv_heads, D]
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.kernels)
         return project(self.o_proj, out.reshape(x.shape[0], -1), fixed, self.kernels)
 
     def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, past):
