@@ -121,3 +121,21 @@ def test_verification_tokens_attend_as_decodes(stories_model):
     assert [(c.start, c.length) for c in st.prefills] == [(5, 8)]
     assert st.logits_idx == [0, 1, 2, 3, 4, 12]
     assert st.sampling == [verify_, decode, prompt]
+
+
+def test_the_draft_cache_extends_the_dense_forward(shakespeare_model):
+    """forward_cached (the draft's dense per-request cache) runs the layers' forward_dense: the
+    last token's logits after a cache built in pieces (and trimmed) equal the whole sequence's."""
+    from llmctl.runtime.weights import load_model
+
+    model, _ = load_model(shakespeare_model, "float32", "cpu")
+    ids = torch.randint(3, 2000, (12,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        whole = model.forward_dense(ids[None])[0]  # [12, V]
+        _, cache = model.forward_cached(ids[:7], 0, None)
+        cache = model.trim_cache(cache, 5)  # as after a rejected draft
+        last, cache = model.forward_cached(ids[5:], 5, cache)
+        assert cache[0][0].shape[2] == 12
+        torch.testing.assert_close(last, whole[-1], rtol=1e-4, atol=1e-4)
+        first, _ = model.forward_cached(ids[:1], 0, None)
+        torch.testing.assert_close(first, whole[0], rtol=1e-4, atol=1e-4)

@@ -89,12 +89,12 @@ def _run_layer(
     batch_size: int,
     keep: bool,
 ):
-    """layer.forward_dense over hidden [N, S, H] in mini-batches; returns the outputs (on CPU) if
-    keep."""
+    """layer.forward_dense over hidden [N, S, H] in mini-batches (its output, not its cache);
+    returns the outputs (on CPU) if keep."""
     outs = []
     for i in range(0, hidden.shape[0], batch_size):
         try:
-            y = layer.forward_dense(hidden[i : i + batch_size].to(device), positions)
+            y = layer.forward_dense(hidden[i : i + batch_size].to(device), positions)[0]
         except _StopForward:
             continue
         if keep:

@@ -158,38 +158,21 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.kernels)
         return project(self.o_proj, out.reshape(x.shape[0], -1), fixed, self.kernels)
 
-    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, past):
-        """x [S, hidden] at `positions` after `past` = (k, v) [kv_heads, P, D] or None (a dense,
-        contiguous per-request cache, used by the speculative draft model). Returns (out, cache)."""
-        q, k, v = self.qkv(x, positions)
-        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, S, D]
-        if past is not None:
-            k, v = torch.cat((past[0], k), dim=1), torch.cat((past[1], v), dim=1)
-        s, total = x.shape[0], k.shape[1]
-        mask = torch.arange(total, device=x.device)[None, :] <= (positions[:, None])  # [S, total]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            k.unsqueeze(0),
-            v.unsqueeze(0),
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=True,
-        )
-        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(s, -1)), (k, v)
-
-    def forward_dense(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [B, S, hidden], positions [S]."""
+    def forward_dense(self, x: torch.Tensor, positions: torch.Tensor, past=None):
+        """Causal attention without the paged cache: x [B, S, hidden] at `positions` [S], after
+        `past` = (k, v) [B, kv_heads, P, D] where given (the speculative draft's dense
+        per-request cache; calibration, eval and training give none). Returns (out [B, S,
+        hidden], (k, v) [B, kv_heads, P + S, D])."""
         b, s, _ = x.shape
-        q, k, v = self.qkv(x, positions)  # [B, S, heads, D]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=True,
-            scale=self.scale,
-            enable_gqa=True,
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        q, k, v = self.qkv(x, positions)  # [B, S, heads, D], [B, S, kv_heads, D]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        causal: dict = dict(is_causal=True)
+        if past is not None:
+            k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
+            total = k.shape[2]  # each query sees the past and itself: [S, total]
+            causal = dict(attn_mask=torch.arange(total, device=x.device) <= positions[:, None])
+        out = F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=True, **causal)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), (k, v)
 
 
 class MLP(nn.Module):

@@ -5,8 +5,9 @@ over the same weights:
 - `forward(input_ids [T], positions [T], meta, kv_caches)`: the engine's packed, paged-KV path
   (with `meta.batch_invariant`, every projection and the MLP through `project` and
   kernels/invariant.py, whose rows do not depend on each other);
-- `forward_cached(input_ids [S], start, cache)`: a dense per-request cache (the speculative draft);
-- `forward_dense(input_ids [B, S])`: plain causal attention with no cache (calibration, eval).
+- `forward_dense(input_ids [B, S])`: plain causal attention with no cache (calibration, eval,
+  training), and over the same layer code `forward_cached(input_ids [S], start, cache)`, after a
+  dense per-request cache (the speculative draft).
 Parameter names equal Hugging Face's, so checkpoints load (and save) one to one. Before an engine
 serves it, models/prepare.py prepares the model for inference (merged projections, kernel
 choices, and on the CPU in bf16 `decode_program`, the engine's steps as a flat run of the same
@@ -44,14 +45,12 @@ class DecoderLayer(nn.Module):
         a = self.self_attn(h, positions, meta, kv_cache)
         return x, self.mlp(self.post_attention_layernorm.add_forward(x, a, fixed), fixed)
 
-    def forward_cached(self, x, positions, past):
-        a, cache = self.self_attn.forward_cached(self.input_layernorm(x), positions, past)
+    def forward_dense(self, x: torch.Tensor, positions: torch.Tensor, past=None):
+        """x [B, S, hidden] at positions [S] (after `past`, a dense cache, where given) ->
+        (x [B, S, hidden], this layer's (k, v) with `past`)."""
+        a, cache = self.self_attn.forward_dense(self.input_layernorm(x), positions, past)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), cache
-
-    def forward_dense(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn.forward_dense(self.input_layernorm(x), positions)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
@@ -100,28 +99,29 @@ class LlamaForCausalLM(nn.Module):
         logits = project(self.lm_head, hidden, fixed_order, self.lm_head.kernels)
         return logits.float() if float32 else logits
 
-    def forward_cached(self, input_ids: torch.Tensor, start: int, cache: list | None):
-        """Tokens [S] at positions start.. after a dense per-layer cache (None: empty).
-        Returns (float32 logits of the last token [V], the extended cache)."""
-        positions = torch.arange(start, start + input_ids.shape[0], device=input_ids.device)
-        x = self.model.embed_tokens(input_ids)
-        new_cache = []
+    def _dense(self, input_ids: torch.Tensor, start: int, cache: list | None):
+        """[B, S] token ids at positions start.. after a dense per-layer cache (None: none) ->
+        (final hidden states [B, S, hidden], normed; the per-layer cache extended)."""
+        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+        x, new_cache = self.model.embed_tokens(input_ids), []
         for i, layer in enumerate(self.model.layers):
-            x, c = layer.forward_cached(x, positions, None if cache is None else cache[i])
+            x, c = layer.forward_dense(x, positions, None if cache is None else cache[i])
             new_cache.append(c)
-        return self.compute_logits(self.model.norm(x[-1:]))[0], new_cache
-
-    @staticmethod
-    def trim_cache(cache: list | None, length: int) -> list | None:
-        """Keep the first `length` positions of a `forward_cached` cache."""
-        if cache is None or length == 0:
-            return None
-        return [(k[:, :length], v[:, :length]) for k, v in cache]
+        return self.model.norm(x), new_cache
 
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, S] token ids -> [B, S, vocab] float32 logits, causal, no cache."""
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer.forward_dense(x, positions)
-        return self.compute_logits(self.model.norm(x))
+        return self.compute_logits(self._dense(input_ids, 0, None)[0])
+
+    def forward_cached(self, input_ids: torch.Tensor, start: int, cache: list | None):
+        """Tokens [S] at positions start.. after a dense per-layer cache (None: empty).
+        Returns (float32 logits of the last token [V], the extended cache)."""
+        hidden, new_cache = self._dense(input_ids[None], start, cache)
+        return self.compute_logits(hidden[0, -1:])[0], new_cache
+
+    @staticmethod
+    def trim_cache(cache: list | None, length: int) -> list | None:
+        """Keep the first `length` positions of a `forward_cached` cache ([1, kv_heads, P, D])."""
+        if cache is None or length == 0:
+            return None
+        return [(k[:, :, :length], v[:, :, :length]) for k, v in cache]

@@ -224,7 +224,7 @@ class AwqMethod:
                 for m, w in zip(modules, ws):
                     m.weight.data = w.to(m.weight.device, m.weight.dtype)
                 if group.name == "attn_in":
-                    return layer.self_attn.forward_dense(xs, positions).float()
+                    return layer.self_attn.forward_dense(xs, positions)[0].float()
                 return layer.mlp(xs).float()
             finally:
                 for m, w in zip(modules, saved):
