@@ -1,16 +1,21 @@
-"""CLI options of `llmctl recipe run|validate`, declared once as `Annotated` aliases.
+"""CLI options of `llmctl recipe run|validate`, as option records.
 
-Owns: the recipe argument, -o, --model and --set. The calibration flags are quantize's and
-sparsify's (`_options`, `_compress_options`); every value defaults to None, so only what a user
-set overrides the recipe.
+Owns: the recipe argument, -o, --model and --set (aliases, each declared once) and the records
+built from them: `RunTarget` and `ValidateTarget` (the recipe, -o, --model), `OverrideFlags`
+(--set, --device), `RunOutputFlags` (run's --overwrite, --report-json, --quiet) and `QuietFlag`
+(validate's). The calibration flags are quantize's and sparsify's (`CalibFlags` of
+`_compress_options`); every value defaults to None, so only what a user set overrides the recipe.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, List, Optional
 
 import typer
+
+from llmctl.commands._options import DeviceOpt, QuietOpt, ReportJsonOpt
 
 RecipeArg = Annotated[
     Path,
@@ -48,3 +53,44 @@ RecipeOverwriteOpt = Annotated[
         "--overwrite", help="Rerun the stages a changed recipe reaches, replacing their folders."
     ),
 ]
+
+
+@dataclass(frozen=True)
+class RunTarget:
+    """`recipe run`'s recipe, output folder and model."""
+
+    recipe: RecipeArg
+    output: RecipeOutputOpt
+    model: RecipeModelOpt = None
+
+
+@dataclass(frozen=True)
+class ValidateTarget:
+    """`recipe validate`'s recipe and model."""
+
+    recipe: RecipeArg
+    model: RecipeModelOpt = None
+
+
+@dataclass(frozen=True)
+class OverrideFlags:
+    """Recipe values set on the command line (besides the calibration flags)."""
+
+    sets: SetOpt = None
+    device: DeviceOpt = None
+
+
+@dataclass(frozen=True)
+class RunOutputFlags:
+    """`recipe run`'s overwrite, report and quiet."""
+
+    overwrite: RecipeOverwriteOpt = False
+    report_json: ReportJsonOpt = None
+    quiet: QuietOpt = False
+
+
+@dataclass(frozen=True)
+class QuietFlag:
+    """`recipe validate`'s --quiet."""
+
+    quiet: QuietOpt = False

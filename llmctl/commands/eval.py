@@ -2,7 +2,8 @@
 reference.
 
 Owns: the option records `EvalFlags` and `EvalRunFlags` (None defaults: `EvalRequest` owns
-them) and what is printed: progress on stderr, the table on stdout, --report-json. The work is `llmctl.profiling.eval_job`.
+them) and what is printed: progress on stderr, the table on stdout, --report-json. The work is
+`llmctl.profiling.eval_job`.
 """
 
 from __future__ import annotations
