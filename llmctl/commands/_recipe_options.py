@@ -1,10 +1,11 @@
 """CLI options of `llmctl recipe run|validate`, as option records.
 
-Owns: the recipe argument, -o, --model and --set (aliases, each declared once) and the records
-built from them: `RunTarget` and `ValidateTarget` (the recipe, -o, --model), `OverrideFlags`
+Owns: the records `RunTarget` and `ValidateTarget` (the recipe, -o, --model), `OverrideFlags`
 (--set, --device), `RunOutputFlags` (run's --overwrite, --report-json, --quiet) and `QuietFlag`
-(validate's). The calibration flags are quantize's and sparsify's (`CalibFlags` of
-`_compress_options`); every value defaults to None, so only what a user set overrides the recipe.
+(validate's), with the recipe argument and --model, which both sub-commands take, as aliases
+(`RecipeArg`, `RecipeModelOpt`). The calibration flags are quantize's and sparsify's
+(`CalibFlags` of `_compress_options`); every value defaults to None, so only what a user
+set overrides the recipe.
 """
 
 from __future__ import annotations
@@ -25,12 +26,6 @@ RecipeArg = Annotated[
         show_default=False,
     ),
 ]
-RecipeOutputOpt = Annotated[
-    Path,
-    typer.Option(
-        "--output", "-o", help="Folder of the run: stages/NAME/ for each stage's artifacts."
-    ),
-]
 RecipeModelOpt = Annotated[
     Optional[str],
     typer.Option(
@@ -38,21 +33,6 @@ RecipeModelOpt = Annotated[
         show_default=False,
     ),
 ]  # fmt: skip
-SetOpt = Annotated[
-    Optional[List[str]],
-    typer.Option(
-        "--set",
-        help="Override one recipe value, KEY.PATH=VALUE (YAML), e.g. stages.quantize.bits=8 "
-        "(repeatable).",
-        show_default=False,
-    ),
-]
-RecipeOverwriteOpt = Annotated[
-    bool,
-    typer.Option(
-        "--overwrite", help="Rerun the stages a changed recipe reaches, replacing their folders."
-    ),
-]
 
 
 @dataclass(frozen=True)
@@ -60,7 +40,12 @@ class RunTarget:
     """`recipe run`'s recipe, output folder and model."""
 
     recipe: RecipeArg
-    output: RecipeOutputOpt
+    output: Annotated[
+        Path,
+        typer.Option(
+            "--output", "-o", help="Folder of the run: stages/NAME/ for each stage's artifacts."
+        ),
+    ]
     model: RecipeModelOpt = None
 
 
@@ -76,7 +61,15 @@ class ValidateTarget:
 class OverrideFlags:
     """Recipe values set on the command line (besides the calibration flags)."""
 
-    sets: SetOpt = None
+    sets: Annotated[
+        Optional[List[str]],
+        typer.Option(
+            "--set",
+            help="Override one recipe value, KEY.PATH=VALUE (YAML), e.g. stages.quantize.bits=8 "
+            "(repeatable).",
+            show_default=False,
+        ),
+    ] = None
     device: DeviceOpt = None
 
 
@@ -84,7 +77,13 @@ class OverrideFlags:
 class RunOutputFlags:
     """`recipe run`'s overwrite, report and quiet."""
 
-    overwrite: RecipeOverwriteOpt = False
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Rerun the stages a changed recipe reaches, replacing their folders.",
+        ),
+    ] = False
     report_json: ReportJsonOpt = None
     quiet: QuietOpt = False
 
