@@ -1,18 +1,31 @@
-"""CLI options that `quantize` and `sparsify` share, declared once as `Annotated` aliases.
+"""CLI options that `quantize` and `sparsify` (and `recipe`) share, declared once.
 
-Owns: `option` (a typer.Option that shows no Typer default: the dataclasses own them) and the
-aliases of the calibration and second-order knobs. Their help quotes the defaults of
-llmctl.compress.args (QuantizeArgs and SparsifyArgs hold the same ones, a test checks it;
-column_block differs).
+Owns: `option` (a typer.Option that shows no Typer default: the dataclasses own them), the
+aliases of the calibration and second-order knobs, and the option records built from them:
+`CalibFlags` (the calibration data, also recipe's overrides) and `CompressRunFlags` (device,
+report, shards, overwrite, quiet), with `calib_given`, the calibration flags a user set. The help
+quotes the defaults of llmctl.compress.args (QuantizeArgs and SparsifyArgs hold the same ones, a
+test checks it; column_block differs).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, List, Optional
+from dataclasses import dataclass
+from typing import Annotated, Any, List, Optional
 
 import typer
 
-from llmctl.commands._options import default_of
+from llmctl.commands._options import (
+    CalibOpt,
+    DeviceOpt,
+    EvalDataOpt,
+    OverwriteOpt,
+    QuietOpt,
+    ReportJsonOpt,
+    default_of,
+    given,
+    path_str,
+)
 from llmctl.compress.args import QuantizeArgs, SparsifyArgs
 from llmctl.runtime.shards import SHARD_SIZE_RULE
 
@@ -64,3 +77,34 @@ MaxShardSizeOpt = Annotated[
         metavar="SIZE",
     ),
 ]
+
+
+@dataclass(frozen=True)
+class CalibFlags:
+    """The calibration data and its held-out part."""
+
+    calib: CalibOpt = None
+    eval_data: EvalDataOpt = None
+    num_samples: NumSamplesOpt = None
+    seq_len: SeqLenOpt = None
+
+
+def calib_given(flags: CalibFlags) -> dict[str, Any]:
+    """The calibration flags a user set, paths as strings."""
+    return given(
+        calib=path_str(flags.calib),
+        eval_data=path_str(flags.eval_data),
+        num_samples=flags.num_samples,
+        seq_len=flags.seq_len,
+    )
+
+
+@dataclass(frozen=True)
+class CompressRunFlags:
+    """Where the job runs and what it writes besides the model."""
+
+    device: DeviceOpt = None
+    report_json: ReportJsonOpt = None
+    max_shard_size: MaxShardSizeOpt = None
+    overwrite: OverwriteOpt = False
+    quiet: QuietOpt = False

@@ -1,30 +1,21 @@
 """`llmctl distill`: knowledge distillation of a teacher model into a smaller student.
 
-The work is in llmctl.train (job.py); this file parses options, shows training progress (a Rich
-bar with loss, KL, tokens/s and ETA on a terminal, plain lines otherwise) and prints the report.
+The work is in llmctl.train (job.py). Owns: the command (its options are the records of
+`_distill_options`), the training progress (a Rich bar with loss, KL, tokens/s and ETA on a
+terminal, plain lines otherwise) and the report.
 """
 
 from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from dataclasses import fields
 from pathlib import Path
-from typing import Annotated, Iterator, Optional
+from typing import Iterator, Optional
 
 import typer
 
-from llmctl.commands._compress_options import MaxShardSizeOpt
-from llmctl.commands._options import (
-    DeviceOpt,
-    DtypeOpt,
-    EvalDataOpt,
-    QuietOpt,
-    ReportJsonOpt,
-    default_of,
-    given,
-    path_str,
-)
+from llmctl.commands import _distill_options as o
+from llmctl.commands._records import record_command
 from llmctl.train.args import DistillArgs
 
 HELP = """Distill TEACHER into a smaller student trained to match its next-token distributions.
@@ -83,106 +74,22 @@ The output is an ordinary Hugging Face folder (config.json, model.safetensors,
   torchrun every rank takes its share of each batch and only rank 0 writes.
 """
 
-D = DistillArgs
-
-
-def _o(kind, flag: str, text: str, field: str | None = None):
-    """An Annotated option of type `kind` defaulting to None (DistillArgs owns the default)."""
-    suffix = default_of(D, field) if field else ""
-    return Annotated[Optional[kind], typer.Option(flag, help=text + suffix, show_default=False)]
-
-
-TeacherOpt = Annotated[str, typer.Option("--teacher", help="Teacher model folder or hub id.")]
-OutputOpt = Annotated[Path, typer.Option("--output", "-o", help="Output folder.")]
-DataOpt = Annotated[Path, typer.Option("--data", help="Training data: .jsonl, .parquet or text.")]
-StudentOpt = _o(str, "--student", "Existing student model (the teacher's tokenizer).")
-LayersOpt = _o(int, "--student-layers", "Student of N evenly spaced teacher layers.")
-ConfigOpt = _o(Path, "--student-config", "config.json of a fresh student.")
-StepsOpt = _o(int, "--steps", "Optimizer steps.", "steps")
-BatchOpt = _o(int, "--batch-size", "Sequences per micro-batch (per rank).", "batch_size")
-AccumOpt = _o(int, "--grad-accum", "Micro-batches per step.", "grad_accum")
-SeqLenOpt = _o(int, "--seq-len", "Tokens per sequence.", "seq_len")
-LrOpt = _o(float, "--lr", "Peak learning rate.", "lr")
-WarmupOpt = _o(int, "--warmup", "Warm-up steps.", "warmup")
-LossOpt = _o(str, "--loss", "fkl, rkl, jsd or tvd.", "loss")
-BetaOpt = _o(float, "--beta", "jsd's mixture weight of the teacher.", "beta")
-TempOpt = _o(float, "--temperature", "Softening temperature.", "temperature")
-AlphaOpt = _o(float, "--alpha-ce", "Weight of cross-entropy (0 to 1).", "alpha_ce")
-OnPolicyOpt = _o(
-    float,
-    "--on-policy-fraction",
-    "Share of the steps trained on the student's own samples.",
-    "on_policy_fraction",
-)
-CacheOpt = _o(
-    Path, "--cache-teacher", "Teacher top-k logits cache (JSON index); made when missing."
-)
-TopKOpt = _o(int, "--cache-top-k", "Logits per position a new cache keeps.", "cache_top_k")
-OverwriteOpt = Annotated[
-    bool, typer.Option("--overwrite", help="Replace an earlier llmctl output in -o.")
-]
-EvalEveryOpt = _o(int, "--eval-every", "Evaluate every N steps (0: at the end).", "eval_every")
-SaveEveryOpt = _o(int, "--save-every", "Checkpoint every N steps (0: on Ctrl-C).", "save_every")
-ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue the checkpoint in -o.")]
-SeedOpt = _o(int, "--seed", "Seed of a fresh student and of on-policy samples.", "seed")
-
 
 def register(app: typer.Typer) -> None:
-    @app.command("distill", help=HELP, no_args_is_help=True)
-    def distill(
-        teacher: TeacherOpt,
-        output: OutputOpt,
-        data: DataOpt,
-        student: StudentOpt = None,
-        student_layers: LayersOpt = None,
-        student_config: ConfigOpt = None,
-        eval_data: EvalDataOpt = None,
-        steps: StepsOpt = None,
-        batch_size: BatchOpt = None,
-        grad_accum: AccumOpt = None,
-        seq_len: SeqLenOpt = None,
-        lr: LrOpt = None,
-        warmup: WarmupOpt = None,
-        loss: LossOpt = None,
-        beta: BetaOpt = None,
-        temperature: TempOpt = None,
-        alpha_ce: AlphaOpt = None,
-        on_policy_fraction: OnPolicyOpt = None,
-        cache_teacher: CacheOpt = None,
-        cache_top_k: TopKOpt = None,
-        eval_every: EvalEveryOpt = None,
-        save_every: SaveEveryOpt = None,
-        resume: ResumeOpt = False,
-        overwrite: OverwriteOpt = False,
-        seed: SeedOpt = None,
-        device: DeviceOpt = None,
-        dtype: DtypeOpt = None,
-        report_json: ReportJsonOpt = None,
-        max_shard_size: MaxShardSizeOpt = None,
-        quiet: QuietOpt = False,
-    ) -> None:
-        values = dict(locals())
-        paths = ("student_config", "eval_data", "report_json", "cache_teacher")
-        options = given(
-            **{k: path_str(v) if k in paths else v for k, v in values.items() if k in TUNED}
-        )
-        args = DistillArgs(
-            teacher=teacher,
-            output=str(output),
-            data=str(data),
-            resume=resume,
-            overwrite=overwrite,
-            **options,
-        ).resolve()
-        _main(args, report_json, quiet)
+    app.command("distill", help=HELP, no_args_is_help=True)(record_command(_distill))
 
 
-# the DistillArgs fields an option may set (teacher, output, data, resume, overwrite: always given)
-TUNED = tuple(
-    f.name
-    for f in fields(DistillArgs)
-    if f.name not in ("teacher", "output", "data", "resume", "overwrite")
-)
+def _distill(
+    job: o.DistillJob,
+    student: o.StudentFlags,
+    train: o.TrainFlags,
+    loss: o.LossFlags,
+    cache: o.TeacherCacheFlags,
+    schedule: o.ScheduleFlags,
+    run: o.DistillRunFlags,
+) -> None:
+    args = o.distill_args(job, schedule, student, train, loss, cache, run)
+    _main(args, run.report_json, run.quiet)
 
 
 def _main(args: DistillArgs, report_json: Optional[Path], quiet: bool) -> None:

@@ -1,38 +1,32 @@
 """`llmctl quantize`: weight-only AWQ, GPTQ or RTN quantization into compressed-tensors, AWQ or
 GPTQ folders.
 
-The work is in llmctl.compress.quantize_job; this file parses options (defaults: QuantizeArgs),
-shows progress and prints the report (a table, or JSON with --report-json; `-` for stdout).
+The work is in llmctl.compress.quantize_job. Owns: quantize's option records (`QuantizeJob`,
+`SchemeFlags`, `TuningFlags`; the calibration and run flags are `_compress_options`'), defaulting
+to None (QuantizeArgs owns the defaults), the progress and the report (a table, or JSON with
+--report-json; `-` for stdout).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from llmctl.commands._compress_options import (
+    CalibFlags,
     ColumnBlockOpt,
+    CompressRunFlags,
     DampeningOpt,
     IgnoreOpt,
-    MaxShardSizeOpt,
-    NumSamplesOpt,
-    SeqLenOpt,
+    calib_given,
     option,
 )
-from llmctl.commands._options import (
-    CalibOpt,
-    DeviceOpt,
-    EvalDataOpt,
-    OverwriteOpt,
-    QuietOpt,
-    ReportJsonOpt,
-    default_of,
-    given,
-    path_str,
-)
+from llmctl.commands._options import default_of, given, path_str
 from llmctl.commands._output import fmt_ppl
+from llmctl.commands._records import record_command
 from llmctl.compress.args import QuantizeArgs
 
 HELP = """Quantize MODEL's linear layers to 2, 3, 4 or 8 bits (weights only) with AWQ, GPTQ or RTN.
@@ -71,103 +65,110 @@ def _opt(name: str, *decls: str, help: str, **kw):
     return option(*decls, help=help + default_of(QuantizeArgs, name) + ".", **kw)
 
 
-BitsOpt = Annotated[Optional[int], _opt("bits", "--bits", help="2, 3, 4 or 8 (--format awq: 4)")]
-GroupSizeOpt = Annotated[
-    Optional[str],
-    _opt(
-        "group_size",
-        "--group-size",
-        help="Input columns per scale/zero group: auto, channel, or a power of two >= 16",
-    ),
-]
-SymmetricOpt = Annotated[
-    Optional[bool],
-    option(
-        "--symmetric/--asymmetric",
-        help="Zero point fixed at the middle (default for GPTQ/RTN) or fitted (AWQ).",
-    ),
-]
-FormatOpt = Annotated[
-    Optional[str], _opt("format", "--format", help="compressed-tensors, awq or gptq")
-]
-ActOrderOpt = Annotated[
-    Optional[bool],
-    option(
-        "--act-order/--no-act-order",
-        help="GPTQ: columns by decreasing Hessian diagonal (default: --no-act-order, which "
-        "measured better held-out).",
-    ),
-]
-ObserverOpt = Annotated[
-    Optional[str],
-    option(
-        "--observer",
-        help="Each group's range: mse (a shrink search minimising its error; with AWQ, for "
-        "q/k_proj, which its clip search skips) or minmax (default: mse).",
-    ),
-]
+@dataclass(frozen=True)
+class QuantizeJob:
+    """The model, the output folder and the method (exactly one of --awq, --gptq, --rtn)."""
+
+    model: Annotated[str, typer.Argument(help="Model folder (or hub id) to quantize.")]
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="Output folder for the quantized model.")
+    ]
+    awq: Annotated[bool, typer.Option("--awq", help="Activation-aware weight quantization.")] = (
+        False
+    )
+    gptq: Annotated[
+        bool, typer.Option("--gptq", help="GPTQ (second-order error feedback, act-order).")
+    ] = False
+    rtn: Annotated[
+        bool, typer.Option("--rtn", help="Round to nearest (no calibration needed).")
+    ] = False
+
+
+@dataclass(frozen=True)
+class SchemeFlags:
+    """The quantized weights: bits, groups, zero point."""
+
+    bits: Annotated[
+        Optional[int], _opt("bits", "--bits", help="2, 3, 4 or 8 (--format awq: 4)")
+    ] = None
+    group_size: Annotated[
+        Optional[str],
+        _opt(
+            "group_size",
+            "--group-size",
+            help="Input columns per scale/zero group: auto, channel, or a power of two >= 16",
+        ),
+    ] = None
+    symmetric: Annotated[
+        Optional[bool],
+        option(
+            "--symmetric/--asymmetric",
+            help="Zero point fixed at the middle (default for GPTQ/RTN) or fitted (AWQ).",
+        ),
+    ] = None
+
+
+@dataclass(frozen=True)
+class TuningFlags:
+    """The output format, the layers left alone and the methods' knobs."""
+
+    fmt: Annotated[
+        Optional[str], _opt("format", "--format", help="compressed-tensors, awq or gptq")
+    ] = None
+    ignore: IgnoreOpt = None
+    act_order: Annotated[
+        Optional[bool],
+        option(
+            "--act-order/--no-act-order",
+            help="GPTQ: columns by decreasing Hessian diagonal (default: --no-act-order, which "
+            "measured better held-out).",
+        ),
+    ] = None
+    observer: Annotated[
+        Optional[str],
+        option(
+            "--observer",
+            help="Each group's range: mse (a shrink search minimising its error; with AWQ, for "
+            "q/k_proj, which its clip search skips) or minmax (default: mse).",
+        ),
+    ] = None
+    dampening: DampeningOpt = None
+    column_block: ColumnBlockOpt = None
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("quantize", help=HELP, no_args_is_help=True)
-    def quantize(
-        model: Annotated[str, typer.Argument(help="Model folder (or hub id) to quantize.")],
-        output: Annotated[
-            Path, typer.Option("--output", "-o", help="Output folder for the quantized model.")
-        ],
-        awq: Annotated[
-            bool, typer.Option("--awq", help="Activation-aware weight quantization.")
-        ] = False,
-        gptq: Annotated[
-            bool, typer.Option("--gptq", help="GPTQ (second-order error feedback, act-order).")
-        ] = False,
-        rtn: Annotated[
-            bool, typer.Option("--rtn", help="Round to nearest (no calibration needed).")
-        ] = False,
-        bits: BitsOpt = None,
-        group_size: GroupSizeOpt = None,
-        symmetric: SymmetricOpt = None,
-        calib: CalibOpt = None,
-        eval_data: EvalDataOpt = None,
-        num_samples: NumSamplesOpt = None,
-        seq_len: SeqLenOpt = None,
-        fmt: FormatOpt = None,
-        ignore: IgnoreOpt = None,
-        act_order: ActOrderOpt = None,
-        observer: ObserverOpt = None,
-        dampening: DampeningOpt = None,
-        column_block: ColumnBlockOpt = None,
-        device: DeviceOpt = None,
-        report_json: ReportJsonOpt = None,
-        max_shard_size: MaxShardSizeOpt = None,
-        overwrite: OverwriteOpt = False,
-        quiet: QuietOpt = False,
-    ) -> None:
-        args = QuantizeArgs(
-            model=model,
-            output=str(output),
-            method=_one_method(awq=awq, gptq=gptq, rtn=rtn),
-            overwrite=overwrite,
-            **given(
-                bits=bits,
-                group_size=group_size,
-                symmetric=symmetric,
-                calib=path_str(calib),
-                eval_data=path_str(eval_data),
-                num_samples=num_samples,
-                seq_len=seq_len,
-                format=fmt,
-                ignore=list(ignore or []),
-                device=device,
-                act_order=act_order,
-                observer=observer,
-                dampening=dampening,
-                column_block=column_block,
-                report_json=path_str(report_json),
-                max_shard_size=max_shard_size,
-            ),
-        )
-        _run(args, quiet)
+    app.command("quantize", help=HELP, no_args_is_help=True)(record_command(_quantize))
+
+
+def _quantize(
+    job: QuantizeJob,
+    scheme: SchemeFlags,
+    calibration: CalibFlags,
+    tuning: TuningFlags,
+    run: CompressRunFlags,
+) -> None:
+    args = QuantizeArgs(
+        model=job.model,
+        output=str(job.output),
+        method=_one_method(awq=job.awq, gptq=job.gptq, rtn=job.rtn),
+        overwrite=run.overwrite,
+        **calib_given(calibration),
+        **given(
+            bits=scheme.bits,
+            group_size=scheme.group_size,
+            symmetric=scheme.symmetric,
+            format=tuning.fmt,
+            ignore=list(tuning.ignore or []),
+            device=run.device,
+            act_order=tuning.act_order,
+            observer=tuning.observer,
+            dampening=tuning.dampening,
+            column_block=tuning.column_block,
+            report_json=path_str(run.report_json),
+            max_shard_size=run.max_shard_size,
+        ),
+    )
+    _run(args, run.quiet)
 
 
 def _one_method(**flags: bool) -> str:

@@ -1,7 +1,8 @@
 """`llmctl recipe run|validate`: a multi-stage compression pipeline from one YAML file.
 
-Owns: the two subcommands, each stage's terminal (compress and eval progress, distill's bar,
-run-batch's UI) and the summary table. The work is `llmctl.recipes.recipe_job`.
+Owns: the two subcommands (their options are the records of `_recipe_options`), each stage's
+terminal (compress and eval progress, distill's bar, run-batch's UI) and the summary table. The
+work is `llmctl.recipes.recipe_job`.
 """
 
 from __future__ import annotations
@@ -11,23 +12,16 @@ from typing import Iterator
 
 import typer
 
-from llmctl.commands._compress_options import NumSamplesOpt, SeqLenOpt
-from llmctl.commands._options import (
-    CalibOpt,
-    DeviceOpt,
-    EvalDataOpt,
-    QuietOpt,
-    ReportJsonOpt,
-    given,
-    path_str,
-)
+from llmctl.commands._compress_options import CalibFlags, calib_given
+from llmctl.commands._options import path_str
 from llmctl.commands._recipe_options import (
-    RecipeArg,
-    RecipeModelOpt,
-    RecipeOutputOpt,
-    RecipeOverwriteOpt,
-    SetOpt,
+    OverrideFlags,
+    QuietFlag,
+    RunOutputFlags,
+    RunTarget,
+    ValidateTarget,
 )
+from llmctl.commands._records import record_command
 
 HELP = """Run or check a multi-stage recipe: sparsify, quantize, distill, eval, run-batch.
 
@@ -62,39 +56,27 @@ app = typer.Typer(
 )
 
 
-def _request(recipe, output, model, calib, eval_data, num_samples, seq_len, sets, device, ow):
+def _request(recipe, output, model, calibration: CalibFlags, overrides: OverrideFlags, ow: bool):
     from llmctl.recipes.recipe_job import RecipeRequest
 
-    calibration = given(
-        calib=path_str(calib), eval_data=path_str(eval_data), num_samples=num_samples,
-        seq_len=seq_len,
-    )  # fmt: skip
-    return RecipeRequest(recipe, path_str(output), model, calibration, list(sets or []), device, ow)
+    sets, device = list(overrides.sets or []), overrides.device
+    return RecipeRequest(
+        recipe, path_str(output), model, calib_given(calibration), sets, device, ow
+    )
 
 
-@app.command("run", help="Run RECIPE's stages in order into -o (a rerun resumes).")
-def run(
-    recipe: RecipeArg,
-    output: RecipeOutputOpt,
-    model: RecipeModelOpt = None,
-    calib: CalibOpt = None,
-    eval_data: EvalDataOpt = None,
-    num_samples: NumSamplesOpt = None,
-    seq_len: SeqLenOpt = None,
-    sets: SetOpt = None,
-    device: DeviceOpt = None,
-    overwrite: RecipeOverwriteOpt = False,
-    report_json: ReportJsonOpt = None,
-    quiet: QuietOpt = False,
+def _run(
+    target: RunTarget, calibration: CalibFlags, overrides: OverrideFlags, out: RunOutputFlags
 ) -> None:
     from llmctl.commands._output import emit_json, info, json_to_stdout
     from llmctl.recipes.recipe_job import run_recipe_file
     from llmctl.runtime.output_dir import check_output_file
 
+    report_json, quiet = out.report_json, out.quiet
     if report_json is not None and not json_to_stdout(report_json):
-        check_output_file(report_json, "--report-json", inputs=(recipe,))
+        check_output_file(report_json, "--report-json", inputs=(target.recipe,))
     req = _request(
-        recipe, output, model, calib, eval_data, num_samples, seq_len, sets, device, overwrite
+        target.recipe, target.output, target.model, calibration, overrides, out.overwrite
     )
     doc = run_recipe_file(req, lambda kind: _stage_ui(kind, quiet), lambda m: info(m, quiet))
     emit_json(report_json, doc)
@@ -102,28 +84,27 @@ def run(
         _print_summary(doc)
 
 
-@app.command("validate", help="Check RECIPE (every stage) without running it.")
-def validate(
-    recipe: RecipeArg,
-    model: RecipeModelOpt = None,
-    calib: CalibOpt = None,
-    eval_data: EvalDataOpt = None,
-    num_samples: NumSamplesOpt = None,
-    seq_len: SeqLenOpt = None,
-    sets: SetOpt = None,
-    device: DeviceOpt = None,
-    quiet: QuietOpt = False,
+def _validate(
+    target: ValidateTarget, calibration: CalibFlags, overrides: OverrideFlags, quiet: QuietFlag
 ) -> None:
     import yaml
 
     from llmctl.recipes.recipe_job import validate_recipe
 
-    req = _request(recipe, None, model, calib, eval_data, num_samples, seq_len, sets, device, False)
+    req = _request(target.recipe, None, target.model, calibration, overrides, False)
     plan = validate_recipe(req)
-    if not quiet:
+    if not quiet.quiet:
         kinds = ", ".join(s.kind for s in plan.stages)
-        typer.echo(f"# {recipe}: valid ({plan.syntax} syntax); stages: {kinds}")
+        typer.echo(f"# {target.recipe}: valid ({plan.syntax} syntax); stages: {kinds}")
         typer.echo(yaml.safe_dump(plan.doc, sort_keys=False), nl=False)
+
+
+app.command("run", help="Run RECIPE's stages in order into -o (a rerun resumes).")(
+    record_command(_run)
+)
+app.command("validate", help="Check RECIPE (every stage) without running it.")(
+    record_command(_validate)
+)
 
 
 def register(root: typer.Typer) -> None:

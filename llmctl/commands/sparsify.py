@@ -1,39 +1,32 @@
 """`llmctl sparsify`: prune a model's linear layers to 2:4, 4:8 or an unstructured sparsity with
 magnitude, Wanda or SparseGPT, optionally followed by quantization (a recipe).
 
-The work is in llmctl.recipes.sparsify_run (through llmctl.compress.oneshot); this file parses
-options (defaults: SparsifyArgs, then the recipe), shows progress and prints the report (a table,
-or JSON with --report-json; `-` for stdout).
+The work is in llmctl.recipes.sparsify_run (through llmctl.compress.oneshot). Owns: sparsify's
+option records (`SparsifyJob`, `PruneFlags`; the calibration and run flags are
+`_compress_options`'), defaulting to None (SparsifyArgs, then the recipe, own the defaults), the
+progress and the report (a table, or JSON with --report-json; `-` for stdout).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from llmctl.commands._compress_options import (
+    CalibFlags,
     ColumnBlockOpt,
+    CompressRunFlags,
     DampeningOpt,
     IgnoreOpt,
-    MaxShardSizeOpt,
-    NumSamplesOpt,
-    SeqLenOpt,
+    calib_given,
     option,
 )
-from llmctl.commands._options import (
-    CalibOpt,
-    DeviceOpt,
-    EvalDataOpt,
-    OverwriteOpt,
-    QuietOpt,
-    ReportJsonOpt,
-    default_of,
-    given,
-    path_str,
-)
+from llmctl.commands._options import default_of, given, path_str
 from llmctl.commands._output import fmt_ppl
+from llmctl.commands._records import record_command
 from llmctl.compress.args import SparsifyArgs
 
 HELP = """Prune MODEL's decoder linears; write a dense checkpoint storing the zeros.
@@ -74,84 +67,83 @@ same arguments. --overwrite replaces only an earlier llmctl output.
 
 
 BLOCK_SIZE_DEPRECATED = "--block-size is deprecated for sparsify; use --column-block"
-PatternOpt = Annotated[
-    Optional[str], option("--pattern", help="N:M semi-structured pattern: 2:4 (default) or 4:8.")
-]
-SparsityOpt = Annotated[
-    Optional[float], option("--sparsity", help="Unstructured fraction of zeros instead, e.g. 0.5.")
-]
-MethodOpt = Annotated[
-    Optional[str],
-    option(
-        "--method",
-        help="magnitude, wanda or sparsegpt" + default_of(SparsifyArgs, "method") + ".",
-    ),
-]
-BlockSizeOpt = Annotated[  # the old name of --column-block, hidden
-    Optional[int], option("--block-size", help=BLOCK_SIZE_DEPRECATED + ".", hidden=True)
-]
-RecipeOpt = Annotated[
-    Optional[Path],
-    option(
-        "--recipe",
-        help="YAML recipe (sparsify, then optionally quantize); flags given here override it.",
-    ),
-]
-EvalOpt = Annotated[
-    Optional[bool], option("--eval/--no-eval", help="Measure perplexity before and after.")
-]
+
+
+@dataclass(frozen=True)
+class SparsifyJob:
+    """The model, the output folder and what to prune."""
+
+    model: Annotated[str, typer.Argument(help="Model folder (or hub id) to prune.")]
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="Output folder for the pruned model.")
+    ]
+    pattern: Annotated[
+        Optional[str],
+        option("--pattern", help="N:M semi-structured pattern: 2:4 (default) or 4:8."),
+    ] = None
+    sparsity: Annotated[
+        Optional[float],
+        option("--sparsity", help="Unstructured fraction of zeros instead, e.g. 0.5."),
+    ] = None
+    method: Annotated[
+        Optional[str],
+        option(
+            "--method",
+            help="magnitude, wanda or sparsegpt" + default_of(SparsifyArgs, "method") + ".",
+        ),
+    ] = None
+
+
+@dataclass(frozen=True)
+class PruneFlags:
+    """The layers left alone, SparseGPT's knobs, the recipe and the evaluation."""
+
+    ignore: IgnoreOpt = None
+    dampening: DampeningOpt = None
+    column_block: ColumnBlockOpt = None
+    block_size: Annotated[  # the old name of --column-block, hidden
+        Optional[int], option("--block-size", help=BLOCK_SIZE_DEPRECATED + ".", hidden=True)
+    ] = None
+    recipe: Annotated[
+        Optional[Path],
+        option(
+            "--recipe",
+            help="YAML recipe (sparsify, then optionally quantize); flags given here override it.",
+        ),
+    ] = None
+    evaluate: Annotated[
+        Optional[bool], option("--eval/--no-eval", help="Measure perplexity before and after.")
+    ] = None
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("sparsify", help=HELP, no_args_is_help=True)
-    def sparsify(
-        model: Annotated[str, typer.Argument(help="Model folder (or hub id) to prune.")],
-        output: Annotated[
-            Path, typer.Option("--output", "-o", help="Output folder for the pruned model.")
-        ],
-        pattern: PatternOpt = None,
-        sparsity: SparsityOpt = None,
-        method: MethodOpt = None,
-        calib: CalibOpt = None,
-        eval_data: EvalDataOpt = None,
-        num_samples: NumSamplesOpt = None,
-        seq_len: SeqLenOpt = None,
-        ignore: IgnoreOpt = None,
-        dampening: DampeningOpt = None,
-        column_block: ColumnBlockOpt = None,
-        block_size: BlockSizeOpt = None,
-        recipe: RecipeOpt = None,
-        evaluate: EvalOpt = None,
-        device: DeviceOpt = None,
-        report_json: ReportJsonOpt = None,
-        max_shard_size: MaxShardSizeOpt = None,
-        overwrite: OverwriteOpt = False,
-        quiet: QuietOpt = False,
-    ) -> None:
-        from llmctl.recipes.sparsify_recipe import load_recipe, merge_args
+    app.command("sparsify", help=HELP, no_args_is_help=True)(record_command(_sparsify))
 
-        notes = [BLOCK_SIZE_DEPRECATED] if block_size is not None else []
-        loaded = load_recipe(recipe) if recipe is not None else None
-        cli = given(
-            pattern=pattern,
-            sparsity=sparsity,
-            method=method,
-            calib=path_str(calib),
-            eval_data=path_str(eval_data),
-            num_samples=num_samples,
-            seq_len=seq_len,
-            ignore=list(ignore or []),
-            dampening=dampening,
-            column_block=column_block if column_block is not None else block_size,
-            device=device,
-            evaluate=evaluate,
-            report_json=path_str(report_json),
-            max_shard_size=max_shard_size,
-        )
-        args = merge_args(
-            loaded, {"model": model, "output": str(output), "overwrite": overwrite, **cli}
-        ).resolve()
-        _run(loaded, args, notes, quiet)
+
+def _sparsify(
+    job: SparsifyJob, calibration: CalibFlags, prune: PruneFlags, run: CompressRunFlags
+) -> None:
+    from llmctl.recipes.sparsify_recipe import load_recipe, merge_args
+
+    notes = [BLOCK_SIZE_DEPRECATED] if prune.block_size is not None else []
+    loaded = load_recipe(prune.recipe) if prune.recipe is not None else None
+    column_block = prune.column_block if prune.column_block is not None else prune.block_size
+    cli = given(
+        pattern=job.pattern,
+        sparsity=job.sparsity,
+        method=job.method,
+        **calib_given(calibration),
+        ignore=list(prune.ignore or []),
+        dampening=prune.dampening,
+        column_block=column_block,
+        device=run.device,
+        evaluate=prune.evaluate,
+        report_json=path_str(run.report_json),
+        max_shard_size=run.max_shard_size,
+    )
+    fixed = {"model": job.model, "output": str(job.output), "overwrite": run.overwrite}
+    args = merge_args(loaded, {**fixed, **cli}).resolve()
+    _run(loaded, args, notes, run.quiet)
 
 
 def _run(recipe, args: SparsifyArgs, notes: list[str], quiet: bool) -> None:
