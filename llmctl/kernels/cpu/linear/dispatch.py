@@ -99,17 +99,12 @@ BY_NAME = {cand.name: cand for cand in CANDIDATES}
 
 
 def use_native(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The static rule for the C kernel: inference on the CPU, a plain float32/bfloat16 weight
-    (not a quantized or sparse tensor subclass) matching x's dtype, K % 8 == 0, few rows, and for
-    bfloat16 a CPU without native bf16. (Called per layer per step: cheapest tests first.)"""
-    dtype = weight.dtype
-    if x.dtype is not dtype or dtype not in c.NATIVE_DTYPES or not x.is_cpu:
+    """The static rule for the C kernel: where it can serve (c_kernels.native_applies: inference on
+    the CPU, a plain float32/bfloat16 weight of x's dtype, K % 8 == 0), few rows, and for bfloat16
+    a CPU without native bf16. (Called per layer per step: the cheapest tests first.)"""
+    if weight.dtype is torch.bfloat16 and native_bf16():
         return False
-    if type(weight) not in c.PLAIN or weight.dim() != 2 or weight.shape[1] % 8:
-        return False
-    if x.numel() > weight.shape[1] * NATIVE_ROWS_PER_THREAD * torch.get_num_threads():
-        return False
-    if dtype is torch.bfloat16 and native_bf16():
+    if x.numel() > weight.shape[-1] * NATIVE_ROWS_PER_THREAD * torch.get_num_threads():
         return False
     return c.native_applies(x, weight)
 
