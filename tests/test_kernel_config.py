@@ -3,6 +3,8 @@ LLMCTL_KERNELS once where an engine configuration is made, refused in one line w
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from llmctl.engine.config import EngineConfig
@@ -60,4 +62,26 @@ def test_the_command_line_refuses_a_wrong_setting_in_one_line(monkeypatch, capsy
     assert main(["run-batch", str(rows), "-o", str(tmp_path / "out.jsonl"), "-q"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "LLMCTL_KERNELS: unknown setting 'nativ=0'" in err[0]
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_wrong_setting_fails_in_one_line_in_a_fresh_process(tmp_path):
+    """Nothing reads LLMCTL_KERNELS while the CLI imports (a module-level EngineConfig() once did,
+    so a typo was a traceback): a fresh process says it in one line, exit 2, and writes nothing."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    rows = tmp_path / "in.jsonl"
+    rows.write_text('{"prompt": "ROMEO:"}\n')
+    env = {**os.environ, "LLMCTL_KERNELS": "bogus", "PYTHONPATH": str(repo)}
+    code = "import sys; from llmctl.cli import main; sys.exit(main(sys.argv[1:]))"
+    for args in (["run-batch", str(rows), "-o", str(tmp_path / "out.jsonl")], ["profile", "-q"]):
+        done = subprocess.run(
+            [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, cwd=repo
+        )
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+        assert "LLMCTL_KERNELS: unknown setting 'bogus'" in lines[0]
     assert not (tmp_path / "out.jsonl").exists()

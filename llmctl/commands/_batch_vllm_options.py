@@ -16,13 +16,13 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from llmctl.engine.config import EngineConfig, parse_bytes, speculative_settings
+from llmctl.engine.config import defaults, parse_bytes, speculative_settings
 from llmctl.engine.vllm_config import parse_vllm_bytes, speculative_from_vllm
 from llmctl.errors import UsageError
 
 PROGRESS_MODES = ("auto", "bar", "lines", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-DEFAULT_LOG_INTERVAL_S = EngineConfig().log_stats_interval_s  # progress lines too
+DEFAULT_LOG_INTERVAL_S = defaults().log_stats_interval_s  # progress lines too
 
 
 def _opt(*names: str, help: str, **kw: Any) -> Any:

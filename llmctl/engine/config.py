@@ -150,3 +150,10 @@ class EngineConfig:
         util = self.gpu_memory_utilization
         if util is not None and not 0 < util <= 1:
             raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {util}")
+
+
+def defaults() -> EngineConfig:
+    """Every default, made without reading the environment: for the numbers other modules quote
+    (at import time, where a bad LLMCTL_KERNELS must not fail before the command can say so in
+    one line). An engine's own config reads LLMCTL_KERNELS where it is made."""
+    return EngineConfig(kernels=KernelConfig())

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from llmctl.engine.config import AUTO_SPEC_MAX_BATCH, EngineConfig
+from llmctl.engine.config import AUTO_SPEC_MAX_BATCH, EngineConfig, defaults
 from llmctl.profiling.advise import (
     AdviseTools,
     Measurement,
@@ -25,7 +25,7 @@ from llmctl.profiling.advise import (
     shared_prefix_tokens,
 )
 
-DEFAULT = EngineConfig()
+DEFAULT = defaults()
 NOISE_FLOOR = 0.02  # two measurements never agree better than this: a smaller gain is not advised
 # Below this share of the prompt tokens a prefix cache has too little to reuse to pay.
 MIN_PREFIX_SHARE = 0.05
