@@ -154,6 +154,6 @@ def test_at_most_three_environment_variables():
     names = set()
     for path in PACKAGE.rglob("*"):
         if path.suffix in (".py", ".c", ".h"):
-            names |= set(re.findall(r"(?<![A-Za-z0-9_])LLMCTL_[A-Z0-9_]+", path.read_text()))
+            names |= set(re.findall(r"(?<![A-Za-z0-9])LLMCTL_[A-Z0-9_]+", path.read_text()))
     names -= {n for n in names if n.endswith("_H")}  # C include guards
     assert names <= {"LLMCTL_DEBUG", "LLMCTL_CACHE_DIR", "LLMCTL_KERNELS"}, names

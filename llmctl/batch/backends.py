@@ -20,7 +20,7 @@ DEFAULT_BACKEND = "llmctl"
 _SAME_NAME = ("block_size", "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs")
 
 # EngineConfig fields only llmctl's engine has, by the flag a user typed to set them.
-_LLMCTL_ONLY = {
+_OWN_ENGINE_ONLY = {
     "batch_invariant": "--batch-invariant",
     "speculative_max_batch": "--speculative-max-batch (and --speculative auto)",
 }
@@ -38,7 +38,7 @@ def check_backend(backend: str, engine: dict[str, Any], engine_args: dict[str, A
             names = ", ".join(sorted(engine_args))
             raise UsageError(f"{names}: vLLM engine arguments need --backend vllm")
         return
-    for field, flag in _LLMCTL_ONLY.items():
+    for field, flag in _OWN_ENGINE_ONLY.items():
         if engine.get(field) is not None:
             raise UsageError(f"{flag} is llmctl's engine only; vLLM has no equivalent")
     for key, value in _FIXED_ARGS.items():
