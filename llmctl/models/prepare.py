@@ -64,17 +64,16 @@ def merge_projections(model: nn.Module, enabled: bool = True) -> tuple[list[Line
     (kept separate where they are not plain `Linear` modules of one dtype, or not `enabled`).
     The parameters keep their names and memory. Returns the merged linears and the ids of the
     parts they serve."""
-    linears, parts = [], set()
-    for layer in model.layers:
-        for block in (layer.self_attn, layer.mlp):
-            current = block.merged
-            block.merged = (
-                merging.refreshed(current, block.projections(), Linear) if enabled else None
-            )
-            if block.merged is not None:
-                linears.append(block.merged.linear)
-                parts.update(id(p) for p in block.merged.parts)
-    return linears, parts
+    for block in _blocks(model):
+        current = block.merged
+        block.merged = merging.refreshed(current, block.projections(), Linear) if enabled else None
+    merged = [block.merged for block in _blocks(model) if block.merged is not None]
+    return [m.linear for m in merged], {id(p) for m in merged for p in m.parts}
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """Each decoder layer's attention and MLP: the blocks that may hold a merged linear."""
+    return [block for layer in model.layers for block in (layer.self_attn, layer.mlp)]
 
 
 def _tunable(model: nn.Module, merged: list[Linear], parts: set[int]) -> list[Linear]:
@@ -114,12 +113,7 @@ def drop_weight_copies(model: nn.Module) -> None:
     """Forget every packed copy of a weight (and the plans that read them): the weights are about
     to change in place (on-policy distillation trains the model an engine served), and a copy
     would go stale. The next `prepare_for_inference` makes them anew."""
-    merged = [
-        block.merged.linear
-        for layer in getattr(model, "layers", ())
-        for block in (layer.self_attn, layer.mlp)
-        if getattr(block, "merged", None) is not None
-    ]
+    merged = [b.merged.linear for b in _blocks(model) if b.merged is not None]
     for m in (*model.modules(), *merged):
         if type(m) is Linear and m.packed:
             m.plan = m.packed = None
