@@ -54,7 +54,8 @@ def engine_fields(
 class LLM:
     """A loaded model with its engine. Engine keywords: see `EngineConfig` (block_size,
     kv_cache_memory, batch_invariant, ...), and vLLM's: `max_model_len`, `seed`,
-    `enforce_eager` (no CUDA graphs), `gpu_memory_utilization` (CUDA: the KV cache fills the
+    `model_impl` (auto, llmctl or transformers: whose model code runs it), `enforce_eager` (no
+    CUDA graphs), `gpu_memory_utilization` (CUDA: the KV cache fills the
     device up to that fraction; ignored on the CPU), `speculative_config`,
     `tensor_parallel_size=1`."""
 
@@ -64,6 +65,7 @@ class LLM:
         dtype: str = "auto",
         device: str = "auto",
         *,
+        model_impl: str = "auto",
         enforce_eager: bool = False,
         gpu_memory_utilization: float | None = None,
         speculative_config: dict | None = None,
@@ -78,7 +80,7 @@ class LLM:
             engine_kwargs,
         )
         EngineConfig(**fields)  # a bad keyword fails before the model loads
-        self.runtime = load_runtime(model, dtype=dtype, device=device)
+        self.runtime = load_runtime(model, dtype=dtype, device=device, model_impl=model_impl)
         self.engine = self.runtime.start_engine(EngineConfig(**fields))
 
     def get_tokenizer(self):

@@ -19,7 +19,7 @@ def engines(monkeypatch):
     """Serve FakeEngines; a test may queue special engines for the next loads."""
     queue: list[FakeEngine] = []
 
-    def load(model, dtype="auto", device="auto"):
+    def load(model, dtype="auto", device="auto", model_impl="auto"):
         engine = queue.pop(0) if queue else FakeEngine(max_num_seqs=4, max_model_len=64)
         return FakeRuntime(engine)
 

@@ -107,7 +107,8 @@ def _backend_runtime(opts: Any, load_runtime: Callable[..., Any]) -> Any:
     engine_args = getattr(opts, "engine_args", {}) or {}
     check_backend(backend, opts.engine, engine_args)
     if backend == "llmctl":
-        return load_runtime(opts.model, dtype=opts.dtype, device=opts.device)
+        impl = getattr(opts, "model_impl", "auto")
+        return load_runtime(opts.model, dtype=opts.dtype, device=opts.device, model_impl=impl)
     from llmctl.batch.vllm_backend import load_vllm_runtime
 
     return load_vllm_runtime(

@@ -43,6 +43,7 @@ class BatchOptions:
     model: str | None = None
     dtype: str = "auto"
     device: str = "auto"
+    model_impl: str = "auto"  # runtime/weights.py MODEL_IMPLS
     input_format: str = "auto"
     prompt_column: str = "prompt"
     id_column: str | None = None
@@ -104,6 +105,8 @@ def fingerprint(opts: BatchOptions, source_format: str, defaults: SamplingParams
         model = str(Path(opts.model).expanduser().resolve())  # ./m and m are the same model
     return {
         "model": model,
+        # only when chosen, so that journals written before the option existed still resume
+        **({"model_impl": opts.model_impl} if opts.model_impl != "auto" else {}),
         "dtype": opts.dtype,
         "input": inp,
         "input_bytes": size,

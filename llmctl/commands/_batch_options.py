@@ -19,6 +19,7 @@ from llmctl.commands import _batch_vllm_options as vllm
 from llmctl.commands._options import (
     DeviceOpt,
     DtypeOpt,
+    ModelImplOpt,
     ModelOpt,
     NoAutotuneOpt,
     QuietOpt,
@@ -67,6 +68,7 @@ class JobFlags:
         ),
     ] = None
     model: ModelOpt = None
+    model_impl: ModelImplOpt = None
     dtype: DtypeOpt = None
     device: DeviceOpt = None
     quiet: QuietOpt = False
@@ -310,6 +312,7 @@ def batch_options(
         **given(
             output=job.output,
             model=job.model,
+            model_impl=job.model_impl,
             dtype=job.dtype,
             device=job.device,
             input_format=job.input_format,

@@ -1,7 +1,8 @@
 """CLI options shared by several commands, declared once as `Annotated` aliases.
 
-Owns: the option aliases (`ModelOpt`, `DtypeOpt`, `DeviceOpt`, `QuietOpt`, `ReportJsonOpt`, ...),
-`default_of` (help text that quotes a dataclass's default) and `given` (the options a user set).
+Owns: the option aliases (`ModelOpt`, `ModelImplOpt`, `DtypeOpt`, `DeviceOpt`, `QuietOpt`,
+`ReportJsonOpt`, ...), `default_of` (help text that quotes a dataclass's default) and `given`
+(the options a user set).
 
 Defaults live in the dataclasses below commands/ (EngineConfig, QuantizeArgs, ...): an option here
 defaults to None, `given(...)` drops the Nones, and the dataclass fills in the rest, so a default
@@ -62,6 +63,16 @@ DeviceOpt = Annotated[
     typer.Option(
         "--device",
         help="auto (cuda when present, else cpu), cpu or cuda (default: auto).",
+        show_default=False,
+    ),
+]
+ModelImplOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--model-impl",
+        help="Whose model code runs MODEL: auto (llmctl's own for llama, mistral, qwen2 and "
+        "qwen3, transformers' for every other architecture), llmctl or transformers "
+        "(default: auto).",
         show_default=False,
     ),
 ]

@@ -129,11 +129,11 @@ def _command(
         _run(opts, ui)
 
 
-def _load_runtime(model, dtype="auto", device="auto"):
+def _load_runtime(model, dtype="auto", device="auto", model_impl="auto"):
     """Indirection so tests can serve a fake engine through the real command."""
     from llmctl.runtime.loader import load_runtime
 
-    return load_runtime(model, dtype=dtype, device=device)
+    return load_runtime(model, dtype=dtype, device=device, model_impl=model_impl)
 
 
 def _sigterm_as_interrupt():

@@ -36,7 +36,7 @@ def _graphs_supported(model, device: str) -> bool:
     """CUDA graphs need a CUDA device and the Triton decode kernels (the PyTorch reference pads
     every block table to its full width, which a graph would fix at the longest possible context),
     and plain weight tensors: 2:4 sparse weights (a tensor subclass over cuSPARSELt) stay eager."""
-    if not str(device).startswith("cuda"):
+    if not str(device).startswith("cuda") or not getattr(model.config, "native", True):
         return False
     if any(type(p.data) is not torch.Tensor for p in model.parameters()):
         return False
@@ -92,6 +92,10 @@ class LLMEngine:
         dtype: torch.dtype | None = None,
     ):
         cfg = engine_config or EngineConfig()
+        if cfg.batch_invariant and not model_config.native:
+            raise UsageError(
+                f"--batch-invariant needs llmctl's own model code, and {model_config.not_native}"
+            )
         weight = next(model.parameters())
         device = str(device or weight.device)
         self.model_config, self.engine_config = model_config, cfg

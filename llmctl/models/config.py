@@ -1,7 +1,11 @@
 """The model architecture facts llmctl needs, read from a Hugging Face `config.json`.
 
-Owns: parsing and validating config dicts of the Llama family (llama, mistral, qwen2, qwen3),
-including both spellings of RoPE settings (`rope_theta`/`rope_scaling` and `rope_parameters`).
+Owns: parsing and validating config dicts: those of the Llama family (llama, mistral, qwen2,
+qwen3), which our own model code runs (`native`), including both spellings of RoPE settings
+(`rope_theta`/`rope_scaling` and `rope_parameters`); and any other decoder-only architecture
+transformers knows, read through transformers' own config class (its attribute names differ by
+family: `n_embd`, `n_layer`...), for the transformers path (models/transformers_backend.py).
+Whether our code can run a config, and why not, is decided here and nowhere else.
 """
 
 from __future__ import annotations
@@ -39,15 +43,30 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # None: our own model code (models/llama.py) runs this config; else why it cannot (the
+    # transformers path, models/transformers_backend.py, serves it)
+    not_native: str | None = None
+
+    @property
+    def native(self) -> bool:
+        return self.not_native is None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """The config of any decoder-only model transformers knows; `native` where our code runs
+        it. An architecture transformers does not know is a ModelLoadError."""
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"unsupported architecture {model_type!r}; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            why = f"llmctl's own model code runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            return _from_transformers(d, f"{model_type!r} is not native ({why})")
+        try:
+            return cls._native(d)
+        except _NotNative as e:
+            return _from_transformers(d, str(e))
+
+    @classmethod
+    def _native(cls, d: dict[str, Any]) -> "ModelConfig":
+        model_type = d["model_type"]
         try:
             hidden = int(d["hidden_size"])
             heads = int(d["num_attention_heads"])
@@ -127,11 +146,65 @@ def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if scaling:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ModelLoadError(
-                f"unsupported RoPE scaling {rope_type!r}; supported: "
-                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+            raise _NotNative(
+                f"RoPE scaling {rope_type!r} is not native (llmctl's own model code has "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)})"
             )
         if rope_type == "default":
             return theta, None
         return theta, {**scaling, "rope_type": rope_type}
     return theta, None
+
+
+class _NotNative(Exception):
+    """A config of a native family that our model code cannot run (the message says why)."""
+
+
+def _from_transformers(d: dict[str, Any], why: str) -> ModelConfig:
+    """The facts the engine and the estimates need, read through transformers' config class for
+    the model type (its attribute map and defaults), from the text config of a multimodal one."""
+    model_type = d.get("model_type")
+    try:
+        from transformers import CONFIG_MAPPING
+
+        hf = CONFIG_MAPPING[model_type].from_dict(dict(d)) if model_type else None
+    except KeyError:
+        hf = None
+    except Exception as e:  # the config class rejects a value
+        raise ModelLoadError(f"config.json: {type(e).__name__}: {e}".splitlines()[0]) from None
+    if hf is None:
+        raise ModelLoadError(
+            f"unknown architecture {model_type!r}: transformers has no model of that type, and "
+            "llmctl never runs code from a model folder; supported: llama, mistral, qwen2, "
+            "qwen3 natively, and any decoder model transformers builds"
+        )
+    t = hf.get_text_config()
+    heads = int(t.num_attention_heads)
+    hidden = int(t.hidden_size)
+    eos = d.get("eos_token_id", getattr(t, "eos_token_id", None))
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=int(t.vocab_size),
+        hidden_size=hidden,
+        intermediate_size=int(_first(t, "intermediate_size", "n_inner", "ffn_hidden_size") or 0),
+        num_layers=int(t.num_hidden_layers),
+        num_heads=heads,
+        num_kv_heads=int(getattr(t, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(t, "head_dim", None) or hidden // heads),
+        rms_norm_eps=float(_first(t, "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon") or 0),
+        rope_theta=float(getattr(t, "rope_theta", None) or 10000.0),
+        max_position_embeddings=int(getattr(t, "max_position_embeddings", None) or 2048),
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        sliding_window=getattr(t, "sliding_window", None),
+        bos_token_id=d.get("bos_token_id", getattr(t, "bos_token_id", None)),
+        eos_token_ids=eos_ids,
+        torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "") or None,
+        raw=dict(d),
+        not_native=why,
+    )
+
+
+def _first(obj, *names: str):
+    """The first of `names` that `obj` has and is not None."""
+    return next((v for n in names if (v := getattr(obj, n, None)) is not None), None)

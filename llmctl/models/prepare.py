@@ -38,8 +38,11 @@ class Serving:
 
 
 def prepare_for_inference(model: nn.Module, kernels: KernelConfig, serving: Serving) -> None:
-    """See the module docstring. Only models of our layers (a `layers` list) are prepared."""
+    """See the module docstring. Only models of our layers (a `layers` list) are prepared; others
+    (transformers' modeling code) are handed the KernelConfig for their attention calls."""
     if not hasattr(model, "layers") or not hasattr(model, "lm_head"):
+        if hasattr(type(model), "kernels"):
+            model.kernels = kernels
         return
     cpu = serving.device == "cpu"
     # merged, tuned and packed for the CPU's kernels; elsewhere the layers as loaded

@@ -61,6 +61,8 @@ class Runtime(TextMethods):
             return None
         dtype = str(self.dtype).replace("torch.", "")
         draft, dcfg = load_model(resolve_model_path(engine_config.draft_model), dtype, self.device)
+        if not dcfg.native:
+            raise UsageError(f"the draft model cannot run natively: {dcfg.not_native}")
         if dcfg.vocab_size != self.config.vocab_size:
             raise UsageError(
                 f"the draft model's vocabulary ({dcfg.vocab_size}) differs from the "
@@ -70,14 +72,18 @@ class Runtime(TextMethods):
 
 
 def load_runtime(
-    model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto"
+    model: str | os.PathLike | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+    model_impl: str = "auto",
 ) -> Runtime:
-    """Load everything needed to serve `model` (None: the embedded demo model)."""
+    """Load everything needed to serve `model` (None: the embedded demo model); `model_impl`:
+    auto, llmctl or transformers (runtime/weights.py)."""
     import torch
 
     path = resolve_model_path(model)
     device = resolve_device(device)
-    net, config = load_model(path, dtype, device)
+    net, config = load_model(path, dtype, device, model_impl)
     dtype_t = (
         next(net.parameters()).dtype if dtype == "auto" else resolve_dtype(dtype, config, device)
     )

@@ -1,22 +1,29 @@
 """Weights from a folder of safetensors into our model, dense or quantized.
 
-Owns: `load_model` (build the model on the meta device, then its dense weights through
-tensors.assign_dense or a quantized folder through formats/load.py; RoPE buffers; the 2:4 path
-of runtime/semi_structured.py where it is faster).
+Owns: `load_model` and the choice of model implementation (`MODEL_IMPLS`, vLLM's
+`--model-impl`): our own model code where it runs the config (build the model on the meta device,
+then its dense weights through tensors.assign_dense or a quantized folder through
+formats/load.py; RoPE buffers; the 2:4 path of runtime/semi_structured.py where it is faster), or
+transformers' modeling code for the rest (models/transformers_backend.py), loaded by transformers
+from safetensors only, never with code from the model folder.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from llmctl.errors import ModelLoadError, UsageError
 from llmctl.models.config import ModelConfig
 from llmctl.runtime.formats.load import load_quantized
 from llmctl.runtime.resolve import resolve_device, resolve_dtype
 from llmctl.runtime.tensors import assign_dense, iter_tensors
 
+MODEL_IMPLS = ("auto", "llmctl", "transformers")
 
-def load_model(path: Path, dtype: str = "auto", device: str = "cpu"):
-    """Build our model for `path` and copy its safetensors weights in. Returns (model, config)."""
+
+def load_model(path: Path, dtype: str = "auto", device: str = "cpu", impl: str = "auto"):
+    """The model for `path` with its safetensors weights, by `impl` (auto: our own code where it
+    runs the config, else transformers'). Returns (model, config)."""
     import torch
 
     from llmctl.models.llama import LlamaForCausalLM
@@ -24,6 +31,8 @@ def load_model(path: Path, dtype: str = "auto", device: str = "cpu"):
     config = ModelConfig.from_file(path / "config.json")
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, config, device)
+    if choose_impl(config, impl) == "transformers":
+        return _load_transformers(path, config, torch_dtype, device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     quant = config.raw.get("quantization_config")
@@ -36,6 +45,43 @@ def load_model(path: Path, dtype: str = "auto", device: str = "cpu"):
     if quant is None:
         _accelerate_2of4(model, config)
     return model, config
+
+
+def choose_impl(config: ModelConfig, impl: str = "auto") -> str:
+    """ "llmctl" or "transformers" for `config` under --model-impl `impl`."""
+    if impl not in MODEL_IMPLS:
+        raise UsageError(f"unknown --model-impl {impl!r}; use {', '.join(MODEL_IMPLS)}")
+    if impl == "llmctl" and not config.native:
+        raise ModelLoadError(f"--model-impl llmctl: {config.not_native}")
+    if impl == "auto":
+        return "llmctl" if config.native else "transformers"
+    return impl
+
+
+def _load_transformers(path: Path, config: ModelConfig, torch_dtype, device: str):
+    """transformers' model for `path` (safetensors only, no remote code), wrapped to serve on the
+    paged KV cache."""
+    from transformers import AutoModelForCausalLM
+
+    from llmctl.models import transformers_backend as backend
+
+    if not any(path.glob("*.safetensors")):
+        raise ModelLoadError(f"{path} has no .safetensors weights (llmctl never loads pickles)")
+    backend.register()
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=torch_dtype,
+            use_safetensors=True,
+            trust_remote_code=False,
+            attn_implementation=backend.IMPLEMENTATION,
+        )
+    except (ValueError, OSError, KeyError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"transformers cannot load {path}: {first}") from None
+    hf = hf.to(device).eval().requires_grad_(False)
+    model = backend.TransformersCausalLM.wrap(hf, config)
+    return model, model.config
 
 
 def _accelerate_2of4(model, config: ModelConfig) -> None:

@@ -1,0 +1,77 @@
+"""Every decoder architecture transformers builds runs in the engine (issue 36): our own model
+code for the native families, transformers' modeling code on our paged KV cache for the rest,
+with greedy tokens equal to transformers' `generate`, token for token, in float32."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from archs import ARCHS, NATIVE, PROMPTS, save_clear_model
+
+from llmctl import LLM, SamplingParams
+from llmctl.errors import ModelLoadError, UsageError
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def _generate(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_equal_transformers_generate(tmp_path, arch):
+    folder, expected = save_clear_model(tmp_path, arch)
+    llm = LLM(str(folder), dtype="float32", device="cpu")
+    native = type(llm.runtime.model).__name__ == "LlamaForCausalLM"
+    assert native == (arch in NATIVE)
+    assert _generate(llm) == expected
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss", "deepseek_v3"])
+def test_engine_features_hold_on_the_transformers_path(tmp_path, arch):
+    """Chunked prefill (8-token budget), prefix caching (shared prompt starts), n-gram
+    speculation and preemption (a KV cache of a few blocks) on layers with a sliding window
+    of 8, sinks and MLA: the same greedy tokens."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 5, 6, 7], [5, 6, 7, 8, 9, 20, 21]]
+    folder, expected = save_clear_model(tmp_path, arch, prompts, max_new_tokens=12)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    block = LLM(str(folder), dtype="float32", device="cpu", block_size=4).engine.runner
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        device="cpu",
+        max_num_batched_tokens=8,
+        block_size=4,
+        kv_cache_memory=9 * block.bytes_per_block,  # the two rows need 12 blocks at the end
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    assert _generate(llm, prompts, params) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_model_impl_transformers_serves_a_native_family_too(tmp_path):
+    folder, expected = save_clear_model(tmp_path, "llama")
+    llm = LLM(str(folder), dtype="float32", device="cpu", model_impl="transformers")
+    assert type(llm.runtime.model).__name__ == "TransformersCausalLM"
+    assert _generate(llm) == expected
+
+
+def test_what_the_transformers_path_cannot_do_is_one_line(tmp_path):
+    folder, _ = save_clear_model(tmp_path, "gemma2")
+    with pytest.raises(ModelLoadError, match="--model-impl llmctl: 'gemma2' is not native"):
+        LLM(str(folder), device="cpu", model_impl="llmctl")
+    with pytest.raises(UsageError, match="--batch-invariant needs llmctl's own model code"):
+        LLM(str(folder), device="cpu", batch_invariant=True)
+    with pytest.raises(UsageError, match="--model-impl"):
+        LLM(str(folder), device="cpu", model_impl="vllm")
+
+
+def test_an_architecture_transformers_does_not_know_is_refused(tmp_path):
+    """A model whose code would come from its own folder (`auto_map`) is never run."""
+    config = {"model_type": "my_remote_arch", "auto_map": {"AutoModelForCausalLM": "m.Model"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "m.py").write_text("raise SystemExit('code from the model folder ran')\n")
+    with pytest.raises(ModelLoadError, match="unknown architecture 'my_remote_arch'"):
+        LLM(str(tmp_path), device="cpu")
