@@ -15,14 +15,17 @@ Weights are dequantized with the `gguf` package (llama.cpp's own reader, the opt
 llama, as llama.cpp's converter permuted them) and kept in the file's float dtype (float32,
 float16 or bfloat16), or bfloat16 when any matrix is quantized. Config and tokenizer (with the
 chat template) come from transformers' GGUF readers (`AutoConfig` / `AutoTokenizer` with
-`gguf_file=`), public API since transformers 4.41.
+`gguf_file=`), public API since transformers 4.41. Not converted (one-line errors): other
+architectures than llama (mistral included), qwen2 and qwen3, and files carrying `rope_freqs`
+(llama.cpp's form of Llama 3.1 rope scaling, whose parameters the file does not keep).
 
 Why not transformers' `AutoModelForCausalLM.from_pretrained(gguf_file=...)` for the weights too
-(what ../shared/tools/real_model.py does): measured on SmolLM2-135M-Instruct Q4_1 (98 MB file),
-see BENCHMARKS.md "GGUF models"; this path is faster and needs less memory, and the
-transformers path needs `accelerate` (not an llmctl dependency), and in transformers 5 keeps
-quantized weights packed behind an `hf_quantizer` that must be stripped before saving: an
-internal detail that has changed between releases (llmctl supports transformers >= 4.45).
+(what ../shared/tools/real_model.py does), measured on SmolLM2-135M-Instruct Q4_1 (98 MB file,
+2-core AMD EPYC, BENCHMARKS.md "GGUF files as MODEL"): 25.0 s and 915 MB peak RSS there, 12.4 s
+and 763 MB here, for bit-identical weights and the same tokenizer and config. It also needs
+`accelerate` (not an llmctl dependency), and transformers 5 keeps quantized weights packed behind
+an `hf_quantizer` that must be stripped before saving: an internal detail that has changed
+between releases (llmctl supports transformers >= 4.45).
 """
 
 from __future__ import annotations
