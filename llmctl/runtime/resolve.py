@@ -1,7 +1,8 @@
 """Which model and how to run it: a folder or hub id to a local folder, --dtype and --device.
 
-Owns: `DEMO_MODEL_DIR`, `resolve_model_path` (local folder, or a hub download when online),
-`resolve_dtype` and `resolve_device`, and the dtype spellings they accept.
+Owns: `DEMO_MODEL_DIR`, `resolve_model_path` (local folder, a llama.cpp GGUF file converted once
+into a cached folder by gguf.py, or a hub download when online), `resolve_dtype` and
+`resolve_device`, and the dtype spellings they accept.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from llmctl.errors import ModelLoadError, UsageError
 from llmctl.models.config import ModelConfig
+from llmctl.runtime.gguf import find_gguf, gguf_folder
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "demo-model"
 DTYPE_NAMES = {
@@ -27,17 +29,23 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """None -> the embedded demo model; an existing folder -> itself; otherwise a hub id, when
-    online."""
+    """None -> the embedded demo model; an existing folder -> itself; a `.gguf` file (or a folder
+    holding one and no config.json) -> its converted folder in the cache; otherwise a hub id,
+    when online."""
     if model is None or str(model) == "":
         return DEMO_MODEL_DIR
     path = Path(model).expanduser()
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return gguf_folder(gguf_file)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model folder")
         return path
     if path.exists():
-        raise ModelLoadError(f"{path} is a file; pass the model folder that holds config.json")
+        raise ModelLoadError(
+            f"{path} is a file; pass the model folder that holds config.json, or a .gguf file"
+        )
     text = str(model)
     if text.count("/") != 1 or text.startswith((".", "/", "~")):
         raise ModelLoadError(f"model folder {text!r} not found")
