@@ -7,8 +7,9 @@ per row count by measurement (kernels/cpu/linear/autotune.py: decoder linears se
 token budget, the vocabulary projection at most `logit_rows`), keeps a oneDNN-packed copy of the
 float32 vocabulary projection for batched logits, and builds the flat decode program
 (models/decode_program.py) over the result where it applies. Each is undone or redone on a
-second call (a new engine over the same model). Models without these layers (other classes)
-are left as they are.
+second call (a new engine over the same model). A model of transformers' code (the
+transformers path) has no layers of ours to merge: its plain `nn.Linear` modules become our
+`Linear` (the same parameters; only the class changes), so they take the same tuned kernels.
 """
 
 from __future__ import annotations
@@ -38,15 +39,15 @@ class Serving:
 
 
 def prepare_for_inference(model: nn.Module, kernels: KernelConfig, serving: Serving) -> None:
-    """See the module docstring. Only models of our layers (a `layers` list) are prepared; others
-    (transformers' modeling code) are handed the KernelConfig for their attention calls."""
-    if not hasattr(model, "layers") or not hasattr(model, "lm_head"):
-        if hasattr(type(model), "kernels"):
-            model.kernels = kernels
-        return
+    """See the module docstring. `model`: ours (models/llama.py) or the transformers path's
+    wrapper (models/transformers_backend.py; no `layers`)."""
     cpu = serving.device == "cpu"
+    ours = hasattr(model, "layers")
+    if cpu and not ours:
+        _adopt_linears(model)
     # merged, tuned and packed for the CPU's kernels; elsewhere the layers as loaded
-    merged, parts = merge_projections(model, kernels.merge_linears) if cpu else ([], set())
+    merge = cpu and ours
+    merged, parts = merge_projections(model, kernels.merge_linears) if merge else ([], set())
     for m in (*model.modules(), *merged):
         if hasattr(type(m), "kernels"):
             m.kernels = kernels
@@ -59,7 +60,17 @@ def prepare_for_inference(model: nn.Module, kernels: KernelConfig, serving: Serv
         _tune(model, linears, serving, kernels.native)
     if serving.dtype == torch.float32 and not serving.batch_invariant:
         _pack_lm_head(model.lm_head)
-    model.decode_program = DecodeProgram.build(model, kernels) if kernels.decode_program else None
+    if ours:
+        program = kernels.decode_program and DecodeProgram.build(model, kernels)
+        model.decode_program = program or None
+
+
+def _adopt_linears(model: nn.Module) -> None:
+    """Every module of exactly nn.Linear becomes our Linear (a subclass: hooks, names and
+    isinstance checks see no difference)."""
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = Linear
 
 
 def merge_projections(model: nn.Module, enabled: bool = True) -> tuple[list[Linear], set[int]]:

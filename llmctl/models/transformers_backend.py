@@ -120,6 +120,11 @@ class TransformersCausalLM(nn.Module):
         shape = dict(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim)
         return cls(hf, dataclasses.replace(config, **shape), step)
 
+    @property
+    def lm_head(self) -> nn.Module:
+        """The vocabulary projection (models/prepare.py tunes it for the logit rows)."""
+        return self.hf.get_output_embeddings()
+
     def forward(self, input_ids, positions, meta, kv_caches) -> torch.Tensor:
         """Packed tokens [T] -> final hidden states [T, hidden]; K/V written to the caches."""
         step = self._step
@@ -134,7 +139,7 @@ class TransformersCausalLM(nn.Module):
 
     def compute_logits(self, hidden, fixed_order: bool = False, float32: bool = True):
         """hidden [N, hidden] -> logits [N, vocab], post-processed as the family's head does."""
-        logits = _final_logits(self.hf.get_output_embeddings()(hidden), self.hf.config)
+        logits = _final_logits(self.lm_head(hidden), self.hf.config)
         return logits.float() if float32 else logits
 
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
