@@ -18,7 +18,9 @@ def random_model_folder(
     config_name: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0
 ) -> Path:
     """Save (once, cached under /tmp) a randomly initialised HF model with the shape of
-    shared/configs/NAME."""
+    benchmarks/configs/NAME.json or shared/configs/NAME.json (benchmarks/configs: shapes of other
+    families, for issue 36: gemma-3-270m, the published config; qwen3-moe-tiny, Qwen3-MoE's
+    layout scaled down to fit two cores)."""
     import transformers
 
     out = (
@@ -27,7 +29,10 @@ def random_model_folder(
     )
     if (out / "model.safetensors").exists():
         return out
-    cfg = json.loads((SHARED / "configs" / f"{config_name}.json").read_text())
+    own = Path(__file__).resolve().parent / "configs" / f"{config_name}.json"
+    cfg = json.loads(
+        (own if own.exists() else SHARED / "configs" / f"{config_name}.json").read_text()
+    )
     cfg.pop("torch_dtype", None)
     config = transformers.AutoConfig.for_model(**cfg)
     torch.manual_seed(seed)

@@ -146,6 +146,27 @@ class TransformersCausalLM(nn.Module):
         """[B, S] token ids -> [B, S, vocab] float32 logits, causal, no cache."""
         return self.hf(input_ids=input_ids, use_cache=False).logits.float()
 
+    # The checkpoint's names, as transformers saves them (no "hf." before each): distill saves
+    # and resumes students through these.
+    def decoder_layers(self) -> tuple[nn.Module, str]:
+        """(the module holding the decoder layers' ModuleList, its attribute name): the list of
+        `num_hidden_layers` entries under the base model."""
+        n = self.hf.config.get_text_config().num_hidden_layers
+        for parent in self.hf.base_model.modules():
+            for name, child in parent.named_children():
+                if isinstance(child, nn.ModuleList) and len(child) == n:
+                    return parent, name
+        raise ModelLoadError(f"{type(self.hf).__name__}: no list of {n} decoder layers found")
+
+    def state_dict(self, *args, **kwargs):
+        return self.hf.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.hf.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate=True):
+        return self.hf.named_parameters(prefix, recurse, remove_duplicate)
+
 
 def _probe(hf: nn.Module, step: _Step) -> tuple[int, int, int]:
     """Give each module that calls the attention interface the step slot and its cache index
@@ -156,9 +177,12 @@ def _probe(hf: nn.Module, step: _Step) -> tuple[int, int, int]:
 
     count = 0
 
+    seen: set[int] = set()
+
     def record(module, *args, **kwargs):
         nonlocal count
-        if not hasattr(module, "llmctl_index"):
+        if id(module) not in seen:  # indices anew: layers may have been dropped since
+            seen.add(id(module))
             module.llmctl_index, module.llmctl_step = count, step
             count += 1
         return _attention(module, *args, **kwargs)

@@ -4,7 +4,9 @@ Owns: `layer_plan` (N evenly spaced teacher layers, first and last kept, DistilB
 `student_from_layers` (a copy of the teacher with those layers; embeddings, final norm and lm_head
 copied), `student_from_config` (a fresh model of a config.json, initialised from --seed),
 `load_student` (an existing model folder) and `check_same_tokenizer`. Students are float32 and
-trainable; their config dicts are what the output's config.json is written from.
+trainable; their config dicts are what the output's config.json is written from. A student of an
+architecture our model code does not run is transformers' model of it
+(models/transformers_backend.py), initialised by transformers' own rules from --seed.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch
 from llmctl.errors import ModelLoadError, UsageError
 from llmctl.models.config import ModelConfig
 
-LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# a decoder layer's tensor: (the layer list's name, index, the rest); `h` is GPT-2's list
+LAYER_KEY = re.compile(r"(.+\.(?:layers|h))\.(\d+)\.(.+)")
 
 
 def layer_plan(teacher_layers: int, n: int) -> list[int]:
@@ -34,14 +37,32 @@ def layer_plan(teacher_layers: int, n: int) -> list[int]:
     return [round(i * (teacher_layers - 1) / (n - 1)) for i in range(n)]
 
 
-def _build(raw: dict, device: str):
-    """A float32 model of config dict `raw` with uninitialised weights, and its ModelConfig."""
+def _build(raw: dict, device: str, seed: int = 0):
+    """A float32 model of config dict `raw`, and its ModelConfig: ours with uninitialised
+    weights, or transformers' initialised by its own rules from `seed`."""
     from llmctl.models.llama import LlamaForCausalLM
 
     config = ModelConfig.from_dict(raw)
+    if not config.native:
+        return _build_transformers(raw, config, device, seed)
     with torch.device(device):
         model = LlamaForCausalLM(config)
     return model.float(), config
+
+
+def _build_transformers(raw: dict, config: ModelConfig, device: str, seed: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmctl.models import transformers_backend as backend
+
+    backend.register()
+    hf_config = AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "auto_map"})
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(
+        hf_config, dtype=torch.float32, attn_implementation=backend.IMPLEMENTATION
+    )
+    model = backend.TransformersCausalLM.wrap(hf.to(device), config)
+    return model, model.config
 
 
 def _trainable(model):
@@ -54,10 +75,13 @@ def student_from_layers(teacher_path: Path, teacher_raw: dict, n: int, device: s
 
     if teacher_raw.get("quantization_config") is not None:
         raise UsageError("--student-layers needs a dense teacher; this one is quantized")
-    keep = layer_plan(int(teacher_raw["num_hidden_layers"]), n)
+    teacher_config = ModelConfig.from_dict(teacher_raw)
+    keep = layer_plan(teacher_config.num_layers, n)
     raw = dict(teacher_raw, num_hidden_layers=n)
     if isinstance(raw.get("layer_types"), list):
         raw["layer_types"] = [raw["layer_types"][i] for i in keep]
+    if not teacher_config.native:
+        return (*_layers_of_transformers_teacher(teacher_path, raw, keep, device), keep)
     model, config = _build(raw, device)
     new_index = {old: new for new, old in enumerate(keep)}
     params = dict(model.named_parameters())
@@ -65,9 +89,9 @@ def student_from_layers(teacher_path: Path, teacher_raw: dict, n: int, device: s
     for _, name, tensor in iter_tensors(teacher_path):
         m = LAYER_KEY.fullmatch(name)
         if m:
-            if int(m.group(1)) not in new_index:
+            if int(m.group(2)) not in new_index:
                 continue
-            name = f"model.layers.{new_index[int(m.group(1))]}.{m.group(2)}"
+            name = f"{m.group(1)}.{new_index[int(m.group(2))]}.{m.group(3)}"
         if name in params:
             with torch.no_grad():
                 params[name].copy_(tensor.float())
@@ -76,6 +100,26 @@ def student_from_layers(teacher_path: Path, teacher_raw: dict, n: int, device: s
     if missing:
         raise ModelLoadError(f"{teacher_path}: the teacher has no tensor {missing[0]}")
     return _trainable(model), config, raw, keep
+
+
+def _layers_of_transformers_teacher(teacher_path: Path, raw: dict, keep: list[int], device: str):
+    """(model, config, raw config): the teacher loaded by transformers (its checkpoint names may
+    differ from its modules', as fused experts do), its decoder list cut to `keep`."""
+    from torch import nn
+
+    from llmctl.models import transformers_backend as backend
+    from llmctl.runtime.weights import load_model
+
+    teacher, _ = load_model(teacher_path, "float32", device, "transformers")
+    parent, name = teacher.decoder_layers()
+    layers = getattr(parent, name)
+    setattr(parent, name, nn.ModuleList(layers[i] for i in keep))
+    text = teacher.hf.config.get_text_config()
+    text.num_hidden_layers = len(keep)
+    if isinstance(getattr(text, "layer_types", None), list):
+        text.layer_types = raw["layer_types"]
+    model = backend.TransformersCausalLM.wrap(teacher.hf, ModelConfig.from_dict(raw))
+    return _trainable(model), model.config, raw
 
 
 def student_from_config(path: Path, teacher_raw: dict, seed: int, device: str):
@@ -90,7 +134,9 @@ def student_from_config(path: Path, teacher_raw: dict, seed: int, device: str):
         raise UsageError(f"--student-config {path}: expected a JSON object")
     raw = {k: v for k, v in raw.items() if k not in ("quantization_config", "auto_map")}
     _check_vocab(raw.get("vocab_size"), teacher_raw["vocab_size"], f"--student-config {path}")
-    model, config = _build(raw, device)
+    model, config = _build(raw, device, seed)
+    if not config.native:  # initialised by transformers' rules for its family
+        return _trainable(model), config, raw
     std = float(raw.get("initializer_range", 0.02))
     gen = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
