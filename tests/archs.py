@@ -62,10 +62,13 @@ EXTRA = {
     "falcon": dict(new_decoder_architecture=True, num_kv_heads=2, head_dim=None),
     "starcoder2": dict(sliding_window=None),
 }
-NATIVE = ("llama", "mistral", "qwen2", "qwen3")
+NATIVE = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
 MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3")
 ARCHS = (
-    *NATIVE,
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
     "gemma",
     "gemma2",
     "gemma3_text",

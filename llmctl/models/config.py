@@ -17,7 +17,25 @@ from typing import Any
 
 from llmctl.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHITECTURES)
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP as each family defines it (models/moe.py)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool  # the top-k routing weights renormalised to sum to one
+    float32_weights: bool  # routing weights stay float32 (mixtral), else the model's dtype (qwen)
+    shared_intermediate_size: int = 0  # a shared expert behind a sigmoid gate (qwen2_moe); 0: none
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP instead
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # mixtral: w1 w3 w2
+    block_name: str = "mlp"  # the block's name in the checkpoint (mixtral: block_sparse_moe)
+
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -43,6 +61,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    moe: MoeConfig | None = None  # mixture-of-experts MLPs (native MoE families)
     # None: our own model code (models/llama.py) runs this config; else why it cannot (the
     # transformers path, models/transformers_backend.py, serves it)
     not_native: str | None = None
@@ -73,8 +92,14 @@ class ModelConfig:
             rope_theta, rope_scaling = _rope_settings(d)
             eos = d.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            qk_norm = model_type == "qwen3"
-            bias_default = model_type == "qwen2"
+            qk_norm = model_type in ("qwen3", "qwen3_moe")
+            bias = d.get("qkv_bias", True) if model_type == "qwen2_moe" else d.get("attention_bias")
+            window = d.get("sliding_window")
+            if not d.get("use_sliding_window", model_type in ("mistral", "mixtral")):
+                window = None
+            context = int(d.get("max_position_embeddings", 2048))
+            if window and window < context:  # our attention kernels have no window
+                raise _NotNative(f"a sliding window ({window} tokens) is not native")
             return cls(
                 model_type=model_type,
                 vocab_size=int(d["vocab_size"]),
@@ -86,14 +111,13 @@ class ModelConfig:
                 head_dim=int(d.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
-                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                max_position_embeddings=context,
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=bool(d.get("attention_bias", bias_default)),
+                attention_bias=bool(model_type == "qwen2" if bias is None else bias),
                 qk_norm=qk_norm,
                 rope_scaling=rope_scaling,
-                sliding_window=d.get("sliding_window")
-                if d.get("use_sliding_window", model_type == "mistral")
-                else None,
+                sliding_window=window,
+                moe=_moe(d) if model_type in MOE_ARCHITECTURES else None,
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=d.get("torch_dtype") or d.get("dtype"),
@@ -126,10 +150,15 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        mlp = 3 * h * f
-        per_layer = attn + mlp + 2 * h
+        mlps = [3 * h * f] * self.num_layers
+        if self.moe is not None:
+            m = self.moe
+            sparse = m.num_experts * (3 * h * m.intermediate_size + h)  # experts and router rows
+            if m.shared_intermediate_size:
+                sparse += 3 * h * m.shared_intermediate_size + h
+            mlps = [3 * h * f if i in m.dense_layers else sparse for i in range(self.num_layers)]
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * per_layer + h + head
+        return v * h + self.num_layers * (attn + 2 * h) + sum(mlps) + h + head
 
 
 def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -154,6 +183,30 @@ def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             return theta, None
         return theta, {**scaling, "rope_type": rope_type}
     return theta, None
+
+
+def _moe(d: dict[str, Any]) -> MoeConfig:
+    """The MoE settings, with each family's defaults (read through transformers' config)."""
+    from transformers import CONFIG_MAPPING
+
+    t = CONFIG_MAPPING[d["model_type"]].from_dict(dict(d))
+    if d["model_type"] == "mixtral":
+        names = ("w1", "w3", "w2")
+        return MoeConfig(
+            t.num_local_experts, t.num_experts_per_tok, t.intermediate_size, True, True,
+            expert_names=names, block_name="block_sparse_moe",
+        )  # fmt: skip
+    sparse_step, only_dense = t.decoder_sparse_step, set(t.mlp_only_layers or ())
+    dense = tuple(
+        i
+        for i in range(t.num_hidden_layers)
+        if i in only_dense or not (t.num_experts > 0 and (i + 1) % sparse_step == 0)
+    )
+    shared = int(getattr(t, "shared_expert_intermediate_size", 0) or 0)
+    return MoeConfig(
+        t.num_experts, t.num_experts_per_tok, t.moe_intermediate_size, bool(t.norm_topk_prob),
+        False, shared, dense,
+    )  # fmt: skip
 
 
 class _NotNative(Exception):

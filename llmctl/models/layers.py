@@ -109,8 +109,10 @@ class Attention(nn.Module):
         self.q_proj = Linear(h, config.q_size, bias=bias)
         self.k_proj = Linear(h, config.kv_size, bias=bias)
         self.v_proj = Linear(h, config.kv_size, bias=bias)
-        # qwen2 has biases on q/k/v only; llama and qwen3 put `attention_bias` on o_proj too.
-        self.o_proj = Linear(config.q_size, h, bias=bias and config.model_type != "qwen2")
+        # qwen2 (and qwen2_moe) have biases on q/k/v only; llama and qwen3 put `attention_bias`
+        # on o_proj too.
+        o_bias = bias and not config.model_type.startswith("qwen2")
+        self.o_proj = Linear(config.q_size, h, bias=o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
@@ -178,9 +180,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     kernels: KernelConfig = DEFAULT_KERNELS
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, intermediate: int | None = None):
         super().__init__()
-        h, f = config.hidden_size, config.intermediate_size
+        h, f = config.hidden_size, intermediate or config.intermediate_size
         self.gate_proj = Linear(h, f, bias=False)
         self.up_proj = Linear(h, f, bias=False)
         self.down_proj = Linear(f, h, bias=False)

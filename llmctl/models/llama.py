@@ -1,4 +1,6 @@
-"""Our model code for the Llama family: llama, mistral, qwen2 (q/k/v bias) and qwen3 (q/k RMSNorm).
+"""Our model code for the Llama family: llama, mistral, qwen2 (q/k/v bias) and qwen3 (q/k RMSNorm),
+and their mixture-of-experts forms qwen2_moe, qwen3_moe and mixtral (models/moe.py in place of
+the MLP).
 
 Owns: the decoder layer and model, composed of models/layers.py's layers, and three forward paths
 over the same weights:
@@ -24,14 +26,22 @@ from torch import nn
 from llmctl.kernels.attention import PagedAttentionMetadata
 from llmctl.models.config import ModelConfig
 from llmctl.models.layers import MLP, Attention, Linear, RMSNorm, project
+from llmctl.models.moe import SparseMoE
 from llmctl.models.rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, index: int = 0):
         super().__init__()
         self.self_attn = Attention(config, rotary)
-        self.mlp = MLP(config)
+        # the MLP, or a mixture of experts under the checkpoint's name for it (models/moe.py)
+        moe = config.moe
+        self._ffn = "mlp"
+        if moe is not None and index not in moe.dense_layers:
+            self._ffn = moe.block_name
+            setattr(self, self._ffn, SparseMoE(config))
+        else:
+            self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -43,21 +53,28 @@ class DecoderLayer(nn.Module):
         fixed = meta.batch_invariant
         h = self.input_layernorm.add_forward(x, delta, fixed)
         a = self.self_attn(h, positions, meta, kv_cache)
-        return x, self.mlp(self.post_attention_layernorm.add_forward(x, a, fixed), fixed)
+        return x, self.ffn(self.post_attention_layernorm.add_forward(x, a, fixed), fixed)
 
     def forward_dense(self, x: torch.Tensor, positions: torch.Tensor, past=None):
         """x [B, S, hidden] at positions [S] (after `past`, a dense cache, where given) ->
         (x [B, S, hidden], this layer's (k, v) with `past`)."""
         a, cache = self.self_attn.forward_dense(self.input_layernorm(x), positions, past)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        return x + self.ffn(self.post_attention_layernorm(x)), cache
+
+    @property
+    def ffn(self) -> nn.Module:
+        """The MLP or mixture-of-experts block, whatever the checkpoint names it."""
+        return getattr(self, self._ffn)
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rotary, i) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

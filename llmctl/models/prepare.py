@@ -23,7 +23,7 @@ from llmctl.kernels.config import KernelConfig
 from llmctl.kernels.cpu.linear import autotune, dispatch, torch_kernels
 from llmctl.models import merged as merging
 from llmctl.models.decode_program import DecodeProgram
-from llmctl.models.layers import Linear
+from llmctl.models.layers import MLP, Attention, Linear
 
 
 @dataclass(frozen=True)
@@ -86,8 +86,8 @@ def merge_projections(model: nn.Module, enabled: bool = True) -> tuple[list[Line
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    """Each decoder layer's attention and MLP: the blocks that may hold a merged linear."""
-    return [block for layer in model.layers for block in (layer.self_attn, layer.mlp)]
+    """Every attention and MLP block (experts' too): the blocks that may hold a merged linear."""
+    return [m for m in model.modules() if isinstance(m, (Attention, MLP))]
 
 
 def _tunable(model: nn.Module, merged: list[Linear], parts: set[int]) -> list[Linear]:
