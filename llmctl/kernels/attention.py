@@ -276,6 +276,12 @@ def _decode(
     return out
 
 
+def decode_cached(q, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float, kernels):
+    """Attention of the decode rows q [B, heads, D] over K/V already in the caches (as
+    paged_attention's decode part, without writing K/V): [B, heads, D]."""
+    return _decode(q, k_cache, v_cache, meta, scale, _triton_kernels(q), kernels)
+
+
 def _decode_per_row(q, k_cache, v_cache, tables, lens, scale: float, bs: int) -> torch.Tensor:
     """Decode attention one row at a time over exactly its own positions, so a row's shapes (and
     so its reduction order) depend on its context length alone, not on its batch-mates or the

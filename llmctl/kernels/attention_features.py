@@ -1,13 +1,19 @@
-"""Attention with the features some model families add, in plain PyTorch: a sliding window,
-logit soft-capping, attention sinks (one learned logit per head that takes part of the softmax)
-and any key/value head size, over the paged KV cache or over dense K/V.
+"""Attention with the features some model families add: a sliding window, logit soft-capping,
+attention sinks (one learned logit per head that takes part of the softmax) and any key/value
+head size, over the paged KV cache or over dense K/V.
 
 Owns: `Features` (a layer's settings) and `paged_attention_with`, which serves the transformers
-path (models/transformers_backend.py) for layers whose attention the kernels of
-kernels/attention.py do not compute; `attend`, the one formula both use. Semantics as
-transformers defines them: query i sees key j when j <= i and, with a window w, j > i - w;
-soft-capping is cap * tanh(score / cap) after scaling; a sink is a column of the softmax that
-is then dropped.
+path (models/transformers_backend.py) for layers whose attention is not plain causal attention;
+`attend`, the one formula in plain PyTorch. Semantics as transformers defines them: query i sees
+key j when j <= i and, with a window w, j > i - w; soft-capping is cap * tanh(score / cap) after
+scaling; a sink is a column of the softmax that is then dropped.
+
+A window alone takes the fast kernels of kernels/attention.py: decode rows whose context fits in
+the window read the cache in place; when some do not, each row's last w positions are gathered
+into a scratch cache of consecutive blocks (w x kv_heads x D a row: about what the attention
+reads anyway) and the same decode kernel reads that; a prefill chunk whose whole context fits is
+plain chunk attention. Everything else (soft-capping, sinks, chunks longer than the window) runs
+`attend` over only the positions a query can see.
 """
 
 from __future__ import annotations
@@ -16,7 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from llmctl.kernels.attention import PagedAttentionMetadata, write_kv
+from llmctl.kernels.attention import (
+    PagedAttentionMetadata,
+    chunk_attention,
+    decode_cached,
+    write_kv,
+)
+from llmctl.kernels.config import KernelConfig
 
 
 @dataclass(frozen=True)
@@ -27,9 +39,14 @@ class Features:
     sinks: torch.Tensor | None = None  # [heads], one logit each
 
     @property
+    def window_only(self) -> bool:
+        """No soft-capping and no sinks: causal attention, perhaps windowed."""
+        return not self.softcap and self.sinks is None
+
+    @property
     def plain(self) -> bool:
         """Nothing beyond causal scaled attention: kernels/attention.py serves it."""
-        return not self.sliding_window and not self.softcap and self.sinks is None
+        return self.window_only and not self.sliding_window
 
 
 def attend(q, k, v, q_pos, k_pos, f: Features, k_valid=None) -> torch.Tensor:
@@ -59,29 +76,71 @@ def attend(q, k, v, q_pos, k_pos, f: Features, k_valid=None) -> torch.Tensor:
 
 
 def paged_attention_with(
-    q, k, v, k_cache, v_cache, meta: PagedAttentionMetadata, f: Features, native: bool = True
+    q, k, v, k_cache, v_cache, meta: PagedAttentionMetadata, f: Features, kernels: KernelConfig
 ) -> torch.Tensor:
     """As kernels/attention.paged_attention (q [T, H, D], k/v [T, KVH, D] of the packed batch,
     K/V written to their slots first; the decode rows first), with `f`'s features. Returns
     [T, H, D]."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping, native)
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping, kernels.native)
     out = torch.empty_like(q)
-    nd, bs = meta.num_decodes, meta.block_size
+    nd = meta.num_decodes
     if nd:
-        lens = meta.decode_context_lens  # [nd]: each row's context, itself included
-        width = int(lens.max())
-        p = torch.arange(width, device=q.device)
-        slots = meta.decode_block_tables.gather(1, (p // bs).expand(nd, -1)) * bs + p % bs
-        kk = k_cache[:, slots].permute(1, 2, 0, 3)  # [nd, width, KVH, D]
-        vv = v_cache[:, slots].permute(1, 2, 0, 3)
-        k_pos = p.expand(nd, -1)
-        valid = k_pos < lens[:, None]  # padding past each row's context
-        out[:nd] = attend(q[:nd, None], kk, vv, (lens - 1)[:, None], k_pos, f, valid)[:, 0]
+        out[:nd] = _decodes(q[:nd], k_cache, v_cache, meta, f, kernels)
     for chunk in meta.prefills:
-        s, e, done = chunk.start, chunk.start + chunk.length, chunk.num_computed
-        kk = k_cache[:, chunk.slots].transpose(0, 1)[None]  # [1, done + length, KVH, D]
-        vv = v_cache[:, chunk.slots].transpose(0, 1)[None]
-        q_pos = torch.arange(done, done + chunk.length, device=q.device)[None]
-        k_pos = torch.arange(done + chunk.length, device=q.device)[None]
-        out[s:e] = attend(q[None, s:e], kk, vv, q_pos, k_pos, f)[0]
+        s, e = chunk.start, chunk.start + chunk.length
+        out[s:e] = _chunk(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk, f, kernels)
     return out
+
+
+def _window_slots(meta: PagedAttentionMetadata, width: int, padded: int):
+    """Each decode row's last `width` positions (from 0 where it has fewer), laid out in
+    `padded` >= width columns, the columns past them repeating its last position: (slots
+    [nd, padded], positions [nd, padded], how many are real [nd])."""
+    lens, bs = meta.decode_context_lens, meta.block_size
+    starts = (lens - width).clamp(min=0)
+    p = starts[:, None] + torch.arange(padded, device=lens.device)  # [nd, padded]
+    p = torch.minimum(p, (lens - 1)[:, None])
+    slots = meta.decode_block_tables.gather(1, p // bs) * bs + p % bs
+    return slots, p, lens - starts
+
+
+def _decodes(q, k_cache, v_cache, meta: PagedAttentionMetadata, f: Features, kernels):
+    """The decode rows q [nd, H, D] -> [nd, H, Dv]."""
+    window, longest = f.sliding_window, meta.decode_max_len or int(meta.decode_context_lens.max())
+    if f.window_only and (not window or longest <= window):
+        return decode_cached(q, k_cache, v_cache, meta, f.scale, kernels)
+    width = min(window or longest, longest)
+    if f.window_only:  # the windows gathered into consecutive blocks of a scratch cache
+        bs = meta.block_size
+        padded = -(-width // bs) * bs
+        slots, _, counts = _window_slots(meta, width, padded)
+        kk = k_cache.index_select(1, slots.flatten())  # [KVH, nd * padded, D]
+        vv = v_cache.index_select(1, slots.flatten())
+        nd, per_row = q.shape[0], padded // bs
+        tables = torch.arange(nd * per_row, device=q.device).view(nd, per_row)
+        window_meta = PagedAttentionMetadata(
+            None, nd, tables, counts, [], bs, None, meta.workspace, width
+        )  # fmt: skip
+        return decode_cached(q, kk, vv, window_meta, f.scale, kernels)
+    slots, pos, counts = _window_slots(meta, width, width)
+    kk = k_cache[:, slots].permute(1, 2, 0, 3)  # [nd, width, KVH, D]
+    vv = v_cache[:, slots].permute(1, 2, 0, 3)
+    valid = torch.arange(width, device=q.device)[None] < counts[:, None]
+    lens = meta.decode_context_lens
+    return attend(q[:, None], kk, vv, (lens - 1)[:, None], pos, f, valid)[:, 0]
+
+
+def _chunk(q, k, v, k_cache, v_cache, chunk, f: Features, kernels) -> torch.Tensor:
+    """One prefill chunk q [n, H, D] at positions done.. -> [n, H, Dv]."""
+    done, n, window = chunk.num_computed, chunk.length, f.sliding_window
+    if f.window_only and (not window or done + n <= window):
+        return chunk_attention(
+            q, k, v, k_cache, v_cache, chunk.slots, done, f.scale, kernels=kernels
+        )
+    first = max(0, done + 1 - window) if window else 0  # the first key any query here sees
+    slots = chunk.slots[first : done + n]
+    kk = k_cache[:, slots].transpose(0, 1)[None]  # [1, done + n - first, KVH, D]
+    vv = v_cache[:, slots].transpose(0, 1)[None]
+    q_pos = torch.arange(done, done + n, device=q.device)[None]
+    k_pos = torch.arange(first, done + n, device=q.device)[None]
+    return attend(q[None], kk, vv, q_pos, k_pos, f)[0]

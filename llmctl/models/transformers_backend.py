@@ -67,7 +67,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     if f.plain and query.shape[-1] == value.shape[-1]:
         out = paged_attention(q, k, v, k_cache, v_cache, step.meta, f.scale, step.kernels)
     else:
-        out = paged_attention_with(q, k, v, k_cache, v_cache, step.meta, f, step.kernels.native)
+        out = paged_attention_with(q, k, v, k_cache, v_cache, step.meta, f, step.kernels)
     return out[None, ..., : value.shape[-1]], None
 
 
