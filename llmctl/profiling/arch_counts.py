@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from llmctl.errors import ModelLoadError
 from llmctl.models.config import ModelConfig
@@ -65,6 +66,51 @@ class ArchCounts:
             n = count * out_f * in_f
             total += n * self.experts_per_token // self.num_experts if active and expert else n
         return total
+
+    def flops_per_token(self, context: int) -> int:
+        """2 x (active decoder matrices + lm_head) + per attention layer 2 x c x query heads x
+        (key size + value size), c = min(context, the layer's window)."""
+        matmul = self.matrix_params(active=True) + self.vocab_size * self.hidden_size
+        attn = sum(
+            2 * min(context, a.window or context) * a.query_heads * (a.key_size + a.value_size)
+            for a in self.attention
+        )
+        return 2 * matmul + attn
+
+    def windowed_tokens(self, seq_len: int, block_size: int) -> int | None:
+        """Cache tokens a sequence of seq_len would hold if sliding-window layers kept only their
+        window (min(seq_len, window) per such layer, rounded up to whole blocks), summed over the
+        attention layers; None when no layer has a window."""
+        if not any(a.window for a in self.attention):
+            return None
+        tokens = (min(seq_len, a.window or seq_len) for a in self.attention)
+        return sum(-(-t // block_size) * block_size for t in tokens)
+
+    def experts_touched(self, batch: int) -> float | None:
+        """Expected distinct routed experts a decode step of `batch` tokens reads per MoE layer,
+        routing uniform and independent: E x (1 - (1 - k/E)^batch). None: dense."""
+        if not self.num_experts:
+            return None
+        e, k = self.num_experts, self.experts_per_token
+        return e * (1 - (1 - k / e) ** batch)
+
+    def estimate_fields(
+        self, per_token: int, kv_element_bytes: int, seq_len: int, batch: int, block_size: int
+    ) -> dict[str, Any]:
+        """profiling/estimate.py's Estimate fields beyond the Llama layout; per_token: the
+        engine's KV bytes per token (every attention layer's share is equal)."""
+        windowed = self.windowed_tokens(seq_len, block_size)
+        latent = self.mla_latent and len(self.attention) * self.mla_latent * kv_element_bytes
+        return {
+            "active_parameters": self.active_parameters,
+            "num_experts": self.num_experts,
+            "experts_per_token": self.experts_per_token,
+            "decode_experts_touched": self.experts_touched(batch),
+            "kv_bytes_per_token_mla_latent": latent or None,
+            "kv_bytes_per_sequence_windowed": None
+            if windowed is None
+            else windowed * per_token // len(self.attention),
+        }
 
 
 def arch_counts(config: ModelConfig) -> ArchCounts:
