@@ -1,4 +1,5 @@
-"""Memory and speed estimates from a model's config.json alone (no weights): pure arithmetic.
+"""Memory and speed estimates from a model's config.json alone (no weights): arithmetic on the
+config (the Llama layout) or on counts of transformers' meta-device model (other families).
 
 Owns: parameter and weight-byte counts per storage format (int4/int8 with their per-group scales and
 zero points), KV-cache bytes per token / sequence / batch, how many sequences fit in a memory
