@@ -43,7 +43,8 @@ class _Step:
         self.meta = None
         self.kv_caches = None
         self.kernels = KernelConfig()
-        self.shapes: list[tuple[int, int, int]] | None = None  # probing: (kv_heads, dk, dv)
+        # probing: (kv_heads, dk, dv, query heads, sliding window or None) per attention call
+        self.shapes: list[tuple[int, int, int, int, int | None]] | None = None
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
@@ -58,7 +59,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     )
     if step.meta is None:
         if step.shapes is not None:
-            step.shapes.append((key.shape[1], key.shape[-1], value.shape[-1]))
+            shape = (key.shape[1], key.shape[-1], value.shape[-1], query.shape[1])
+            step.shapes.append((*shape, f.sliding_window or None))
         return _dense(query, key, value, f), None
     k_cache, v_cache = step.kv_caches[module.llmctl_index]
     width = k_cache.shape[-1]
@@ -168,7 +170,16 @@ class TransformersCausalLM(nn.Module):
         return self.hf.named_parameters(prefix, recurse, remove_duplicate)
 
 
-def _probe(hf: nn.Module, step: _Step) -> tuple[int, int, int]:
+def probe_attention(hf: nn.Module, record: list | None = None) -> tuple[int, int, int]:
+    """(attention layers, KV heads, cache head size): the cache shape the engine allocates for
+    `hf` (a meta-device model works too: memory estimates use it); `record` gets each layer's
+    (kv_heads, key size, value size, query heads, sliding window or None)."""
+    register()
+    hf.set_attn_implementation(IMPLEMENTATION)
+    return _probe(hf, _Step(), record)
+
+
+def _probe(hf: nn.Module, step: _Step, layers: list | None = None) -> tuple[int, int, int]:
     """Give each module that calls the attention interface the step slot and its cache index
     (found by a recorded forward of two tokens: families name them differently), and return
     (attention layers, KV heads, cache head size) from the K/V shapes they pass, which must agree
@@ -196,6 +207,8 @@ def _probe(hf: nn.Module, step: _Step) -> tuple[int, int, int]:
     finally:
         register()
         step.shapes = None
+    if layers is not None:
+        layers.extend(shapes)
     if not shapes:
         raise ModelLoadError(
             f"{type(hf).__name__} does not call transformers' attention interface, so its "

@@ -1,9 +1,10 @@
-"""Memory and speed estimates from a model's config.json alone (no weights): pure arithmetic.
+"""Memory and speed estimates from a model's config.json alone (no weights): arithmetic on the
+config (the Llama layout) or on counts of transformers' meta-device model (other families).
 
 Owns: parameter and weight-byte counts per storage format (int4/int8 with their per-group scales and
 zero points), KV-cache bytes per token / sequence / batch, how many sequences fit in a memory
-budget, the bandwidth-bound decode ceiling and FLOPs per token (used for MFU), and finding a
-config.json from a folder, a file or a hub id.
+budget, the bandwidth-bound decode ceiling and FLOPs per token (used for MFU). `find_config`
+(profiling/config_source.py) is re-exported here.
 
 Conventions (stated in every estimate record):
 - Quantized formats (int8, int4) quantize the decoder's linear weights (q/k/v/o, gate/up/down) in
@@ -17,19 +18,31 @@ Conventions (stated in every estimate record):
 - Decode ceiling: each decode step reads every weight once plus the KV of every sequence in the
   batch, so steps/s <= bandwidth / (weight bytes + batch x context x KV bytes per token); each step
   yields one token per sequence (per-sequence tokens/s = steps/s, aggregate = batch x steps/s).
+- Families other than llama/mistral/qwen2/qwen3 are counted on transformers' model of the config
+  built on the meta device (profiling/arch_counts.py): "decoder linears" are its nn.Linear/Conv1D
+  modules and fused 3-D expert weights (routers, a shared expert's gate, norms, biases stay 16-bit).
+- MoE: `active_parameters` = all but the routed experts + k/E of them (k experts per token of E).
+  A decode step of batch b reads, per MoE layer, the expected distinct experts its b tokens were
+  routed to, E x (1 - (1 - k/E)^b) (uniform, independent routing), so the step's weight bytes are
+  weights.total - experts + experts x (1 - (1 - k/E)^b); FLOPs per token use the active ones.
+- KV bytes per token are what llmctl's engine allocates: every attention layer keeps K and V of
+  all its KV heads at the cache head size (the wider of key and value). MLA models (deepseek)
+  therefore cache decompressed K/V; `kv_bytes_per_token_mla_latent` is what a latent cache
+  (kv_lora_rank + qk_rope_head_dim per layer) would need. Sliding-window layers keep every token
+  today; `kv_bytes_per_sequence_windowed` is what a cache capped at the window would hold.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from llmctl.errors import ModelLoadError, UsageError
+from llmctl.errors import UsageError
 from llmctl.models.config import ModelConfig
+from llmctl.profiling.arch_counts import arch_counts
+from llmctl.profiling.config_source import find_config  # noqa: F401 (re-exported)
 from llmctl.profiling.dtypes import canonical_dtype
 
 # Weight storage formats and their bits per element.
@@ -88,35 +101,76 @@ def weight_bytes(
 ) -> WeightBytes:
     """Bytes of all weights stored as `dtype` (see module docstring for what int formats
     include)."""
+    return _weight_parts(config, dtype, group_size, quantize_embeddings)[0]
+
+
+def _weight_parts(
+    config: ModelConfig, dtype: str, group_size: int | None, quantize_embeddings: bool
+) -> tuple[WeightBytes, int]:
+    """(weight bytes, the routed experts' share of their total: 0 for a dense model)."""
     dtype = normalize_dtype(dtype, WEIGHT_BITS, "weight dtype")
     if group_size is not None and group_size < 1:
         raise UsageError(f"--group-size must be a positive integer, got {group_size}")
     bits = WEIGHT_BITS[dtype]
     quantized = dtype.startswith("int")
     float_bytes = 4 if dtype == "float32" else 2  # what unquantized tensors are stored in
-    linear = scales = zeros = 0
-    for out_f, in_f in linear_shapes(config):
+    linear = scales = zeros = experts = 0
+    for out_f, in_f, count, expert in decoder_matrices(config):
         w, s, z = _matrix_bytes(out_f, in_f, bits, group_size, quantized, float_bytes)
-        linear, scales, zeros = linear + w, scales + s, zeros + z
-    linear, scales, zeros = (config.num_layers * x for x in (linear, scales, zeros))
-    h, v = config.hidden_size, config.vocab_size
-    n_emb = 1 if config.tie_word_embeddings else 2
+        linear, scales, zeros = linear + count * w, scales + count * s, zeros + count * z
+        experts += count * (w + s + z) if expert else 0
+    v, h, n_emb = _embedding(config)
     w, s, z = _matrix_bytes(v, h, bits, group_size, quantized and quantize_embeddings, float_bytes)
     embeddings, scales, zeros = n_emb * w, scales + n_emb * s, zeros + n_emb * z
-    norms_and_biases = config.num_parameters() - _matrix_params(config)
-    return WeightBytes(linear, scales, zeros, embeddings, norms_and_biases * float_bytes)
+    others = num_parameters(config) - _matrix_params(config)
+    if not config.native:  # routed experts' biases stay float
+        c = arch_counts(config)
+        experts += (c.expert_parameters - _expert_matrix_params(c)) * float_bytes
+    return WeightBytes(linear, scales, zeros, embeddings, others * float_bytes), experts
+
+
+def decoder_matrices(config: ModelConfig) -> list[tuple[int, int, int, bool]]:
+    """(out_features, in_features, how many, routed expert) of the decoder's matrices: the Llama
+    layout's 7 per layer for native configs, the meta model's (profiling/arch_counts.py) else."""
+    if config.native:
+        return [(o, i, config.num_layers, False) for o, i in linear_shapes(config)]
+    return list(arch_counts(config).matrices)
+
+
+def _embedding(config: ModelConfig) -> tuple[int, int, int]:
+    """(vocab, hidden, 1 when the lm_head is tied to the input embedding else 2)."""
+    if config.native:
+        return config.vocab_size, config.hidden_size, 1 if config.tie_word_embeddings else 2
+    c = arch_counts(config)
+    return c.vocab_size, c.hidden_size, c.embeddings
 
 
 def _matrix_params(config: ModelConfig) -> int:
     """Elements of all 2-D weight matrices (decoder linears + embeddings + untied lm_head)."""
-    per_layer = sum(o * i for o, i in linear_shapes(config))
-    n_emb = 1 if config.tie_word_embeddings else 2
-    return config.num_layers * per_layer + n_emb * config.vocab_size * config.hidden_size
+    v, h, n_emb = _embedding(config)
+    return sum(o * i * n for o, i, n, _ in decoder_matrices(config)) + n_emb * v * h
+
+
+def _expert_matrix_params(c) -> int:
+    return sum(o * i * n for o, i, n, expert in c.matrices if expert)
+
+
+def num_parameters(config: ModelConfig) -> int:
+    """Every parameter of the checkpoint, a tied embedding once."""
+    return config.num_parameters() if config.native else arch_counts(config).num_parameters
+
+
+def active_parameters(config: ModelConfig) -> int:
+    """Parameters one token runs through: a MoE's routed experts at k / E, all else whole."""
+    return config.num_parameters() if config.native else arch_counts(config).active_parameters
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: str = "bfloat16") -> int:
     """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
     kv_dtype = normalize_dtype(kv_dtype, KV_BYTES, "KV dtype")
+    if not config.native:  # the engine's cache shape, by its load-time probe
+        c = arch_counts(config)
+        return 2 * len(c.attention) * c.cache_kv_heads * c.cache_head_dim * KV_BYTES[kv_dtype]
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES[kv_dtype]
 
 
@@ -131,6 +185,8 @@ def kv_bytes_per_sequence(
 def flops_per_token(config: ModelConfig, context: int) -> int:
     """Forward FLOPs for one token attending to `context` tokens: 2 x matmul weights (the embedding
     lookup is not a matmul; lm_head is) + 4 x layers x context x q_size (Q.K^T and P.V)."""
+    if not config.native:
+        return arch_counts(config).flops_per_token(context)
     per_layer = sum(o * i for o, i in linear_shapes(config))
     matmul_params = config.num_layers * per_layer + config.vocab_size * config.hidden_size
     return 2 * matmul_params + 4 * config.num_layers * context * config.q_size
@@ -158,7 +214,16 @@ class Estimate:
     decode_bytes_per_step: int  # weights + batch x seq_len x KV per token
     decode_tokens_per_s_per_sequence: float | None
     decode_tokens_per_s_aggregate: float | None
-    flops_per_token: int  # at context = seq_len
+    flops_per_token: int  # at context = seq_len (a MoE's active parameters)
+    # every family (see the module docstring): equal to num_parameters for a dense model
+    active_parameters: int = 0
+    num_experts: int = 0  # routed experts per MoE layer (0: dense)
+    experts_per_token: int = 0
+    expert_weight_bytes: int = 0  # the routed experts' share of weights.total
+    decode_experts_touched: float | None = None  # expected distinct experts per layer per step
+    # what a cache unlike llmctl's would need (None: not that kind of model)
+    kv_bytes_per_token_mla_latent: int | None = None  # MLA's compressed latent
+    kv_bytes_per_sequence_windowed: int | None = None  # sliding-window layers capped at the window
 
     @property
     def total_bytes(self) -> int:
@@ -198,11 +263,15 @@ def estimate(
             raise UsageError(f"{name} must be >= 1, got {value}")
     if bandwidth is not None and bandwidth <= 0:
         raise UsageError("--bandwidth must be positive")
-    weights = weight_bytes(config, dtype, group_size, quantize_embeddings)
+    weights, expert_bytes = _weight_parts(config, dtype, group_size, quantize_embeddings)
     per_token = kv_bytes_per_token(config, kv_dtype)
     per_seq = kv_bytes_per_sequence(config, seq_len, kv_dtype, block_size)
     max_seqs = None if memory_budget is None else max(0, (memory_budget - weights.total) // per_seq)
+    family = _family_fields(config, per_token, kv_dtype, seq_len, batch, block_size)
     step_bytes = weights.total + batch * seq_len * per_token
+    if expert_bytes:  # a decode step reads only the experts its tokens were routed to
+        touched = family["decode_experts_touched"] / family["num_experts"]
+        step_bytes -= expert_bytes - math.ceil(expert_bytes * touched)
     steps_per_s = None if bandwidth is None else bandwidth / step_bytes
     return Estimate(
         model=model,
@@ -212,7 +281,7 @@ def estimate(
         seq_len=seq_len,
         batch=batch,
         block_size=block_size,
-        num_parameters=config.num_parameters(),
+        num_parameters=num_parameters(config),
         weights=weights,
         kv_bytes_per_token=per_token,
         kv_bytes_per_sequence=per_seq,
@@ -224,6 +293,20 @@ def estimate(
         decode_tokens_per_s_per_sequence=steps_per_s,
         decode_tokens_per_s_aggregate=None if steps_per_s is None else batch * steps_per_s,
         flops_per_token=flops_per_token(config, seq_len),
+        expert_weight_bytes=expert_bytes,
+        **family,
+    )
+
+
+def _family_fields(
+    config: ModelConfig, per_token: int, kv_dtype: str, seq_len: int, batch: int, block_size: int
+) -> dict[str, Any]:
+    """The Estimate fields beyond the Llama layout: MoE's active parameters and experts a step
+    touches, MLA's latent and sliding windows' capped KV (see the module docstring)."""
+    if config.native:
+        return {"active_parameters": config.num_parameters()}
+    return arch_counts(config).estimate_fields(
+        per_token, KV_BYTES[kv_dtype], seq_len, batch, block_size
     )
 
 
@@ -231,7 +314,9 @@ ESTIMATE_FORMULAS = {
     "weights": "decoder linears at the weight dtype; int formats add one 16-bit scale and one "
     "zero point (packed at the weight bit width) per group of group_size inputs per output row; "
     "embeddings, lm_head, norms and biases 16-bit (float32 for float32)",
-    "kv_bytes_per_token": "2 x num_layers x num_kv_heads x head_dim x bytes(kv_dtype)",
+    "kv_bytes_per_token": "2 x num_layers x num_kv_heads x head_dim x bytes(kv_dtype); other "
+    "families: attention layers, KV heads and the wider of key and value sizes, as the engine's "
+    "load-time probe finds them",
     "kv_bytes_per_sequence": "ceil(seq_len / block_size) x block_size x kv_bytes_per_token",
     "kv_bytes_batch": "batch x kv_bytes_per_sequence",
     "max_sequences": "floor((memory_budget - weights.total) / kv_bytes_per_sequence); no "
@@ -240,7 +325,17 @@ ESTIMATE_FORMULAS = {
     "decode_tokens_per_s_per_sequence": "bandwidth / decode_bytes_per_step (an upper bound)",
     "decode_tokens_per_s_aggregate": "batch x decode_tokens_per_s_per_sequence",
     "flops_per_token": "2 x (decoder linear + lm_head weights) + 4 x num_layers x seq_len x "
-    "num_heads x head_dim",
+    "num_heads x head_dim; other families: active decoder matrices, and per attention layer 2 x "
+    "min(seq_len, window) x query heads x (key size + value size)",
+    "active_parameters": "num_parameters - routed experts' parameters x (1 - k / E)",
+    "decode_experts_touched": "E x (1 - (1 - k / E)^batch) distinct experts per MoE layer "
+    "(uniform, independent routing); decode_bytes_per_step then counts expert_weight_bytes x "
+    "decode_experts_touched / E instead of all of them",
+    "kv_bytes_per_token_mla_latent": "attention layers x (kv_lora_rank + qk_rope_head_dim) x "
+    "bytes(kv_dtype): a latent cache, not what llmctl allocates (decompressed K/V)",
+    "kv_bytes_per_sequence_windowed": "sum over attention layers of ceil(min(seq_len, window) / "
+    "block_size) x block_size x the layer's KV bytes per token: a window-capped cache, not what "
+    "llmctl allocates (every token)",
 }
 
 
@@ -289,69 +384,10 @@ def group_size_for(
     from llmctl.models.layout import decoder_linears
     from llmctl.runtime.formats.spec import resolve_group_size
 
-    widths = [(name, k) for name, _, k in decoder_linears(config)]
+    if config.native:
+        widths = [(name, k) for name, _, k in decoder_linears(config)]
+    else:
+        widths = [(f"a {o}x{i} decoder matrix", i) for o, i, _, _ in decoder_matrices(config)]
     if quantize_embeddings:
         widths += [("model.embed_tokens", config.hidden_size), ("lm_head", config.hidden_size)]
     return resolve_group_size(text, widths)
-
-
-def find_config(target: str) -> tuple[ModelConfig, str]:
-    """Read a config from a folder (its config.json), a .json file, or a hub id (downloads only
-    config.json).
-
-    Returns (config, where it came from). Offline hub ids fail with one line.
-    """
-    path = Path(target).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{path} has no config.json")
-        return ModelConfig.from_file(path / "config.json"), str(path / "config.json")
-    if path.is_file():
-        return ModelConfig.from_file(path), str(path)
-    if target.endswith(".json") or target.count("/") != 1 or target.startswith((".", "/", "~")):
-        raise ModelLoadError(f"{target}: no such file or folder")
-    local = _hub_config(target)
-    return ModelConfig.from_dict(json.loads(Path(local).read_text())), f"hf://{target}"
-
-
-def _hub_config(repo_id: str) -> str:
-    """Path of the hub repo's config.json: from the local hub cache, else downloaded when the hub
-    answers."""
-    import logging
-    import os
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import hf_hub_download
-
-    try:
-        return hf_hub_download(repo_id=repo_id, filename="config.json", local_files_only=True)
-    except Exception:  # not cached: try the network below
-        pass
-    host = (
-        urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname
-        or "huggingface.co"
-    )
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
-    if not offline:
-        try:  # fail in seconds, not after the hub client's retries
-            socket.create_connection((host, 443), timeout=3).close()
-        except OSError:
-            offline = True
-    if offline:
-        raise ModelLoadError(
-            f"hub id {repo_id!r} is not in the local cache and {host} is unreachable (offline); "
-            "pass a local folder or config.json instead"
-        )
-    hub_logger = logging.getLogger("huggingface_hub")
-    level = hub_logger.level
-    hub_logger.setLevel(logging.ERROR)
-    try:
-        return hf_hub_download(repo_id=repo_id, filename="config.json")
-    except Exception as e:  # unknown or gated repo: one line
-        raise ModelLoadError(
-            f"cannot fetch config.json of hub id {repo_id!r} ({type(e).__name__}); "
-            "pass a local folder or config.json instead"
-        ) from None
-    finally:
-        hub_logger.setLevel(level)

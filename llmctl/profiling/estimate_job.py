@@ -105,6 +105,38 @@ def _format_name(e: est.Estimate) -> str:
     return e.dtype + (" (per channel)" if e.dtype.startswith("int") else "")
 
 
+def _moe_rows(e: est.Estimate) -> list[tuple[str, str]]:
+    """A MoE's active parameters and what a decode step reads of its experts (none if dense)."""
+    if not e.num_experts:
+        return []
+    touched = e.decode_experts_touched
+    return [
+        (
+            "active parameters per token",
+            f"{e.active_parameters:,} ({e.experts_per_token} of {e.num_experts} experts)",
+        ),
+        ("  routed experts' weights", size_text(e.expert_weight_bytes)),
+        (f"  experts read per layer, batch {e.batch}", f"{touched:.2f} of {e.num_experts}"),
+    ]
+
+
+def _kv_variant_rows(e: est.Estimate) -> list[tuple[str, str]]:
+    """What a latent (MLA) or window-capped cache would need: llmctl allocates the rows above."""
+    rows = []
+    if e.kv_bytes_per_token_mla_latent is not None:
+        rows.append(
+            (
+                "  MLA latent per token (not allocated)",
+                format_bytes(e.kv_bytes_per_token_mla_latent),
+            )
+        )
+    if e.kv_bytes_per_sequence_windowed is not None:
+        rows.append(
+            ("  windowed per sequence (not allocated)", size_text(e.kv_bytes_per_sequence_windowed))
+        )
+    return rows
+
+
 def estimate_rows(result: EstimateResult) -> list[tuple[str, str]]:
     """The (label, value) lines of the estimate table."""
     e, w, size = result.estimate, result.estimate.weights, size_text
@@ -114,8 +146,10 @@ def estimate_rows(result: EstimateResult) -> list[tuple[str, str]]:
         (f"weights, {_format_name(e)}", size(w.total)),
         ("  linear / scales / zeros", f"{size(w.linear)} / {size(w.scales)} / {size(w.zeros)}"),
         ("  embeddings + lm_head / norms, biases", f"{size(w.embeddings)} / {size(w.other)}"),
+        *_moe_rows(e),
         (f"KV per token ({e.kv_dtype})", format_bytes(e.kv_bytes_per_token)),
         (f"KV per sequence ({e.seq_len} tokens)", size(e.kv_bytes_per_sequence)),
+        *_kv_variant_rows(e),
         (f"KV for batch {e.batch}", size(e.kv_bytes_batch)),
         ("weights + KV", size(e.total_bytes)),
         ("decode FLOPs per token", f"{e.flops_per_token / 1e9:.2f} GFLOP at context {e.seq_len}"),

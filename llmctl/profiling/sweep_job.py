@@ -17,7 +17,7 @@ from llmctl.errors import RequestError, UsageError
 from llmctl.profiling import report
 from llmctl.profiling.dtypes import canonical_dtype
 from llmctl.profiling.environment import environment
-from llmctl.profiling.estimate import kv_bytes_per_sequence
+from llmctl.profiling.estimate import kv_bytes_per_sequence, num_parameters
 from llmctl.profiling.machine import cached_peaks
 from llmctl.profiling.sweep import SweepPoint, SweepSettings, grid, model_facts, run_sweep
 
@@ -155,7 +155,7 @@ def profile_sweep(
         points=points,
     )
     record["model_facts"] = {
-        "num_parameters": runtime.config.num_parameters(),
+        "num_parameters": num_parameters(runtime.config),
         "weight_bytes": facts.weight_bytes,
         "kv_bytes_per_token": facts.kv_bytes_per_token,
         "kv_dtype": kv_dtype,
