@@ -113,6 +113,12 @@ class ArchCounts:
         }
 
 
+def llama_layout(config: ModelConfig) -> bool:
+    """The Llama-layout formulas count it (a dense native family); else `arch_counts` does: every
+    other family, and the native mixture-of-experts ones."""
+    return config.native and config.moe is None
+
+
 def arch_counts(config: ModelConfig) -> ArchCounts:
     """The counts of `config` (a non-native one: native configs have the Llama formulas)."""
     return _counts(json.dumps(config.raw, sort_keys=True))

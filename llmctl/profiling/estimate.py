@@ -41,7 +41,7 @@ from typing import Any
 
 from llmctl.errors import UsageError
 from llmctl.models.config import ModelConfig
-from llmctl.profiling.arch_counts import arch_counts
+from llmctl.profiling.arch_counts import arch_counts, llama_layout
 from llmctl.profiling.config_source import find_config  # noqa: F401 (re-exported)
 from llmctl.profiling.dtypes import canonical_dtype
 
@@ -123,7 +123,7 @@ def _weight_parts(
     w, s, z = _matrix_bytes(v, h, bits, group_size, quantized and quantize_embeddings, float_bytes)
     embeddings, scales, zeros = n_emb * w, scales + n_emb * s, zeros + n_emb * z
     others = num_parameters(config) - _matrix_params(config)
-    if not config.native:  # routed experts' biases stay float
+    if not llama_layout(config):  # routed experts' biases stay float
         c = arch_counts(config)
         experts += (c.expert_parameters - _expert_matrix_params(c)) * float_bytes
     return WeightBytes(linear, scales, zeros, embeddings, others * float_bytes), experts
@@ -132,14 +132,14 @@ def _weight_parts(
 def decoder_matrices(config: ModelConfig) -> list[tuple[int, int, int, bool]]:
     """(out_features, in_features, how many, routed expert) of the decoder's matrices: the Llama
     layout's 7 per layer for native configs, the meta model's (profiling/arch_counts.py) else."""
-    if config.native:
+    if llama_layout(config):
         return [(o, i, config.num_layers, False) for o, i in linear_shapes(config)]
     return list(arch_counts(config).matrices)
 
 
 def _embedding(config: ModelConfig) -> tuple[int, int, int]:
     """(vocab, hidden, 1 when the lm_head is tied to the input embedding else 2)."""
-    if config.native:
+    if llama_layout(config):
         return config.vocab_size, config.hidden_size, 1 if config.tie_word_embeddings else 2
     c = arch_counts(config)
     return c.vocab_size, c.hidden_size, c.embeddings
@@ -157,18 +157,20 @@ def _expert_matrix_params(c) -> int:
 
 def num_parameters(config: ModelConfig) -> int:
     """Every parameter of the checkpoint, a tied embedding once."""
-    return config.num_parameters() if config.native else arch_counts(config).num_parameters
+    return config.num_parameters() if llama_layout(config) else arch_counts(config).num_parameters
 
 
 def active_parameters(config: ModelConfig) -> int:
     """Parameters one token runs through: a MoE's routed experts at k / E, all else whole."""
-    return config.num_parameters() if config.native else arch_counts(config).active_parameters
+    return (
+        config.num_parameters() if llama_layout(config) else arch_counts(config).active_parameters
+    )
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: str = "bfloat16") -> int:
     """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
     kv_dtype = normalize_dtype(kv_dtype, KV_BYTES, "KV dtype")
-    if not config.native:  # the engine's cache shape, by its load-time probe
+    if not llama_layout(config):  # the engine's cache shape, by its load-time probe
         c = arch_counts(config)
         return 2 * len(c.attention) * c.cache_kv_heads * c.cache_head_dim * KV_BYTES[kv_dtype]
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES[kv_dtype]
@@ -185,7 +187,7 @@ def kv_bytes_per_sequence(
 def flops_per_token(config: ModelConfig, context: int) -> int:
     """Forward FLOPs for one token attending to `context` tokens: 2 x matmul weights (the embedding
     lookup is not a matmul; lm_head is) + 4 x layers x context x q_size (Q.K^T and P.V)."""
-    if not config.native:
+    if not llama_layout(config):
         return arch_counts(config).flops_per_token(context)
     per_layer = sum(o * i for o, i in linear_shapes(config))
     matmul_params = config.num_layers * per_layer + config.vocab_size * config.hidden_size
@@ -303,7 +305,7 @@ def _family_fields(
 ) -> dict[str, Any]:
     """The Estimate fields beyond the Llama layout: MoE's active parameters and experts a step
     touches, MLA's latent and sliding windows' capped KV (see the module docstring)."""
-    if config.native:
+    if llama_layout(config):
         return {"active_parameters": config.num_parameters()}
     return arch_counts(config).estimate_fields(
         per_token, KV_BYTES[kv_dtype], seq_len, batch, block_size
@@ -384,7 +386,7 @@ def group_size_for(
     from llmctl.models.layout import decoder_linears
     from llmctl.runtime.formats.spec import resolve_group_size
 
-    if config.native:
+    if llama_layout(config):
         widths = [(name, k) for name, _, k in decoder_linears(config)]
     else:
         widths = [(f"a {o}x{i} decoder matrix", i) for o, i, _, _ in decoder_matrices(config)]
