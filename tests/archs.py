@@ -62,7 +62,10 @@ EXTRA = {
     "falcon": dict(new_decoder_architecture=True, num_kv_heads=2, head_dim=None),
     "starcoder2": dict(sliding_window=None),
 }
-NATIVE = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+NATIVE = (
+    "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma", "gemma2",
+    "gemma3_text",
+)  # fmt: skip
 MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3")
 ARCHS = (
     "llama",

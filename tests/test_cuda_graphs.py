@@ -7,11 +7,14 @@ length-1 rows), the fixed-width block tables and the output slicing, which a rep
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from llmctl import LLM, SamplingParams
 from llmctl.engine.cuda_graphs import GRAPH_BATCH_SIZES, graph_sizes, padded_size
+from llmctl.models.config import ModelConfig
 from tests.conftest import make_random_model
 from tests.test_engine_exactness import random_prompts
 
@@ -108,11 +111,17 @@ def test_graphs_only_for_cuda_models_of_plain_weights():
     plain = torch.nn.Linear(4, 4)
     sparse = torch.nn.Linear(4, 4)
     sparse.weight = torch.nn.Parameter(torch.randn(4, 4).as_subclass(Wrapped), requires_grad=False)
-    assert not _graphs_supported(plain, "cpu")
-    assert not _graphs_supported(sparse, "cuda")
+    config = ModelConfig.from_dict(
+        dict(model_type="llama", vocab_size=16, hidden_size=8, intermediate_size=16,
+             num_hidden_layers=2, num_attention_heads=2)
+    )  # fmt: skip
+    assert not _graphs_supported(plain, config, "cpu")
+    assert not _graphs_supported(sparse, config, "cuda")
     try:
         import triton  # noqa: F401
     except ImportError:
-        assert not _graphs_supported(plain, "cuda:0")
+        assert not _graphs_supported(plain, config, "cuda:0")
     else:
-        assert _graphs_supported(plain, "cuda:0")
+        assert _graphs_supported(plain, config, "cuda:0")
+    windowed = dataclasses.replace(config, layer_windows=(8,) * config.num_layers)
+    assert not _graphs_supported(plain, windowed, "cuda:0")  # attention_features: eager

@@ -1,6 +1,6 @@
-"""`llmctl distill` on architectures our own model code does not run (issue 36): a mixture-of-
-experts teacher and student taken from its layers, and a fresh GPT-2 student from a config; both
-outputs load in run-batch through the transformers path."""
+"""`llmctl distill` beyond the Llama family (issue 36): mixture-of-experts teachers and students
+taken from their layers (Qwen3-MoE on our own model code, OLMoE on transformers'), and a fresh
+GPT-2 student from a config; every output loads in run-batch."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 from archs import build
 
 from llmctl import LLM, SamplingParams
@@ -27,21 +28,25 @@ def teacher(folder: Path, arch: str) -> Path:
     return folder
 
 
-def generates(folder: Path) -> bool:
+def generates(folder: Path, path: str = "TransformersCausalLM") -> bool:
     llm = LLM(str(folder), dtype="float32", device="cpu")
-    assert type(llm.runtime.model).__name__ == "TransformersCausalLM"
+    assert type(llm.runtime.model).__name__ == path
     out = llm.generate(["To be"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     return len(out[0].outputs[0].token_ids) == 4
 
 
-def test_moe_student_from_the_teacher_layers(tmp_path, capsys):
-    moe = teacher(tmp_path / "teacher", "qwen3_moe")
+@pytest.mark.parametrize(
+    "arch, path", [("qwen3_moe", "LlamaForCausalLM"), ("olmoe", "TransformersCausalLM")]
+)
+def test_moe_student_from_the_teacher_layers(tmp_path, capsys, arch, path):
+    """A native MoE family and one served by transformers' code."""
+    moe = teacher(tmp_path / "teacher", arch)
     out = tmp_path / "student"
     argv = ["distill", "--teacher", str(moe), "-o", str(out), "--data", str(DATA)]
     assert main([*argv, "--student-layers", "1", *TINY]) == 0
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "qwen3_moe" and config["num_hidden_layers"] == 1
-    assert generates(out)
+    assert config["model_type"] == arch and config["num_hidden_layers"] == 1
+    assert generates(out, path)
     capsys.readouterr()
 
 

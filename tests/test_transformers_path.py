@@ -59,13 +59,16 @@ def test_model_impl_transformers_serves_a_native_family_too(tmp_path):
 
 
 def test_what_the_transformers_path_cannot_do_is_one_line(tmp_path):
-    folder, _ = save_clear_model(tmp_path, "gemma2")
-    with pytest.raises(ModelLoadError, match="--model-impl llmctl: 'gemma2' is not native"):
+    folder, _ = save_clear_model(tmp_path / "phi3", "phi3")
+    with pytest.raises(ModelLoadError, match="--model-impl llmctl: 'phi3' is not native"):
         LLM(str(folder), device="cpu", model_impl="llmctl")
     with pytest.raises(UsageError, match="--batch-invariant needs llmctl's own model code"):
         LLM(str(folder), device="cpu", batch_invariant=True)
     with pytest.raises(UsageError, match="--model-impl"):
         LLM(str(folder), device="cpu", model_impl="vllm")
+    gemma2, _ = save_clear_model(tmp_path / "gemma2", "gemma2")  # native, sliding windows
+    with pytest.raises(UsageError, match="--batch-invariant is not available for gemma2"):
+        LLM(str(gemma2), device="cpu", batch_invariant=True)
 
 
 def test_an_architecture_transformers_does_not_know_is_refused(tmp_path):

@@ -32,11 +32,11 @@ from llmctl.errors import RequestError, UsageError
 from llmctl.models.config import ModelConfig
 
 
-def _graphs_supported(model, device: str) -> bool:
+def _graphs_supported(model, config: ModelConfig, device: str) -> bool:
     """CUDA graphs need a CUDA device and the Triton decode kernels (the PyTorch reference pads
     every block table to its full width, which a graph would fix at the longest possible context),
     and plain weight tensors: 2:4 sparse weights (a tensor subclass over cuSPARSELt) stay eager."""
-    if not str(device).startswith("cuda") or not getattr(model.config, "native", True):
+    if not str(device).startswith("cuda") or not config.native or config.attention_features:
         return False
     if any(type(p.data) is not torch.Tensor for p in model.parameters()):
         return False
@@ -96,6 +96,11 @@ class LLMEngine:
             raise UsageError(
                 f"--batch-invariant needs llmctl's own model code, and {model_config.not_native}"
             )
+        if cfg.batch_invariant and (model_config.gemma or model_config.attention_features):
+            raise UsageError(
+                f"--batch-invariant is not available for {model_config.model_type} (its "
+                "sliding-window, soft-capped or GELU layers have no fixed-order kernels)"
+            )
         weight = next(model.parameters())
         device = str(device or weight.device)
         self.model_config, self.engine_config = model_config, cfg
@@ -119,7 +124,7 @@ class LLMEngine:
         self._log = EngineLog(time.perf_counter())
         self.proposer = proposer
         self._groups: dict[str, _Group] = {}  # requests with n > 1 by id
-        if cfg.cuda_graphs and _graphs_supported(model, device):
+        if cfg.cuda_graphs and _graphs_supported(model, model_config, device):
             self.runner.enable_decode_graphs(cfg.max_num_seqs, self.capacity)
 
     @property

@@ -18,7 +18,10 @@ from typing import Any
 from llmctl.errors import ModelLoadError
 
 MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHITECTURES)
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3_text")
+SUPPORTED_ARCHITECTURES = (
+    "llama", "mistral", "qwen2", "qwen3", *MOE_ARCHITECTURES, *GEMMA_ARCHITECTURES,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,12 @@ class ModelConfig:
     torch_dtype: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     moe: MoeConfig | None = None  # mixture-of-experts MLPs (native MoE families)
+    # Attention beyond plain causal attention (gemma2/3, mistral with a window):
+    attn_scale: float | None = None  # None: head_dim ** -0.5 (gemma: query_pre_attn_scalar)
+    attn_softcap: float | None = None  # scores capped at cap * tanh(score / cap) (gemma2)
+    final_softcap: float | None = None  # the logits likewise (gemma2)
+    layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: global)
+    local_rope_theta: float | None = None  # RoPE theta of the windowed layers (gemma3)
     # None: our own model code (models/llama.py) runs this config; else why it cannot (the
     # transformers path, models/transformers_backend.py, serves it)
     not_native: str | None = None
@@ -69,6 +78,17 @@ class ModelConfig:
     @property
     def native(self) -> bool:
         return self.not_native is None
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma's conventions: norms scale by 1 + weight, embeddings by sqrt(hidden), GELU."""
+        return self.model_type in GEMMA_ARCHITECTURES
+
+    @property
+    def attention_features(self) -> bool:
+        """Some layer's attention has a window or soft-capping (kernels/attention_features.py):
+        no batch-invariant runs, no flat decode program, no CUDA graphs."""
+        return bool(self.attn_softcap) or any(self.layer_windows)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -92,14 +112,15 @@ class ModelConfig:
             rope_theta, rope_scaling = _rope_settings(d)
             eos = d.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            qk_norm = model_type in ("qwen3", "qwen3_moe")
+            qk_norm = model_type in ("qwen3", "qwen3_moe", "gemma3_text")
             bias = d.get("qkv_bias", True) if model_type == "qwen2_moe" else d.get("attention_bias")
             window = d.get("sliding_window")
             if not d.get("use_sliding_window", model_type in ("mistral", "mixtral")):
                 window = None
             context = int(d.get("max_position_embeddings", 2048))
-            if window and window < context:  # our attention kernels have no window
-                raise _NotNative(f"a sliding window ({window} tokens) is not native")
+            if window and model_type not in ("mistral", "mixtral"):  # qwen's per-layer rules
+                raise _NotNative(f"{model_type} with a sliding window is not native")
+            every = (window if window and window < context else None,) * int(d["num_hidden_layers"])
             return cls(
                 model_type=model_type,
                 vocab_size=int(d["vocab_size"]),
@@ -118,6 +139,7 @@ class ModelConfig:
                 rope_scaling=rope_scaling,
                 sliding_window=window,
                 moe=_moe(d) if model_type in MOE_ARCHITECTURES else None,
+                **_attention_fields(d, every),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=d.get("torch_dtype") or d.get("dtype"),
@@ -183,6 +205,37 @@ def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             return theta, None
         return theta, {**scaling, "rope_type": rope_type}
     return theta, None
+
+
+def _attention_fields(d: dict[str, Any], windows: tuple) -> dict[str, Any]:
+    """The attention fields beyond plain attention: Gemma's, or mistral's one window."""
+    if d["model_type"] in GEMMA_ARCHITECTURES:
+        return _gemma(d)
+    return dict(layer_windows=windows if any(windows) else ())
+
+
+def _gemma(d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's attention fields, with each version's defaults (read through transformers'
+    config): windows by `layer_types`, scale, soft-capping, gemma3's local RoPE theta."""
+    from transformers import CONFIG_MAPPING
+
+    t = CONFIG_MAPPING[d["model_type"]].from_dict(dict(d))
+    types = getattr(t, "layer_types", None) or ["full_attention"] * t.num_hidden_layers
+    window = getattr(t, "sliding_window", None)
+    windows = tuple(window if kind == "sliding_attention" else None for kind in types)
+    fields: dict[str, Any] = dict(
+        attn_scale=float(getattr(t, "query_pre_attn_scalar", None) or t.head_dim) ** -0.5,
+        attn_softcap=getattr(t, "attn_logit_softcapping", None) or None,
+        final_softcap=getattr(t, "final_logit_softcapping", None) or None,
+        layer_windows=windows if any(windows) else (),
+    )
+    params = getattr(t, "rope_parameters", None)
+    if isinstance(params, dict) and "sliding_attention" in params:
+        local = params["sliding_attention"]
+        if local.get("rope_type", "default") != "default":
+            raise _NotNative("gemma3 with scaled RoPE on its sliding layers is not native")
+        fields["local_rope_theta"] = float(local["rope_theta"])
+    return fields
 
 
 def _moe(d: dict[str, Any]) -> MoeConfig:

@@ -195,7 +195,9 @@ class DecodeProgram:
         """The program for `model` under `kernels`, or None where it does not apply (see the
         module docstring)."""
         c = model.config
-        if not kernels.native or c.qk_norm or c.moe or c.hidden_size % 8 or c.head_dim % 16:
+        if not kernels.native or c.qk_norm or c.moe or c.gemma or c.attention_features:
+            return None
+        if c.hidden_size % 8 or c.head_dim % 16:
             return None
         if load("core") is None or load("rope") is None:
             return None

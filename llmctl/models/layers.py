@@ -19,6 +19,7 @@ from torch import nn
 
 from llmctl.kernels import invariant
 from llmctl.kernels.attention import PagedAttentionMetadata, paged_attention
+from llmctl.kernels.attention_features import Features, attend, paged_attention_with
 from llmctl.kernels.config import KernelConfig
 from llmctl.kernels.cpu import elementwise
 from llmctl.kernels.cpu.linear import dispatch
@@ -61,30 +62,39 @@ def project(
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm; `offset` (Gemma): the scale is 1 + weight, applied in float32 before rounding
+    (the C kernels take the sum as their weight: equal in float32, within rounding in bf16)."""
+
     kernels: KernelConfig = DEFAULT_KERNELS
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps, self.offset = eps, offset
+
+    def scale(self) -> torch.Tensor:
+        return self.weight + 1 if self.offset else self.weight
 
     def forward(self, x: torch.Tensor, fixed_order: bool = False) -> torch.Tensor:
         """`fixed_order` (batch-invariant mode): one program a row where the Triton kernels apply
         (kernels/invariant.py); the CPU paths below are one fixed-order reduction a row anyway."""
-        kernels = self.kernels
-        out = invariant.rms_norm(x, self.weight, self.eps, kernels) if fixed_order else None
+        kernels, weight = self.kernels, self.scale()
+        out = invariant.rms_norm(x, weight, self.eps, kernels) if fixed_order else None
         if out is not None:
             return out
         # one pass in C: PyTorch takes 5+ ops, ~20 us a row
-        if kernels.native and elementwise.use_rms_norm(x, self.weight):
-            return elementwise.rms_norm(x, self.weight, self.eps)
+        if kernels.native and elementwise.use_rms_norm(x, weight):
+            return elementwise.rms_norm(x, weight, self.eps)
         if x.dtype == torch.float32:  # the same arithmetic, fused: about 1.2-1.5x faster on the CPU
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # Normalise in float32, as the reference implementation does, then scale in the model dtype.
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        # Normalise in float32, as the reference implementations do; Llama scales in the model
+        # dtype, Gemma in float32.
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        if self.offset:
+            return (xf * weight.float()).to(dtype)
+        return weight * xf.to(dtype)
 
     def add_forward(self, x: torch.Tensor, r: torch.Tensor | None, fixed_order: bool = False):
         """x.add_(r) (inference: x is the residual stream, updated in place), then self(x); one
@@ -92,19 +102,23 @@ class RMSNorm(nn.Module):
         if r is None:
             return self(x, fixed_order)
         fused = not fixed_order and self.kernels.native
-        if fused and elementwise.use_add_rms_norm(x, r, self.weight):
-            return elementwise.add_rms_norm(x, r, self.weight, self.eps)
+        weight = self.scale()
+        if fused and elementwise.use_add_rms_norm(x, r, weight):
+            return elementwise.add_rms_norm(x, r, weight, self.eps)
         return self(x.add_(r), fixed_order)
 
 
 class Attention(nn.Module):
     kernels: KernelConfig = DEFAULT_KERNELS
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, window: int | None = None):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.scale = d**-0.5
+        self.scale = config.attn_scale or d**-0.5
+        # a window or soft-capping: kernels/attention_features.py serves this layer
+        features = Features(self.scale, window, config.attn_softcap)
+        self.features = None if features.plain else features
         bias = config.attention_bias
         self.q_proj = Linear(h, config.q_size, bias=bias)
         self.k_proj = Linear(h, config.kv_size, bias=bias)
@@ -114,8 +128,8 @@ class Attention(nn.Module):
         o_bias = bias and not config.model_type.startswith("qwen2")
         self.o_proj = Linear(config.q_size, h, bias=o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, config.gemma)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, config.gemma)
         else:
             self.q_norm = self.k_norm = None
         self._rotary = [rotary]  # a list, so the shared table is not registered once per layer
@@ -157,7 +171,11 @@ class Attention(nn.Module):
     def forward(self, x, positions, meta: PagedAttentionMetadata, kv_cache) -> torch.Tensor:
         fixed = meta.batch_invariant
         q, k, v = self.qkv(x, positions, fixed)  # [T, heads, D], [T, kv_heads, D]
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.kernels)
+        kc, vc, f = kv_cache[0], kv_cache[1], self.features
+        if f is None:
+            out = paged_attention(q, k, v, kc, vc, meta, self.scale, self.kernels)
+        else:
+            out = paged_attention_with(q, k, v.contiguous(), kc, vc, meta, f, self.kernels)
         return project(self.o_proj, out.reshape(x.shape[0], -1), fixed, self.kernels)
 
     def forward_dense(self, x: torch.Tensor, positions: torch.Tensor, past=None):
@@ -173,6 +191,13 @@ class Attention(nn.Module):
             k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
             total = k.shape[2]  # each query sees the past and itself: [S, total]
             causal = dict(attn_mask=torch.arange(total, device=x.device) <= positions[:, None])
+        if self.features is not None:  # [B, S, heads, D] with the layer's window and cap
+            pos = positions.expand(b, -1)
+            kpos = torch.arange(k.shape[2], device=x.device).expand(b, -1)
+            out = attend(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, kpos, self.features
+            )
+            return self.o_proj(out.reshape(b, s, -1)), (k, v)
         out = F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=True, **causal)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), (k, v)
 
@@ -183,6 +208,7 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, intermediate: int | None = None):
         super().__init__()
         h, f = config.hidden_size, intermediate or config.intermediate_size
+        self.gelu = config.gemma  # gelu(gate, tanh approximation) * up, else silu(gate) * up
         self.gate_proj = Linear(h, f, bias=False)
         self.up_proj = Linear(h, f, bias=False)
         self.down_proj = Linear(f, h, bias=False)
@@ -193,6 +219,8 @@ class MLP(nn.Module):
         return self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor, fixed_order: bool = False) -> torch.Tensor:
+        if self.gelu:
+            return self._gelu(x)
         if torch.is_grad_enabled():
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         kernels = self.kernels
@@ -213,3 +241,12 @@ class MLP(nn.Module):
             return self.down_proj(elementwise.silu_mul(gate, up))
         h = F.silu(gate, inplace=True)  # in place: no [T, intermediate] temporaries
         return self.down_proj(h.mul_(up))
+
+    def _gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """Gemma's MLP: down(gelu_tanh(gate) * up), through the merged gate/up where live."""
+        m = self.merged
+        if m is not None and not torch.is_grad_enabled() and m.live(*self.projections()):
+            gate, up = m.linear(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)

@@ -18,6 +18,7 @@ kernels, where it applies).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -33,7 +34,8 @@ from llmctl.models.rope import RotaryEmbedding
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, index: int = 0):
         super().__init__()
-        self.self_attn = Attention(config, rotary)
+        window = config.layer_windows[index] if config.layer_windows else None
+        self.self_attn = Attention(config, rotary, window)
         # the MLP, or a mixture of experts under the checkpoint's name for it (models/moe.py)
         moe = config.moe
         self._ffn = "mlp"
@@ -42,8 +44,14 @@ class DecoderLayer(nn.Module):
             setattr(self, self._ffn, SparseMoE(config))
         else:
             self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        h, eps, gemma = config.hidden_size, config.rms_norm_eps, config.gemma
+        self.input_layernorm = RMSNorm(h, eps, gemma)
+        self.post_attention_layernorm = RMSNorm(h, eps, gemma)
+        # gemma2/3: the attention and MLP outputs are normed too, before their residual adds
+        self.post_norms = config.model_type in ("gemma2", "gemma3_text")
+        if self.post_norms:
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, gemma)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, gemma)
 
     def forward(self, x, positions, meta, kv_cache, delta=None):
         """The engine's path (inference only): x [T, hidden] the residual stream, updated in
@@ -53,12 +61,20 @@ class DecoderLayer(nn.Module):
         fixed = meta.batch_invariant
         h = self.input_layernorm.add_forward(x, delta, fixed)
         a = self.self_attn(h, positions, meta, kv_cache)
+        if self.post_norms:
+            h = self.pre_feedforward_layernorm.add_forward(x, self.post_attention_layernorm(a))
+            return x, self.post_feedforward_layernorm(self.ffn(h, fixed))
         return x, self.ffn(self.post_attention_layernorm.add_forward(x, a, fixed), fixed)
 
     def forward_dense(self, x: torch.Tensor, positions: torch.Tensor, past=None):
         """x [B, S, hidden] at positions [S] (after `past`, a dense cache, where given) ->
         (x [B, S, hidden], this layer's (k, v) with `past`)."""
         a, cache = self.self_attn.forward_dense(self.input_layernorm(x), positions, past)
+        if self.post_norms:
+            x = x + self.post_attention_layernorm(a)
+            return x + self.post_feedforward_layernorm(
+                self.ffn(self.pre_feedforward_layernorm(x))
+            ), cache
         x = x + a
         return x + self.ffn(self.post_attention_layernorm(x)), cache
 
@@ -69,13 +85,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, local: RotaryEmbedding):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        windows = config.layer_windows or (None,) * config.num_layers
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, i) for i in range(config.num_layers)
+            DecoderLayer(config, local if w else rotary, i) for i, w in enumerate(windows)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -83,7 +100,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.rotary = RotaryEmbedding(config)
-        self.model = LlamaModel(config, self.rotary)
+        # gemma3's windowed layers turn by a RoPE of their own
+        self.rotary_local = self.rotary
+        if config.local_rope_theta:
+            local = dataclasses.replace(
+                config, rope_theta=config.local_rope_theta, rope_scaling=None
+            )
+            self.rotary_local = RotaryEmbedding(local)
+        self.model = LlamaModel(config, self.rotary, self.rotary_local)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -94,6 +118,13 @@ class LlamaForCausalLM(nn.Module):
     def layers(self) -> nn.ModuleList:
         return self.model.layers
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; Gemma's scaled by sqrt(hidden) in the model's dtype."""
+        x = self.model.embed_tokens(input_ids)
+        if self.config.gemma:
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        return x
+
     def forward(
         self, input_ids, positions, meta: PagedAttentionMetadata, kv_caches
     ) -> torch.Tensor:
@@ -102,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
         program = self.decode_program
         if program is not None and program.serves(input_ids, positions, meta, kv_caches):
             return program.run(input_ids, positions, meta, kv_caches)
-        x, delta = self.model.embed_tokens(input_ids), None
+        x, delta = self.embed(input_ids), None
         for layer, kv in zip(self.model.layers, kv_caches):
             x, delta = layer(x, positions, meta, kv, delta)
         return self.model.norm.add_forward(x, delta, meta.batch_invariant)
@@ -114,13 +145,16 @@ class LlamaForCausalLM(nn.Module):
         projection gives them (the model's dtype: the engine's greedy steps read bf16 logits
         as they are); `fixed_order`: batch-invariant."""
         logits = project(self.lm_head, hidden, fixed_order, self.lm_head.kernels)
+        if cap := self.config.final_softcap:  # gemma2
+            logits = torch.tanh(logits.float() / cap) * cap
+            return logits if float32 else logits.to(hidden.dtype)
         return logits.float() if float32 else logits
 
     def _dense(self, input_ids: torch.Tensor, start: int, cache: list | None):
         """[B, S] token ids at positions start.. after a dense per-layer cache (None: none) ->
         (final hidden states [B, S, hidden], normed; the per-layer cache extended)."""
         positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
-        x, new_cache = self.model.embed_tokens(input_ids), []
+        x, new_cache = self.embed(input_ids), []
         for i, layer in enumerate(self.model.layers):
             x, c = layer.forward_dense(x, positions, None if cache is None else cache[i])
             new_cache.append(c)

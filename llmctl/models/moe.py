@@ -32,7 +32,7 @@ class Expert(MLP):
         setattr(self, gate, Linear(h, intermediate, bias=False))
         setattr(self, up, Linear(h, intermediate, bias=False))
         setattr(self, down, Linear(intermediate, h, bias=False))
-        self.merged = None
+        self.merged, self.gelu = None, False
 
     gate_proj = property(lambda self: self._modules[self._names[0]])
     up_proj = property(lambda self: self._modules[self._names[1]])

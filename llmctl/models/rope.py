@@ -50,6 +50,7 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None):
         super().__init__()
+        self.config, self.max_positions = config, max_positions  # to rebuild it (`rebuilt`)
         n = max_positions or config.max_position_embeddings
         freqs = torch.outer(torch.arange(n, dtype=torch.float32), inverse_frequencies(config))
         emb = torch.cat((freqs, freqs), dim=-1)  # [n, head_dim]

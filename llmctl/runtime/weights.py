@@ -100,7 +100,10 @@ def _accelerate_2of4(model, config: ModelConfig) -> None:
 
 
 def _materialise_buffers(model, config: ModelConfig, device: str) -> None:
+    """Every RoPE table of the model (built on the meta device), computed on `device`."""
     from llmctl.models.rope import RotaryEmbedding
 
-    rotary = RotaryEmbedding(config).to(device)
-    model.rotary.cos, model.rotary.sin = rotary.cos, rotary.sin
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            fresh = RotaryEmbedding(m.config, m.max_positions).to(device)
+            m.cos, m.sin = fresh.cos, fresh.sin
