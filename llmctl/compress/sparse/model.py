@@ -14,7 +14,13 @@ from typing import Callable
 
 import torch
 
-from llmctl.compress.driver import HessianMethod, SubLayerGroup, calibrate_layers, make_ignore
+from llmctl.compress.driver import (
+    HessianMethod,
+    SubLayerGroup,
+    calibrate_layers,
+    make_ignore,
+    relative_name,
+)
 from llmctl.compress.records import LayerSparsity
 from llmctl.compress.sparse.masks import SparsityPattern
 from llmctl.compress.sparse.prune import METHODS, needs_calibration, prune_linear
@@ -182,7 +188,7 @@ class WandaMethod:
     ) -> dict:
         out = {}
         for name in names:
-            linear = layer.get_submodule(name.split(".", 3)[3])
+            linear = layer.get_submodule(relative_name(name))
             norms = self.acc.pop(name).norms()
             new, line = prune_linear(
                 name, linear.weight, self.settings.pattern, "wanda", input_norms=norms
