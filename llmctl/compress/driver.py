@@ -27,7 +27,7 @@ from torch import nn
 
 from llmctl.compress import checkpoints
 from llmctl.compress.hessian import HessianAccumulator
-from llmctl.compress.layer_runners import LayerRunner, runner_for
+from llmctl.compress.layer_runners import LayerRunner, runner_for, same_tensor
 from llmctl.errors import LlmctlError, UsageError
 from llmctl.models.layout import SubLayerGroup
 
@@ -300,15 +300,3 @@ class HessianMethod:
 
     def finish_layer(self, layer_index: int, layer: nn.Module) -> dict[str, Any]:
         return {}
-
-
-def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """a and b are views of the same memory with the same layout, unmodified in between."""
-    return (
-        a.data_ptr() == b.data_ptr()
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.dtype == b.dtype
-        and a.device == b.device
-        and a._version == b._version
-    )

@@ -18,7 +18,8 @@ models/transformers_backend.py), in llm-compressor's "sequential pipeline" manne
     expert no token was routed to) come last, each its own group. Routers and gates
     (model_linears.never_compressed) are left out.
 
-`runner_for(model)` picks the runner.
+`runner_for(model)` picks the runner; `same_tensor` tells one tensor seen twice (the driver's
+shared-input test too).
 """
 
 from __future__ import annotations
@@ -163,8 +164,6 @@ class TransformersRunner:
 
 def _group_calls(calls: list[tuple[str, torch.Tensor]], every: list[str]) -> list[SubLayerGroup]:
     """Linears reading the same tensor grouped, in first-call order; uncalled ones last, alone."""
-    from llmctl.compress.driver import same_tensor
-
     groups: list[tuple[list[str], torch.Tensor]] = []
     seen: set[str] = set()
     for rel, x in calls:
@@ -183,3 +182,15 @@ def _group_calls(calls: list[tuple[str, torch.Tensor]], every: list[str]) -> lis
 def runner_for(model: nn.Module) -> LayerRunner:
     """NativeRunner for our own model, TransformersRunner for the transformers wrapper."""
     return TransformersRunner(model) if hasattr(model, "hf") else NativeRunner(model)
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b are views of the same memory with the same layout, unmodified in between."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a._version == b._version
+    )

@@ -66,7 +66,7 @@ def _shape(module: nn.Module) -> tuple[int, int]:
     return module.out_features, module.in_features
 
 
-def _decoder_modules(root: nn.Module):
+def decoder_modules(root: nn.Module):
     """(name, module) of every linear (or Conv1D) inside the decoder layers, and the routers."""
     if hasattr(root, "base_model_prefix"):  # a transformers PreTrainedModel
         prefix, _ = decoder_layer_list(root)
@@ -80,12 +80,21 @@ def _decoder_modules(root: nn.Module):
 
 def compressible_linears(root: nn.Module) -> list[tuple[str, int, int]]:
     """(name, out_features, in_features) of the decoder linears compression may change."""
-    return [(n, *_shape(m)) for n, m, router in _decoder_modules(root) if not router]
+    return [(n, *_shape(m)) for n, m, router in decoder_modules(root) if not router]
 
 
 def router_names(root: nn.Module) -> list[str]:
-    """The decoder's routers and gates (listed in the output's ignore list)."""
-    return [n for n, _, router in _decoder_modules(root) if router]
+    """The decoder's routers and gates (listed in the output's ignore list): the linears
+    `never_compressed` names, and router modules of their own class (transformers 5's MoE
+    routers hold a plain weight parameter)."""
+    linears = {n for n, _, router in decoder_modules(root) if router}
+    prefix = decoder_layer_list(root)[0] if hasattr(root, "base_model_prefix") else "model.layers"
+    return [
+        name
+        for name, _ in root.named_modules()
+        if name.startswith(prefix + ".")
+        and (name in linears or name.rsplit(".", 1)[-1] in ROUTER_NAMES)
+    ]
 
 
 def fused_experts(root: nn.Module) -> tuple[list[str], int]:
@@ -126,7 +135,7 @@ def linearize(root: nn.Module) -> list[str]:
     """Replace each Conv1D inside the decoder layers by the nn.Linear computing the same function
     (weight transposed to [out, in]); returns their names (for `export_state`)."""
     done = []
-    for name, module, _ in list(_decoder_modules(root)):
+    for name, module, _ in list(decoder_modules(root)):
         if not _is_conv1d(module):
             continue
         out_f, in_f = _shape(module)
@@ -149,3 +158,24 @@ def export_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         k: (v.t() if k in transposed else v) for k, v in root.state_dict(keep_vars=False).items()
     }
+
+
+def prepare_for_compression(model: nn.Module, warn) -> None:
+    """After loading, before any step: a transformers model's Conv1D become nn.Linear (names kept
+    on `model.linearized`), and a warning names the fused experts that stay dense."""
+    if not hasattr(model, "hf"):
+        return
+    model.linearized = linearize(model.hf)
+    names, count = fused_experts(model.hf)
+    if names:
+        warn(
+            f"{len(names)} MoE expert blocks store their experts as fused 3-D tensors, not "
+            f"linear layers: their {count:,} parameters stay dense (listed in the ignore list)"
+        )
+
+
+def kept_dense(model: nn.Module) -> list[str]:
+    """What the output's ignore list names beyond --ignore and lm_head: the routers and gates,
+    and the modules holding fused experts."""
+    root = weights_root(model)
+    return [*router_names(root), *fused_experts(root)[0]]

@@ -181,6 +181,7 @@ def run_oneshot(
     the run (a recipe) that --report-json may not overwrite; finish(result folder, run), if given,
     runs after the files are written and before they move into place (it may add files, or
     raise to stop)."""
+    from llmctl.compress.model_linears import prepare_for_compression
     from llmctl.runtime.loader import load_runtime
     from llmctl.runtime.resolve import resolve_dtype
 
@@ -189,6 +190,7 @@ def run_oneshot(
     # calibrate in float32 on the CPU, one layer at a time on --device
     rt = load_runtime(prep.model_path, dtype="float32", device="cpu")
     out_dtype = resolve_dtype("auto", rt.config, "cuda")  # the checkpoint's own dtype
+    prepare_for_compression(rt.model, notes)
     for step in steps:
         step.plan(rt.model, notes)
     calib, heldout = _load_data(args, steps, rt, notes)

@@ -58,11 +58,14 @@ def _state_dict(
     model: torch.nn.Module, tie_word_embeddings: bool, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """Parameters by HF name (buffers like RoPE tables are not weights), tied lm_head left out."""
+    from llmctl.compress.model_linears import export_state, weights_root
+
+    state = export_state(model)  # checkpoint names and layouts (a transformers model's too)
     out = {}
-    for name, p in model.named_parameters():
+    for name, _ in weights_root(model).named_parameters():
         if tie_word_embeddings and name == "lm_head.weight":
             continue
-        out[name] = p.detach().to("cpu", dtype).contiguous()
+        out[name] = state[name].detach().to("cpu", dtype).contiguous()
     return out
 
 

@@ -21,6 +21,7 @@ from llmctl.compress.driver import (
     make_ignore,
     relative_name,
 )
+from llmctl.compress.model_linears import compressible_linears, weights_root
 from llmctl.compress.records import LayerSparsity
 from llmctl.compress.sparse.masks import SparsityPattern
 from llmctl.compress.sparse.prune import METHODS, needs_calibration, prune_linear
@@ -48,17 +49,16 @@ class Targets:
 
 
 def target_linears(model: torch.nn.Module, settings: SparsifySettings) -> Targets:
-    """Every nn.Linear inside model.model.layers; lm_head and embeddings are never pruned."""
+    """Every decoder-layer linear compression may change (llmctl.compress.model_linears: never a
+    router or gate); lm_head and embeddings are never pruned."""
     targets = Targets(names=[])
     ignored = make_ignore(list(settings.ignore))
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or ".layers." not in f".{name}":
-            continue
+    for name, _, in_features in compressible_linears(weights_root(model)):
         if ignored(name):
             targets.skipped[name] = "ignored (--ignore)"
-        elif not settings.pattern.fits(module.in_features):
+        elif not settings.pattern.fits(in_features):
             targets.skipped[name] = (
-                f"{module.in_features} inputs are not a multiple of {settings.pattern.m}"
+                f"{in_features} inputs are not a multiple of {settings.pattern.m}"
             )
         else:
             targets.names.append(name)
@@ -104,7 +104,7 @@ def sparsify_model(
 def _magnitude(
     model, settings: SparsifySettings, targets: Targets, progress: ProgressFn | None
 ) -> list[LayerSparsity]:
-    modules = dict(model.named_modules())
+    modules = dict(weights_root(model).named_modules())
     lines = []
     for i, name in enumerate(targets.names):
         linear = modules[name]
