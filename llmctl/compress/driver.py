@@ -5,7 +5,16 @@ device), captures the inputs of its linears with forward hooks, hands them to a 
 sub-layer group by sub-layer group (q/k/v, then o, then gate/up, then down: each group observed
 on the outputs of the groups already processed, or, for a method with `whole_layer`, all of them
 in one pass over the unprocessed layer), then produces the next layer's inputs from the processed
-layer. After each layer it checkpoints (layer weights, the method's records,
+layer. Where the layers are, how one runs alone and what its groups are is the model family's
+`LayerRunner` (llmctl.compress.layer_runners: our own Llama layers, or any transformers decoder).
+
+MoE experts that are nn.Linear modules each calibrate on the tokens routed to them (the hooks
+see only those). An expert that saw fewer than MIN_ROUTED_TOKENS tokens (and fewer than the
+layer's busiest linear; none at all included) is `starved`: its statistics are noise, so it is
+handled as with no data: H = I for the Hessian methods (GPTQ then is round-to-nearest, SparseGPT
+magnitude pruning), equal input norms for Wanda (magnitude). llm-compressor's alternative, routing
+every token through every expert while calibrating, is not done. (transformers 5 stores most MoE
+experts as fused 3-D tensors, not linears: those stay dense, see compress/model_linears.py.) After each layer it checkpoints (layer weights, the method's records,
 the next layer's inputs; llmctl.compress.checkpoints: safetensors and JSON) into `checkpoint_dir`,
 so an interrupted run resumes after the last finished layer.
 
@@ -272,6 +281,7 @@ class HessianMethod:
         # the last input seen and its linear; holding x keeps its memory from being reused, so an
         # equal data pointer below means the very same tensor
         self._last: tuple[torch.Tensor, str] | None = None
+        self._most = 0  # the most tokens any linear of this layer has seen (see `starved`)
 
     def observe(self, name: str, x: torch.Tensor) -> None:
         last, self._last = self._last, (x, name)
@@ -286,17 +296,40 @@ class HessianMethod:
         if name not in self.acc:
             self.acc[name] = HessianAccumulator(x.shape[-1], device=x.device)
         self.acc[name].add(x)
+        self._most = max(self._most, self.acc[name].num_tokens)
 
     def process_group(
         self, layer_index: int, layer: nn.Module, group: SubLayerGroup, names: list[str]
     ) -> dict[str, Any]:
         self._last = None
         self.followers.difference_update(names)
-        accs = [self.acc.pop(name) for name in names]
+        accs = [self.acc.pop(name, None) for name in names]
         linears = [layer.get_submodule(relative_name(name)) for name in names]
+        if any(starved(a, self._most) for a in accs):
+            # H = I: GPTQ becomes round-to-nearest, SparseGPT magnitude pruning
+            hs = [
+                torch.eye(lin.in_features) if starved(a, self._most) else a.H
+                for lin, a in zip(linears, accs)
+            ]
+            return {n: self.fn(n, lin, h) for n, lin, h in zip(names, linears, hs)}
         if self.group_fn is not None and len(names) > 1 and all(a is accs[0] for a in accs):
             return self.group_fn(names, linears, accs[0].H)
         return {n: self.fn(n, lin, a.H) for n, lin, a in zip(names, linears, accs)}
 
     def finish_layer(self, layer_index: int, layer: nn.Module) -> dict[str, Any]:
+        self._most = 0
         return {}
+
+
+MIN_ROUTED_TOKENS = 64
+
+
+def starved(acc: Any, most: int) -> bool:
+    """A linear that saw no calibration token, or fewer than MIN_ROUTED_TOKENS and fewer than the
+    layer's busiest linear (an MoE expert few tokens were routed to): its statistics are noise,
+    so it is handled as if it had none (GPTQ: round-to-nearest; SparseGPT, Wanda: magnitude).
+    A linear every token reaches is never starved, however small the calibration set."""
+    if acc is None:
+        return True
+    tokens = getattr(acc, "num_tokens", getattr(acc, "tokens", 0))
+    return tokens < MIN_ROUTED_TOKENS and tokens < most

@@ -67,8 +67,13 @@ def _load_transformers(path: Path, config: ModelConfig, torch_dtype, device: str
 
     if not any(path.glob("*.safetensors")):
         raise ModelLoadError(f"{path} has no .safetensors weights (llmctl never loads pickles)")
+    from transformers.utils import logging as hf_logging
+
     backend.register()
     quantized = config.raw.get("quantization_config") is not None
+    verbosity = hf_logging.get_verbosity()
+    if quantized:  # its report would list the packed tensors and the linears they replace
+        hf_logging.set_verbosity_error()
     try:
         hf = AutoModelForCausalLM.from_pretrained(
             path,
@@ -81,6 +86,8 @@ def _load_transformers(path: Path, config: ModelConfig, torch_dtype, device: str
     except (ValueError, OSError, KeyError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"transformers cannot load {path}: {first}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     if quantized:
         _swap_quantized(hf, path, torch_dtype)
     hf = hf.to(device).eval().requires_grad_(False)

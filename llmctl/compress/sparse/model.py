@@ -20,6 +20,7 @@ from llmctl.compress.driver import (
     calibrate_layers,
     make_ignore,
     relative_name,
+    starved,
 )
 from llmctl.compress.model_linears import compressible_linears, weights_root
 from llmctl.compress.records import LayerSparsity
@@ -177,11 +178,13 @@ class WandaMethod:
     def __init__(self, settings: SparsifySettings):
         self.settings = settings
         self.acc: dict[str, InputNormAccumulator] = {}
+        self.most = 0  # the most tokens a linear of this layer has seen (driver.starved)
 
     def observe(self, name: str, x: torch.Tensor) -> None:
         if name not in self.acc:
             self.acc[name] = InputNormAccumulator(x.shape[-1], device=x.device)
         self.acc[name].add(x)
+        self.most = max(self.most, self.acc[name].tokens)
 
     def process_group(
         self, layer_index: int, layer: torch.nn.Module, group: SubLayerGroup, names: list[str]
@@ -189,7 +192,9 @@ class WandaMethod:
         out = {}
         for name in names:
             linear = layer.get_submodule(relative_name(name))
-            norms = self.acc.pop(name).norms()
+            acc = self.acc.pop(name, None)
+            # an expert (almost) no token reached: equal norms, i.e. magnitude pruning
+            norms = torch.ones(linear.in_features) if starved(acc, self.most) else acc.norms()
             new, line = prune_linear(
                 name, linear.weight, self.settings.pattern, "wanda", input_norms=norms
             )
@@ -199,4 +204,5 @@ class WandaMethod:
         return out
 
     def finish_layer(self, layer_index: int, layer: torch.nn.Module) -> dict:
+        self.most = 0
         return {}
