@@ -7,6 +7,9 @@ on the outputs of the groups already processed, or, for a method with `whole_lay
 in one pass over the unprocessed layer), then produces the next layer's inputs from the processed
 layer. Where the layers are, how one runs alone and what its groups are is the model family's
 `LayerRunner` (llmctl.compress.layer_runners: our own Llama layers, or any transformers decoder).
+After each layer it checkpoints (layer weights, the method's records, the next layer's inputs;
+llmctl.compress.checkpoints: safetensors and JSON) into `checkpoint_dir`, so an interrupted run
+resumes after the last finished layer.
 
 MoE experts that are nn.Linear modules each calibrate on the tokens routed to them (the hooks
 see only those). An expert that saw fewer than MIN_ROUTED_TOKENS tokens (and fewer than the
@@ -14,9 +17,7 @@ layer's busiest linear; none at all included) is `starved`: its statistics are n
 handled as with no data: H = I for the Hessian methods (GPTQ then is round-to-nearest, SparseGPT
 magnitude pruning), equal input norms for Wanda (magnitude). llm-compressor's alternative, routing
 every token through every expert while calibrating, is not done. (transformers 5 stores most MoE
-experts as fused 3-D tensors, not linears: those stay dense, see compress/model_linears.py.) After each layer it checkpoints (layer weights, the method's records,
-the next layer's inputs; llmctl.compress.checkpoints: safetensors and JSON) into `checkpoint_dir`,
-so an interrupted run resumes after the last finished layer.
+experts as fused 3-D tensors, not linears: those stay dense, see compress/model_linears.py.)
 
 A method implements the `LayerMethod` protocol below; `HessianMethod` adapts a per-linear function
 `fn(name, linear, H) -> record` (GPTQ, RTN, SparseGPT, Wanda) to it.
