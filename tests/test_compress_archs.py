@@ -167,3 +167,35 @@ def test_an_expert_few_tokens_reached_is_rounded_to_nearest():
     assert not torch.equal(seen[names[0]], torch.eye(8))
     assert torch.equal(seen[names[1]], torch.eye(8)) and torch.equal(seen[names[2]], torch.eye(8))
     assert starved(None, 0) and not starved(type("A", (), {"num_tokens": 3})(), 3)
+
+
+def test_an_interrupted_run_resumes_exactly(tmp_path):
+    """gpt2 (Conv1D, layers under transformer.h): stopped after its first layer and rerun, the
+    driver resumes from the checkpoint and ends with the weights of an uninterrupted run."""
+    from llmctl.compress.driver import calibrate_layers
+    from llmctl.compress.model_linears import prepare_for_compression
+    from llmctl.compress.quant.layer_methods import gptq_method
+    from llmctl.runtime.formats.spec import QuantSpec
+    from llmctl.runtime.weights import load_model
+
+    src, ckpt = tmp_path / "src", tmp_path / "ckpt"
+    build("gpt2").save_pretrained(src)
+    ids = torch.randint(3, 160, (6, 32), generator=torch.Generator().manual_seed(0))
+    spec = QuantSpec(4, 16, True, torch.float32)
+
+    def run(**kw):
+        model, _ = load_model(src, "float32", "cpu")
+        prepare_for_compression(model, lambda msg: None)
+        return model, calibrate_layers(model, ids, gptq_method(spec), batch_size=4, **kw)
+
+    def stop(done, total):
+        if done == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(checkpoint_dir=ckpt, fingerprint="f", progress=stop)
+    resumed, result = run(checkpoint_dir=ckpt, fingerprint="f")
+    fresh, _ = run()
+    assert result.resumed_layers == 1
+    for (name, a), b in zip(resumed.hf.state_dict().items(), fresh.hf.state_dict().values()):
+        assert torch.equal(a, b), name
