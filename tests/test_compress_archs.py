@@ -173,8 +173,8 @@ def test_an_interrupted_run_resumes_exactly(tmp_path):
     """gpt2 (Conv1D, layers under transformer.h): stopped after its first layer and rerun, the
     driver resumes from the checkpoint and ends with the weights of an uninterrupted run."""
     from llmctl.compress.driver import calibrate_layers
-    from llmctl.compress.model_linears import prepare_for_compression
     from llmctl.compress.quant.layer_methods import gptq_method
+    from llmctl.models.linears import prepare_for_compression
     from llmctl.runtime.formats.spec import QuantSpec
     from llmctl.runtime.weights import load_model
 

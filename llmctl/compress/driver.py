@@ -17,7 +17,7 @@ layer's busiest linear; none at all included) is `starved`: its statistics are n
 handled as with no data: H = I for the Hessian methods (GPTQ then is round-to-nearest, SparseGPT
 magnitude pruning), equal input norms for Wanda (magnitude). llm-compressor's alternative, routing
 every token through every expert while calibrating, is not done. (transformers 5 stores most MoE
-experts as fused 3-D tensors, not linears: those stay dense, see compress/model_linears.py.)
+experts as fused 3-D tensors, not linears: those stay dense, see models/linears.py.)
 
 A method implements the `LayerMethod` protocol below; `HessianMethod` adapts a per-linear function
 `fn(name, linear, H) -> record` (GPTQ, RTN, SparseGPT, Wanda) to it.

@@ -16,7 +16,7 @@ models/transformers_backend.py), in llm-compressor's "sequential pipeline" manne
     nn.Linear modules are called and the tensor each one reads; linears reading the same tensor
     form one group (q/k/v, gate/up), groups in call order; linears the trace never called (an
     expert no token was routed to) come last, each its own group. Routers and gates
-    (model_linears.never_compressed) are left out.
+    (models.linears.never_compressed) are left out.
 
 `runner_for(model)` picks the runner; `same_tensor` tells one tensor seen twice (the driver's
 shared-input test too).
@@ -29,8 +29,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from llmctl.compress.model_linears import decoder_layer_list, never_compressed, num_experts
 from llmctl.models.layout import SUBLAYER_GROUPS, SubLayerGroup
+from llmctl.models.linears import decoder_layer_list, never_compressed, num_experts
 
 
 class LayerRunner(Protocol):

@@ -181,7 +181,7 @@ def run_oneshot(
     the run (a recipe) that --report-json may not overwrite; finish(result folder, run), if given,
     runs after the files are written and before they move into place (it may add files, or
     raise to stop)."""
-    from llmctl.compress.model_linears import prepare_for_compression
+    from llmctl.models.linears import prepare_for_compression
     from llmctl.runtime.loader import load_runtime
     from llmctl.runtime.resolve import resolve_dtype
 

@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch
 
-from llmctl.compress.model_linears import compressible_linears, weights_root
 from llmctl.compress.quant.rtn import quantize_rtn
+from llmctl.models.linears import compressible_linears, weights_root
 from llmctl.runtime.formats.spec import QuantSpec
 
 

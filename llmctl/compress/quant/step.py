@@ -142,7 +142,7 @@ class QuantizeStep:
 
     def write(self, folder: Path, rt, extra_config: dict[str, Any], out_dtype) -> None:
         """The quantized linears in --format's layout, every other weight dense in out_dtype."""
-        from llmctl.compress.model_linears import export_state, kept_dense
+        from llmctl.models.linears import export_state, kept_dense
         from llmctl.runtime.formats import write_quantized
         from llmctl.runtime.formats.ct import consumer_note
 

@@ -58,7 +58,7 @@ def _state_dict(
     model: torch.nn.Module, tie_word_embeddings: bool, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """Parameters by HF name (buffers like RoPE tables are not weights), tied lm_head left out."""
-    from llmctl.compress.model_linears import export_state, weights_root
+    from llmctl.models.linears import export_state, weights_root
 
     state = export_state(model)  # checkpoint names and layouts (a transformers model's too)
     out = {}

@@ -22,11 +22,11 @@ from llmctl.compress.driver import (
     relative_name,
     starved,
 )
-from llmctl.compress.model_linears import compressible_linears, weights_root
 from llmctl.compress.records import LayerSparsity
 from llmctl.compress.sparse.masks import SparsityPattern
 from llmctl.compress.sparse.prune import METHODS, needs_calibration, prune_linear
 from llmctl.compress.sparse.wanda import InputNormAccumulator
+from llmctl.models.linears import compressible_linears, weights_root
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Targets:
 
 
 def target_linears(model: torch.nn.Module, settings: SparsifySettings) -> Targets:
-    """Every decoder-layer linear compression may change (llmctl.compress.model_linears: never a
+    """Every decoder-layer linear compression may change (llmctl.models.linears: never a
     router or gate); lm_head and embeddings are never pruned."""
     targets = Targets(names=[])
     ignored = make_ignore(list(settings.ignore))

@@ -14,7 +14,6 @@ import torch
 
 from llmctl.compress.args import SparsifyArgs
 from llmctl.compress.driver import make_ignore
-from llmctl.compress.model_linears import weights_root
 from llmctl.compress.sparse.masks import parse_pattern
 from llmctl.compress.sparse.model import (
     SparsifyResult,
@@ -25,6 +24,7 @@ from llmctl.compress.sparse.model import (
 )
 from llmctl.compress.sparse.prune import needs_calibration
 from llmctl.errors import UsageError
+from llmctl.models.linears import weights_root
 
 
 def check_targets(args: SparsifyArgs, linears: list[tuple[str, int, int]]) -> None:
@@ -40,7 +40,7 @@ def check_targets(args: SparsifyArgs, linears: list[tuple[str, int, int]]) -> No
 
 def decoder_sparsity(model: torch.nn.Module) -> float:
     """Zeros / weights over every decoder linear (pruned or not)."""
-    from llmctl.compress.model_linears import decoder_modules
+    from llmctl.models.linears import decoder_modules
 
     zeros = total = 0
     for _, module, _ in decoder_modules(weights_root(model)):
@@ -90,7 +90,7 @@ class PruneStep:
         return []
 
     def plan(self, model: torch.nn.Module, warn: Callable[[str], None]) -> None:
-        from llmctl.compress.model_linears import kept_dense
+        from llmctl.models.linears import kept_dense
 
         self.kept_dense = kept_dense(model)  # routers, gates, fused experts: the ignore list
         self.targets = target_linears(model, self.settings)

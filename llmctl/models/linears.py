@@ -1,4 +1,5 @@
-"""Which weights of a model compression may change, on either model implementation.
+"""Which weights of a model compression may change, on either model implementation (used by
+compression and by the estimates).
 
 Owns: `weights_root` (the module whose parameter names are the checkpoint's: our own model, or
 the transformers model inside models/transformers_backend.py's wrapper), `decoder_layer_list`
@@ -12,8 +13,6 @@ compressing and written back in its own [in, out] layout).
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -109,26 +108,25 @@ def fused_experts(root: nn.Module) -> tuple[list[str], int]:
     return names, count
 
 
-def meta_model(path: Path):
-    """The transformers model of the folder's config.json, on the meta device (no weights, no
-    code from the folder)."""
+def meta_model(raw: dict):
+    """The transformers model of a config.json's contents, on the meta device (no weights, no
+    code from a model folder)."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
+    raw = {k: v for k, v in raw.items() if k != "quantization_config"}
+    config = transformers.CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
     with torch.device("meta"):
         return transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False)
 
 
-def config_linears(config, path: Path) -> list[tuple[str, int, int]]:
+def config_linears(config) -> list[tuple[str, int, int]]:
     """compressible_linears before loading: the native families' from the config alone, the
     others' from their transformers model built on the meta device."""
     from llmctl.models.layout import decoder_linears
 
     if config.native:
         return decoder_linears(config)
-    return compressible_linears(meta_model(path))
+    return compressible_linears(meta_model(config.raw))
 
 
 def linearize(root: nn.Module) -> list[str]:
