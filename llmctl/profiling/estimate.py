@@ -30,6 +30,7 @@ from typing import Any
 
 from llmctl.errors import ModelLoadError, UsageError
 from llmctl.models.config import ModelConfig
+from llmctl.profiling.arch_shapes import ArchShapes, arch_shapes
 from llmctl.profiling.dtypes import canonical_dtype
 
 # Weight storage formats and their bits per element.
@@ -85,9 +86,11 @@ def weight_bytes(
     dtype: str = "bfloat16",
     group_size: int | None = 128,
     quantize_embeddings: bool = False,
+    shapes: ArchShapes | None = None,
 ) -> WeightBytes:
     """Bytes of all weights stored as `dtype` (see module docstring for what int formats
-    include)."""
+    include); `shapes`: a non-native model's (arch_shapes), whose other parameters (fused experts
+    too) count as `other`."""
     dtype = normalize_dtype(dtype, WEIGHT_BITS, "weight dtype")
     if group_size is not None and group_size < 1:
         raise UsageError(f"--group-size must be a positive integer, got {group_size}")
@@ -95,15 +98,19 @@ def weight_bytes(
     quantized = dtype.startswith("int")
     float_bytes = 4 if dtype == "float32" else 2  # what unquantized tensors are stored in
     linear = scales = zeros = 0
-    for out_f, in_f in linear_shapes(config):
+    layers = 1 if shapes else config.num_layers  # shapes.linears holds every layer's
+    for out_f, in_f in shapes.linears if shapes else linear_shapes(config):
         w, s, z = _matrix_bytes(out_f, in_f, bits, group_size, quantized, float_bytes)
         linear, scales, zeros = linear + w, scales + s, zeros + z
-    linear, scales, zeros = (config.num_layers * x for x in (linear, scales, zeros))
+    linear, scales, zeros = (layers * x for x in (linear, scales, zeros))
     h, v = config.hidden_size, config.vocab_size
     n_emb = 1 if config.tie_word_embeddings else 2
     w, s, z = _matrix_bytes(v, h, bits, group_size, quantized and quantize_embeddings, float_bytes)
     embeddings, scales, zeros = n_emb * w, scales + n_emb * s, zeros + n_emb * z
     norms_and_biases = config.num_parameters() - _matrix_params(config)
+    if shapes:
+        matrices = sum(o * i for o, i in shapes.linears) + n_emb * v * h
+        norms_and_biases = shapes.num_parameters - matrices
     return WeightBytes(linear, scales, zeros, embeddings, norms_and_biases * float_bytes)
 
 
@@ -114,25 +121,41 @@ def _matrix_params(config: ModelConfig) -> int:
     return config.num_layers * per_layer + n_emb * config.vocab_size * config.hidden_size
 
 
-def kv_bytes_per_token(config: ModelConfig, kv_dtype: str = "bfloat16") -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
+def kv_bytes_per_token(
+    config: ModelConfig, kv_dtype: str = "bfloat16", shapes: ArchShapes | None = None
+) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes per element (`shapes`: what the cache
+    of a non-native model holds, MLA's per-head width)."""
     kv_dtype = normalize_dtype(kv_dtype, KV_BYTES, "KV dtype")
+    if shapes:
+        return 2 * shapes.kv_layers * shapes.kv_heads * shapes.kv_width * KV_BYTES[kv_dtype]
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES[kv_dtype]
 
 
 def kv_bytes_per_sequence(
-    config: ModelConfig, seq_len: int, kv_dtype: str = "bfloat16", block_size: int = 1
+    config: ModelConfig,
+    seq_len: int,
+    kv_dtype: str = "bfloat16",
+    block_size: int = 1,
+    shapes: ArchShapes | None = None,
 ) -> int:
     """KV bytes of one sequence of `seq_len` tokens, rounded up to whole cache blocks."""
     tokens = math.ceil(seq_len / block_size) * block_size
-    return tokens * kv_bytes_per_token(config, kv_dtype)
+    return tokens * kv_bytes_per_token(config, kv_dtype, shapes)
 
 
-def flops_per_token(config: ModelConfig, context: int) -> int:
+def flops_per_token(config: ModelConfig, context: int, shapes: ArchShapes | None = None) -> int:
     """Forward FLOPs for one token attending to `context` tokens: 2 x matmul weights (the embedding
-    lookup is not a matmul; lm_head is) + 4 x layers x context x q_size (Q.K^T and P.V)."""
+    lookup is not a matmul; lm_head is) + 4 x layers x context x q_size (Q.K^T and P.V). An MoE
+    model's experts count only as far as a token runs through them."""
     per_layer = sum(o * i for o, i in linear_shapes(config))
     matmul_params = config.num_layers * per_layer + config.vocab_size * config.hidden_size
+    if shapes:
+        experts = shapes.dense_experts
+        if shapes.active_parameters is not None:
+            experts -= shapes.num_parameters - shapes.active_parameters  # routed, not run
+        linears = sum(o * i for o, i in shapes.linears)
+        matmul_params = linears + experts + config.vocab_size * config.hidden_size
     return 2 * matmul_params + 4 * config.num_layers * context * config.q_size
 
 
@@ -159,6 +182,8 @@ class Estimate:
     decode_tokens_per_s_per_sequence: float | None
     decode_tokens_per_s_aggregate: float | None
     flops_per_token: int  # at context = seq_len
+    active_parameters: int | None = None  # MoE: parameters one token runs through
+    notes: tuple[str, ...] = ()  # what the numbers leave out (MLA, sliding windows, experts)
 
     @property
     def total_bytes(self) -> int:
@@ -198,9 +223,10 @@ def estimate(
             raise UsageError(f"{name} must be >= 1, got {value}")
     if bandwidth is not None and bandwidth <= 0:
         raise UsageError("--bandwidth must be positive")
-    weights = weight_bytes(config, dtype, group_size, quantize_embeddings)
-    per_token = kv_bytes_per_token(config, kv_dtype)
-    per_seq = kv_bytes_per_sequence(config, seq_len, kv_dtype, block_size)
+    shapes = None if config.native else arch_shapes(config)
+    weights = weight_bytes(config, dtype, group_size, quantize_embeddings, shapes)
+    per_token = kv_bytes_per_token(config, kv_dtype, shapes)
+    per_seq = kv_bytes_per_sequence(config, seq_len, kv_dtype, block_size, shapes)
     max_seqs = None if memory_budget is None else max(0, (memory_budget - weights.total) // per_seq)
     step_bytes = weights.total + batch * seq_len * per_token
     steps_per_s = None if bandwidth is None else bandwidth / step_bytes
@@ -212,7 +238,7 @@ def estimate(
         seq_len=seq_len,
         batch=batch,
         block_size=block_size,
-        num_parameters=config.num_parameters(),
+        num_parameters=shapes.num_parameters if shapes else config.num_parameters(),
         weights=weights,
         kv_bytes_per_token=per_token,
         kv_bytes_per_sequence=per_seq,
@@ -223,7 +249,9 @@ def estimate(
         decode_bytes_per_step=step_bytes,
         decode_tokens_per_s_per_sequence=steps_per_s,
         decode_tokens_per_s_aggregate=None if steps_per_s is None else batch * steps_per_s,
-        flops_per_token=flops_per_token(config, seq_len),
+        flops_per_token=flops_per_token(config, seq_len, shapes),
+        active_parameters=shapes.active_parameters if shapes else None,
+        notes=shapes.notes if shapes else (),
     )
 
 
@@ -286,10 +314,10 @@ def group_size_for(
     """(group size or None for per channel, note) for this config's quantized matrices, by the
     rule `llmctl quantize` applies: a size it refuses is refused here too, and auto resolves the
     same way."""
-    from llmctl.models.layout import decoder_linears
+    from llmctl.models.linears import config_linears
     from llmctl.runtime.formats.spec import resolve_group_size
 
-    widths = [(name, k) for name, _, k in decoder_linears(config)]
+    widths = [(name, k) for name, _, k in config_linears(config)]
     if quantize_embeddings:
         widths += [("model.embed_tokens", config.hidden_size), ("lm_head", config.hidden_size)]
     return resolve_group_size(text, widths)

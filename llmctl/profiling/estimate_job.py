@@ -111,6 +111,7 @@ def estimate_rows(result: EstimateResult) -> list[tuple[str, str]]:
     rows = [
         ("config", result.source),
         ("parameters", f"{e.num_parameters:,} ({e.num_parameters / 1e9:.3f} B)"),
+        *([("active per token (MoE)", f"{e.active_parameters:,}")] if e.active_parameters else []),
         (f"weights, {_format_name(e)}", size(w.total)),
         ("  linear / scales / zeros", f"{size(w.linear)} / {size(w.scales)} / {size(w.zeros)}"),
         ("  embeddings + lm_head / norms, biases", f"{size(w.embeddings)} / {size(w.other)}"),
@@ -142,4 +143,5 @@ def estimate_rows(result: EstimateResult) -> list[tuple[str, str]]:
         )
     if result.group_size_note and e.dtype.startswith("int"):
         rows.append(("group size", result.group_size_note))
+    rows += [("note", note) for note in e.notes]
     return rows
