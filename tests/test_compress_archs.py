@@ -199,3 +199,12 @@ def test_an_interrupted_run_resumes_exactly(tmp_path):
     assert result.resumed_layers == 1
     for (name, a), b in zip(resumed.hf.state_dict().items(), fresh.hf.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_awq_is_refused_off_our_own_model_code(tmp_path, capsys):
+    """AWQ folds scales into the operation before each linear, known for our own layers only."""
+    src = tmp_path / "src"
+    build("gemma2").save_pretrained(src)
+    assert main(["quantize", str(src), "-o", str(tmp_path / "out"), "--awq"]) == 2
+    assert "use --gptq or --rtn" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
