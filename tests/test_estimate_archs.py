@@ -8,7 +8,7 @@ import json
 import math
 
 import pytest
-from archs import build
+from archs import NATIVE, build
 
 from llmctl.cli import main
 from llmctl.models.config import ModelConfig
@@ -35,7 +35,7 @@ def test_parameter_counts_equal_the_real_model(arch):
     model = build(arch)
     config = _config(model)
     total = sum(p.numel() for p in model.parameters())
-    assert config.native == (arch in ("qwen3_moe", "mixtral"))  # native MoE: counted as the rest
+    assert config.native == (arch in NATIVE)  # native MoE and Gemma: counted as the rest
     assert not config.native or config.num_parameters() == total
     assert est.num_parameters(config) == total
     e = est.estimate(config, dtype="bf16", seq_len=64)
@@ -69,9 +69,10 @@ def test_moe_active_parameters_and_decode_bytes():
     assert e.decode_bytes_per_step == e.weights.total - e.expert_weight_bytes + read + kv
     one = est.estimate(config, dtype="bf16", seq_len=64, batch=1)
     assert one.decode_experts_touched == pytest.approx(2.0)  # k of E at batch 1
-    # int4 packs the experts' matrices too; the routers ([4, 64] each) stay 16-bit
+    # int4 packs attention's matrices; routed experts stay 16-bit as quantize keeps them, and
+    # the routers ([4, 64] each) too
     q = est.weight_bytes(config, "int4", group_size=16)
-    assert q.linear == (2 * 12288 + 2 * 24576) // 2
+    assert q.linear == 2 * 12288 // 2 + 2 * 24576 * 2
     assert q.other == (total - 2 * 12288 - 2 * 24576 - 2 * 160 * 64) * 2
 
 

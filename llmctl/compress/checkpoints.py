@@ -110,10 +110,12 @@ def save(
     layer: nn.Module,
     records: dict[str, Any],
     hidden: torch.Tensor,
+    prefix: str | None = None,
 ) -> None:
-    """Layer i's weights and records, then the next inputs, then progress.json (written last)."""
+    """Layer i's weights and records (those named under `prefix`, default "model.layers.<i>."),
+    then the next inputs, then progress.json (written last)."""
     ckpt.mkdir(parents=True, exist_ok=True)
-    prefix = f"model.layers.{i}."
+    prefix = prefix or f"model.layers.{i}."
     tensors = {
         f"state/{k}": v.detach().to("cpu").contiguous().clone()
         for k, v in layer.state_dict().items()

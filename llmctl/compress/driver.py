@@ -5,9 +5,19 @@ device), captures the inputs of its linears with forward hooks, hands them to a 
 sub-layer group by sub-layer group (q/k/v, then o, then gate/up, then down: each group observed
 on the outputs of the groups already processed, or, for a method with `whole_layer`, all of them
 in one pass over the unprocessed layer), then produces the next layer's inputs from the processed
-layer. After each layer it checkpoints (layer weights, the method's records,
-the next layer's inputs; llmctl.compress.checkpoints: safetensors and JSON) into `checkpoint_dir`,
-so an interrupted run resumes after the last finished layer.
+layer. Where the layers are, how one runs alone and what its groups are is the model family's
+`LayerRunner` (llmctl.compress.layer_runners: our own Llama layers, or any transformers decoder).
+After each layer it checkpoints (layer weights, the method's records, the next layer's inputs;
+llmctl.compress.checkpoints: safetensors and JSON) into `checkpoint_dir`, so an interrupted run
+resumes after the last finished layer.
+
+MoE experts that are nn.Linear modules each calibrate on the tokens routed to them (the hooks
+see only those). An expert that saw fewer than MIN_ROUTED_TOKENS tokens (and fewer than the
+layer's busiest linear; none at all included) is `starved`: its statistics are noise, so it is
+handled as with no data: H = I for the Hessian methods (GPTQ then is round-to-nearest, SparseGPT
+magnitude pruning), equal input norms for Wanda (magnitude). llm-compressor's alternative, routing
+every token through every expert while calibrating, is not done. (transformers 5 stores most MoE
+experts as fused 3-D tensors, not linears: those stay dense, see models/linears.py.)
 
 A method implements the `LayerMethod` protocol below; `HessianMethod` adapts a per-linear function
 `fn(name, linear, H) -> record` (GPTQ, RTN, SparseGPT, Wanda) to it.
@@ -27,8 +37,9 @@ from torch import nn
 
 from llmctl.compress import checkpoints
 from llmctl.compress.hessian import HessianAccumulator
+from llmctl.compress.layer_runners import LayerRunner, runner_for, same_tensor
 from llmctl.errors import LlmctlError, UsageError
-from llmctl.models.layout import SUBLAYER_GROUPS, SubLayerGroup
+from llmctl.models.layout import SubLayerGroup
 
 
 class LayerMethod(Protocol):
@@ -82,24 +93,37 @@ class DriverResult:
 
 
 def _run_layer(
+    runner: LayerRunner,
+    i: int,
     layer: nn.Module,
     hidden: torch.Tensor,
-    positions: torch.Tensor,
     device,
     batch_size: int,
     keep: bool,
 ):
-    """layer.forward_dense over hidden [N, S, H] in mini-batches (its output, not its cache);
-    returns the outputs (on CPU) if keep."""
+    """Layer i alone over hidden [N, S, H] in mini-batches (its output, not its cache); returns
+    the outputs (on CPU) if keep."""
     outs = []
-    for i in range(0, hidden.shape[0], batch_size):
+    for b in range(0, hidden.shape[0], batch_size):
         try:
-            y = layer.forward_dense(hidden[i : i + batch_size].to(device), positions)[0]
+            y = runner.run(i, layer, hidden[b : b + batch_size], device)
         except _StopForward:
             continue
         if keep:
             outs.append(y.to("cpu"))
     return torch.cat(outs) if keep else None
+
+
+def relative_name(name: str) -> str:
+    """A linear's name relative to its decoder layer ("model.layers.3.mlp.up_proj" ->
+    "mlp.up_proj"): what follows the first numeric component."""
+    match = _LAYER_INDEX.match(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not inside a decoder layer")
+    return name[match.end() :]
+
+
+_LAYER_INDEX = re.compile(r"^.*?\.\d+\.")
 
 
 @torch.no_grad()
@@ -109,14 +133,16 @@ def _calibrate_layer(
     method: LayerMethod,
     ignore: Callable[[str], bool],
     run: Callable[..., Any],
+    layer_groups: list[SubLayerGroup],
+    prefix: str,
 ) -> dict[str, Any]:
     """Layer i's sub-layer groups in order, then the method's end-of-layer step; returns their
     records. A method with `whole_layer` set sees every linear's inputs from one pass over the
     unprocessed layer; otherwise each group is observed on the outputs of those before it."""
     records: dict[str, Any] = {}
     groups = []
-    for group in SUBLAYER_GROUPS:
-        names = [f"model.layers.{i}.{rel}" for rel in group.linears]
+    for group in layer_groups:
+        names = [f"{prefix}.{i}.{rel}" for rel in group.linears]
         groups.append((group, [n for n in names if not ignore(n)]))
     groups = [(group, names) for group, names in groups if names]
     whole = getattr(method, "whole_layer", False)
@@ -144,27 +170,27 @@ def calibrate_layers(
     batch_size: int = 8,
     warn: Callable[[str], None] = lambda msg: None,
 ) -> DriverResult:
-    """Run `method` over every decoder layer of `model` (our LlamaForCausalLM) on input_ids [N, S].
+    """Run `method` over every decoder layer of `model` on input_ids [N, S]: our own
+    LlamaForCausalLM or the transformers wrapper (llmctl.compress.layer_runners says how each
+    is walked; records are keyed by the checkpoint's linear names).
 
     progress(done_layers, total_layers) is called after each layer. With `checkpoint_dir`, a
     previous run with the same `fingerprint` is resumed from its last finished layer (a damaged
     checkpoint is redone, with a warning).
     """
-    layers = model.model.layers
+    runner = runner_for(model)
+    layers = runner.layers
     n_layers = len(layers)
     result = DriverResult()
-    positions = torch.arange(input_ids.shape[1], device=device)
     start = 0
     hidden = None
     if checkpoint_dir is not None:
-        shape = (*input_ids.shape, model.model.embed_tokens.embedding_dim)
+        shape = (*input_ids.shape, runner.hidden_size)
         start, hidden, records = checkpoints.load(checkpoint_dir, fingerprint, layers, shape, warn)
         result.records.update(records)
         result.resumed_layers = start
-    if hidden is None:
-        hidden = model.model.embed_tokens(input_ids.to(model.model.embed_tokens.weight.device)).to(
-            "cpu"
-        )
+    first = runner.start(input_ids, batch_size)  # also what the runner records of the inputs
+    hidden = first if hidden is None else hidden
     if progress and start:
         progress(start, n_layers)
     for i in range(start, n_layers):
@@ -172,12 +198,15 @@ def calibrate_layers(
         home = next(layer.parameters()).device
         layer.to(device)
 
-        run = functools.partial(_run_layer, layer, hidden, positions, device, batch_size)
-        result.records.update(_calibrate_layer(i, layer, method, ignore, run))
+        run = functools.partial(_run_layer, runner, i, layer, hidden, device, batch_size)
+        groups = runner.groups(i, layer, hidden[:batch_size], device)
+        records = _calibrate_layer(i, layer, method, ignore, run, groups, runner.prefix)
+        result.records.update(records)
         hidden = run(keep=True)
         layer.to(home)
         if checkpoint_dir is not None:
-            checkpoints.save(checkpoint_dir, fingerprint, i, layer, result.records, hidden)
+            prefix = f"{runner.prefix}.{i}."
+            checkpoints.save(checkpoint_dir, fingerprint, i, layer, result.records, hidden, prefix)
         if progress:
             progress(i + 1, n_layers)
     return result
@@ -194,7 +223,7 @@ def _observe(
     `method`; linear `last` (relative name) stops the forward before its own product: neither
     its output nor later parts are needed yet."""
     hooks = [
-        layer.get_submodule(n.split(".", 3)[3]).register_forward_pre_hook(
+        layer.get_submodule(relative_name(n)).register_forward_pre_hook(
             _observer(method, n, stop=n.endswith(last))
         )
         for n in names
@@ -253,10 +282,11 @@ class HessianMethod:
         # the last input seen and its linear; holding x keeps its memory from being reused, so an
         # equal data pointer below means the very same tensor
         self._last: tuple[torch.Tensor, str] | None = None
+        self._most = 0  # the most tokens any linear of this layer has seen (see `starved`)
 
     def observe(self, name: str, x: torch.Tensor) -> None:
         last, self._last = self._last, (x, name)
-        if last is not None and last[1] != name and _same_tensor(last[0], x):
+        if last is not None and last[1] != name and same_tensor(last[0], x):
             shared = self.acc[last[1]]
             if self.acc.setdefault(name, shared) is not shared:
                 raise LlmctlError(f"{name}: its input was shared in one batch and not in another")
@@ -267,29 +297,40 @@ class HessianMethod:
         if name not in self.acc:
             self.acc[name] = HessianAccumulator(x.shape[-1], device=x.device)
         self.acc[name].add(x)
+        self._most = max(self._most, self.acc[name].num_tokens)
 
     def process_group(
         self, layer_index: int, layer: nn.Module, group: SubLayerGroup, names: list[str]
     ) -> dict[str, Any]:
         self._last = None
         self.followers.difference_update(names)
-        accs = [self.acc.pop(name) for name in names]
-        linears = [layer.get_submodule(name.split(".", 3)[3]) for name in names]
+        accs = [self.acc.pop(name, None) for name in names]
+        linears = [layer.get_submodule(relative_name(name)) for name in names]
+        if any(starved(a, self._most) for a in accs):
+            # H = I: GPTQ becomes round-to-nearest, SparseGPT magnitude pruning
+            hs = [
+                torch.eye(lin.in_features) if starved(a, self._most) else a.H
+                for lin, a in zip(linears, accs)
+            ]
+            return {n: self.fn(n, lin, h) for n, lin, h in zip(names, linears, hs)}
         if self.group_fn is not None and len(names) > 1 and all(a is accs[0] for a in accs):
             return self.group_fn(names, linears, accs[0].H)
         return {n: self.fn(n, lin, a.H) for n, lin, a in zip(names, linears, accs)}
 
     def finish_layer(self, layer_index: int, layer: nn.Module) -> dict[str, Any]:
+        self._most = 0
         return {}
 
 
-def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """a and b are views of the same memory with the same layout, unmodified in between."""
-    return (
-        a.data_ptr() == b.data_ptr()
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.dtype == b.dtype
-        and a.device == b.device
-        and a._version == b._version
-    )
+MIN_ROUTED_TOKENS = 64
+
+
+def starved(acc: Any, most: int) -> bool:
+    """A linear that saw no calibration token, or fewer than MIN_ROUTED_TOKENS and fewer than the
+    layer's busiest linear (an MoE expert few tokens were routed to): its statistics are noise,
+    so it is handled as if it had none (GPTQ: round-to-nearest; SparseGPT, Wanda: magnitude).
+    A linear every token reaches is never starved, however small the calibration set."""
+    if acc is None:
+        return True
+    tokens = getattr(acc, "num_tokens", getattr(acc, "tokens", 0))
+    return tokens < MIN_ROUTED_TOKENS and tokens < most

@@ -16,7 +16,6 @@ from typing import Callable, Protocol
 
 from llmctl.compress.driver import make_ignore, unmatched_patterns
 from llmctl.errors import UsageError
-from llmctl.models.layout import decoder_linears
 from llmctl.runtime.output_dir import OutputFolder, check_input_file, check_output_file
 from llmctl.runtime.shards import parse_shard_size
 
@@ -87,6 +86,7 @@ def prepare(args: JobArgs, inputs: tuple[Path, ...] = ()) -> Prepared:
     """Every shared check that needs no weights (see the module docstring); `inputs`: more files
     the run reads (a recipe), which --report-json may not overwrite either."""
     from llmctl.models.config import ModelConfig
+    from llmctl.models.linears import config_linears
     from llmctl.runtime.resolve import resolve_device, resolve_model_path
 
     check_common_options(args)
@@ -102,7 +102,7 @@ def prepare(args: JobArgs, inputs: tuple[Path, ...] = ()) -> Prepared:
     plan_output(args, (model_path, *files))  # --report-json may not overwrite a file of the model
     config = ModelConfig.from_file(model_path / "config.json")
     device = resolve_device(args.device)
-    return Prepared(out, model_path, config, device, decoder_linears(config))
+    return Prepared(out, model_path, config, device, config_linears(config))
 
 
 def settle(

@@ -181,13 +181,11 @@ def run_oneshot(
     the run (a recipe) that --report-json may not overwrite; finish(result folder, run), if given,
     runs after the files are written and before they move into place (it may add files, or
     raise to stop)."""
-    from llmctl.runtime.loader import load_runtime
     from llmctl.runtime.resolve import resolve_dtype
 
     notes, t0 = Notes(warn), time.perf_counter()
     prep = _check(args, steps, inputs, notes)
-    # calibrate in float32 on the CPU, one layer at a time on --device
-    rt = load_runtime(prep.model_path, dtype="float32", device="cpu")
+    rt = _load(prep, notes)
     out_dtype = resolve_dtype("auto", rt.config, "cuda")  # the checkpoint's own dtype
     for step in steps:
         step.plan(rt.model, notes)
@@ -224,6 +222,19 @@ def run_oneshot(
     _write(job, rt, out_dtype, finish)
     job.outcomes[-1].wall_time_s += _since(mark)  # the last step's time includes writing
     return job
+
+
+def _load(prep: Prepared, notes: Notes):
+    """The model to calibrate, in float32 on the CPU (one layer at a time goes to --device): the
+    Llama family on our own layers (its fixed layout), every other family (the native Gemma and
+    MoE ones included) on transformers' model, whose layers the driver discovers."""
+    from llmctl.models.linears import prepare_for_compression
+    from llmctl.runtime.loader import load_runtime
+
+    impl = "llmctl" if prep.config.llama_layout else "transformers"
+    rt = load_runtime(prep.model_path, dtype="float32", device="cpu", model_impl=impl)
+    prepare_for_compression(rt.model, notes)
+    return rt
 
 
 def _perplexity(model, heldout: torch.Tensor | None, wanted: bool) -> float | None:

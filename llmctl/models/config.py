@@ -80,6 +80,12 @@ class ModelConfig:
         return self.not_native is None
 
     @property
+    def llama_layout(self) -> bool:
+        """Our own code runs it with the Llama decoder layer (llama, mistral, qwen2, qwen3): what
+        the config-only layouts (models/layout.py) and AWQ's folding assume."""
+        return self.native and self.model_type in ("llama", "mistral", "qwen2", "qwen3")
+
+    @property
     def gemma(self) -> bool:
         """Gemma's conventions: norms scale by 1 + weight, embeddings by sqrt(hidden), GELU."""
         return self.model_type in GEMMA_ARCHITECTURES
@@ -180,7 +186,8 @@ class ModelConfig:
                 sparse += 3 * h * m.shared_intermediate_size + h
             mlps = [3 * h * f if i in m.dense_layers else sparse for i in range(self.num_layers)]
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * (attn + 2 * h) + sum(mlps) + h + head
+        norms = 4 * h if self.model_type in ("gemma2", "gemma3_text") else 2 * h  # + post norms
+        return v * h + self.num_layers * (attn + norms) + sum(mlps) + h + head
 
 
 def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

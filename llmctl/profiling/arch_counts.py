@@ -114,9 +114,9 @@ class ArchCounts:
 
 
 def llama_layout(config: ModelConfig) -> bool:
-    """The Llama-layout formulas count it (a dense native family); else `arch_counts` does: every
-    other family, and the native mixture-of-experts ones."""
-    return config.native and config.moe is None
+    """The Llama-layout formulas count it (llama, mistral, qwen2, qwen3 on our own code); else
+    `arch_counts` does: every other family, the native MoE and Gemma ones included."""
+    return config.llama_layout
 
 
 def arch_counts(config: ModelConfig) -> ArchCounts:

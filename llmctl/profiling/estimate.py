@@ -116,7 +116,9 @@ def _weight_parts(
     float_bytes = 4 if dtype == "float32" else 2  # what unquantized tensors are stored in
     linear = scales = zeros = experts = 0
     for out_f, in_f, count, expert in decoder_matrices(config):
-        w, s, z = _matrix_bytes(out_f, in_f, bits, group_size, quantized, float_bytes)
+        # quantize keeps routed experts (fused 3-D tensors) at 16 bits: so does the estimate
+        packed = quantized and not expert
+        w, s, z = _matrix_bytes(out_f, in_f, bits, group_size, packed, float_bytes)
         linear, scales, zeros = linear + count * w, scales + count * s, zeros + count * z
         experts += count * (w + s + z) if expert else 0
     v, h, n_emb = _embedding(config)

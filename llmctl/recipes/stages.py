@@ -284,8 +284,8 @@ def _run_batch(stage: Stage, hooks: StageHooks) -> dict:
     from llmctl.batch.runner import run_batch
     from llmctl.runtime.loader import load_runtime
 
-    def load(model, dtype="auto", device="auto"):
-        return load_runtime(model, dtype=dtype, device=device)
+    def load(model, dtype="auto", device="auto", model_impl="auto"):
+        return load_runtime(model, dtype=dtype, device=device, model_impl=model_impl)
 
     result = run_batch(stage.args, load, hooks.batch_ui)
     summary = result.stats.summary()

@@ -67,7 +67,13 @@ def _load_transformers(path: Path, config: ModelConfig, torch_dtype, device: str
 
     if not any(path.glob("*.safetensors")):
         raise ModelLoadError(f"{path} has no .safetensors weights (llmctl never loads pickles)")
+    from transformers.utils import logging as hf_logging
+
     backend.register()
+    quantized = config.raw.get("quantization_config") is not None
+    verbosity = hf_logging.get_verbosity()
+    if quantized:  # its report would list the packed tensors and the linears they replace
+        hf_logging.set_verbosity_error()
     try:
         hf = AutoModelForCausalLM.from_pretrained(
             path,
@@ -75,13 +81,41 @@ def _load_transformers(path: Path, config: ModelConfig, torch_dtype, device: str
             use_safetensors=True,
             trust_remote_code=False,
             attn_implementation=backend.IMPLEMENTATION,
+            **({"config": _unquantized_config(path)} if quantized else {}),
         )
     except (ValueError, OSError, KeyError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"transformers cannot load {path}: {first}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if quantized:
+        _swap_quantized(hf, path, torch_dtype)
     hf = hf.to(device).eval().requires_grad_(False)
     model = backend.TransformersCausalLM.wrap(hf, config)
     return model, model.config
+
+
+def _unquantized_config(path: Path):
+    """The folder's transformers config without `quantization_config`: transformers then loads
+    the dense tensors and leaves the quantized linears' weights freshly initialised (warning about
+    the packed tensors it does not know), and `_swap_quantized` replaces those linears."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    if hasattr(hf_config, "quantization_config"):
+        del hf_config.quantization_config
+    return hf_config
+
+
+def _swap_quantized(hf, path: Path, torch_dtype) -> None:
+    """The quantized linears of a checkpoint llmctl (or another tool) wrote, as our packed
+    QuantLinear modules by name: the same swap as our own model's (formats/load.py), rather than
+    transformers' compressed-tensors quantizer, so every format llmctl reads runs on the CPU too."""
+    from llmctl.runtime.formats.load import swap_in
+    from llmctl.runtime.formats.registry import read_quantized
+
+    _, linears, _ = read_quantized(path)
+    swap_in(hf, linears, path, torch_dtype, "cpu")
 
 
 def _accelerate_2of4(model, config: ModelConfig) -> None:

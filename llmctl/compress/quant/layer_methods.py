@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmctl.compress.driver import HessianMethod, SubLayerGroup
+from llmctl.compress.driver import HessianMethod, SubLayerGroup, relative_name
 from llmctl.compress.hessian import HessianAccumulator
 from llmctl.compress.quant.awq import (
     fold_into_linear_output,
@@ -180,7 +180,7 @@ class AwqMethod:
         alpha = None
         if self._can_fold(prev, linears):
             quantized = [
-                layer.get_submodule(n.split(".", 3)[3]).weight.detach().float() for n in names
+                layer.get_submodule(relative_name(n)).weight.detach().float() for n in names
             ]
             block = self._block(layer, group, names)
             found = search_scales(
@@ -214,7 +214,7 @@ class AwqMethod:
         as AutoAWQ measures it; None (the linears' own outputs) for o_proj and down_proj."""
         if group.name not in ("attn_in", "mlp_in"):
             return None
-        modules = [layer.get_submodule(n.split(".", 3)[3]) for n in names]
+        modules = [layer.get_submodule(relative_name(n)) for n in names]
         xs = torch.cat(self.seqs[names[0]])  # [B, S, in]
         positions = torch.arange(xs.shape[1], device=xs.device)
 
@@ -243,7 +243,7 @@ class AwqMethod:
     def finish_layer(self, layer_index: int, layer: nn.Module) -> dict[str, Any]:
         records = {}
         for name, (x, H, alpha) in self.pending.items():
-            linear = layer.get_submodule(name.split(".", 3)[3])
+            linear = layer.get_submodule(relative_name(name))
             w = linear.weight.detach().float().cpu().clone()
             # AutoAWQ leaves q/k unclipped: attention scores are too sensitive to their range
             clip = self.clip and not name.endswith(("q_proj", "k_proj"))

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from llmctl.compress.quant.rtn import quantize_rtn
-from llmctl.models.layout import LINEAR_NAMES
+from llmctl.models.linears import compressible_linears, weights_root
 from llmctl.runtime.formats.spec import QuantSpec
 
 
@@ -33,16 +33,15 @@ def rtn_probe(
     saved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
     try:
         with torch.no_grad():
-            for i, layer in enumerate(model.model.layers):
-                for rel in LINEAR_NAMES:
-                    name = f"model.layers.{i}.{rel}"
-                    if ignored(name):
-                        continue
-                    weight = layer.get_submodule(rel).weight
-                    w = weight.detach().float().cpu()
-                    q = quantize_rtn(w, spec.for_width(name, w.shape[1]), mse=mse).weight
-                    saved.append((weight, weight.detach().clone()))
-                    weight.copy_(q.to(weight.device, weight.dtype))
+            root = weights_root(model)
+            for name, _, _ in compressible_linears(root):
+                if ignored(name):
+                    continue
+                weight = root.get_submodule(name).weight
+                w = weight.detach().float().cpu()
+                q = quantize_rtn(w, spec.for_width(name, w.shape[1]), mse=mse).weight
+                saved.append((weight, weight.detach().clone()))
+                weight.copy_(q.to(weight.device, weight.dtype))
         return score(model)
     finally:
         with torch.no_grad():

@@ -76,6 +76,12 @@ class QuantizeStep:
         if prep.config.raw.get("quantization_config"):
             raise UsageError(f"{prep.model_path} is already quantized")
         check_format_available(self.args.format)
+        if self.args.method == "awq" and not prep.config.llama_layout:
+            raise UsageError(
+                "--awq folds scales into the operation before each linear, which llmctl knows "
+                f"for llama, mistral, qwen2 and qwen3 only, not {prep.config.model_type}; use "
+                "--gptq or --rtn"
+            )
         ignored = make_ignore(self.args.ignore)
         self.group_note = check_layers(self.args, [t for t in prep.linears if not ignored(t[0])])
         return [self.group_note] if self.group_note else []
@@ -137,6 +143,7 @@ class QuantizeStep:
 
     def write(self, folder: Path, rt, extra_config: dict[str, Any], out_dtype) -> None:
         """The quantized linears in --format's layout, every other weight dense in out_dtype."""
+        from llmctl.models.linears import export_state, kept_dense
         from llmctl.runtime.formats import write_quantized
         from llmctl.runtime.formats.ct import consumer_note
 
@@ -144,17 +151,18 @@ class QuantizeStep:
         linears = {name: rec.result for name, rec in self.records.items()}
         dense = {
             k: v.detach().to("cpu", out_dtype)
-            for k, v in model.state_dict().items()
+            for k, v in export_state(model).items()
             if k.rsplit(".", 1)[0] not in linears or not k.endswith(".weight")
         }
-        if model.config.tie_word_embeddings:
+        if rt.config.tie_word_embeddings:
             dense.pop("lm_head.weight", None)
         a = self.args
         note = consumer_note(self.spec) if a.format == "compressed-tensors" else None
         if note and self.warn is not None:
             self.warn(note)
+        ignore = [*a.ignore, *kept_dense(model)]
         qcfg = write_quantized(
-            folder, a.format, dense, linears, self.spec, a.ignore, out_dtype, a.max_shard_size
+            folder, a.format, dense, linears, self.spec, ignore, out_dtype, a.max_shard_size
         )
         raw = json.loads((rt.model_path / "config.json").read_text())
         config = output_config(raw, {**extra_config, "quantization_config": qcfg})

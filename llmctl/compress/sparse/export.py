@@ -58,12 +58,12 @@ def _state_dict(
     model: torch.nn.Module, tie_word_embeddings: bool, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """Parameters by HF name (buffers like RoPE tables are not weights), tied lm_head left out."""
-    out = {}
-    for name, p in model.named_parameters():
-        if tie_word_embeddings and name == "lm_head.weight":
-            continue
-        out[name] = p.detach().to("cpu", dtype).contiguous()
-    return out
+    from llmctl.models.linears import export_state
+
+    state = export_state(model)  # checkpoint names and layouts (a transformers model's too)
+    if tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return {name: t.to("cpu", dtype).contiguous() for name, t in state.items()}
 
 
 def save_dense_model(

@@ -14,11 +14,19 @@ from typing import Callable
 
 import torch
 
-from llmctl.compress.driver import HessianMethod, SubLayerGroup, calibrate_layers, make_ignore
+from llmctl.compress.driver import (
+    HessianMethod,
+    SubLayerGroup,
+    calibrate_layers,
+    make_ignore,
+    relative_name,
+    starved,
+)
 from llmctl.compress.records import LayerSparsity
 from llmctl.compress.sparse.masks import SparsityPattern
 from llmctl.compress.sparse.prune import METHODS, needs_calibration, prune_linear
 from llmctl.compress.sparse.wanda import InputNormAccumulator
+from llmctl.models.linears import compressible_linears, weights_root
 
 
 @dataclass(frozen=True)
@@ -42,17 +50,16 @@ class Targets:
 
 
 def target_linears(model: torch.nn.Module, settings: SparsifySettings) -> Targets:
-    """Every nn.Linear inside model.model.layers; lm_head and embeddings are never pruned."""
+    """Every decoder-layer linear compression may change (llmctl.models.linears: never a
+    router or gate); lm_head and embeddings are never pruned."""
     targets = Targets(names=[])
     ignored = make_ignore(list(settings.ignore))
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or ".layers." not in f".{name}":
-            continue
+    for name, _, in_features in compressible_linears(weights_root(model)):
         if ignored(name):
             targets.skipped[name] = "ignored (--ignore)"
-        elif not settings.pattern.fits(module.in_features):
+        elif not settings.pattern.fits(in_features):
             targets.skipped[name] = (
-                f"{module.in_features} inputs are not a multiple of {settings.pattern.m}"
+                f"{in_features} inputs are not a multiple of {settings.pattern.m}"
             )
         else:
             targets.names.append(name)
@@ -98,7 +105,7 @@ def sparsify_model(
 def _magnitude(
     model, settings: SparsifySettings, targets: Targets, progress: ProgressFn | None
 ) -> list[LayerSparsity]:
-    modules = dict(model.named_modules())
+    modules = dict(weights_root(model).named_modules())
     lines = []
     for i, name in enumerate(targets.names):
         linear = modules[name]
@@ -171,19 +178,23 @@ class WandaMethod:
     def __init__(self, settings: SparsifySettings):
         self.settings = settings
         self.acc: dict[str, InputNormAccumulator] = {}
+        self.most = 0  # the most tokens a linear of this layer has seen (driver.starved)
 
     def observe(self, name: str, x: torch.Tensor) -> None:
         if name not in self.acc:
             self.acc[name] = InputNormAccumulator(x.shape[-1], device=x.device)
         self.acc[name].add(x)
+        self.most = max(self.most, self.acc[name].tokens)
 
     def process_group(
         self, layer_index: int, layer: torch.nn.Module, group: SubLayerGroup, names: list[str]
     ) -> dict:
         out = {}
         for name in names:
-            linear = layer.get_submodule(name.split(".", 3)[3])
-            norms = self.acc.pop(name).norms()
+            linear = layer.get_submodule(relative_name(name))
+            acc = self.acc.pop(name, None)
+            # an expert (almost) no token reached: equal norms, i.e. magnitude pruning
+            norms = torch.ones(linear.in_features) if starved(acc, self.most) else acc.norms()
             new, line = prune_linear(
                 name, linear.weight, self.settings.pattern, "wanda", input_norms=norms
             )
@@ -193,4 +204,5 @@ class WandaMethod:
         return out
 
     def finish_layer(self, layer_index: int, layer: torch.nn.Module) -> dict:
+        self.most = 0
         return {}

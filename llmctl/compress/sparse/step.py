@@ -24,6 +24,7 @@ from llmctl.compress.sparse.model import (
 )
 from llmctl.compress.sparse.prune import needs_calibration
 from llmctl.errors import UsageError
+from llmctl.models.linears import weights_root
 
 
 def check_targets(args: SparsifyArgs, linears: list[tuple[str, int, int]]) -> None:
@@ -39,11 +40,12 @@ def check_targets(args: SparsifyArgs, linears: list[tuple[str, int, int]]) -> No
 
 def decoder_sparsity(model: torch.nn.Module) -> float:
     """Zeros / weights over every decoder linear (pruned or not)."""
+    from llmctl.models.linears import decoder_modules
+
     zeros = total = 0
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":
-            zeros += int((module.weight == 0).sum())
-            total += module.weight.numel()
+    for _, module, _ in decoder_modules(weights_root(model)):
+        zeros += int((module.weight == 0).sum())
+        total += module.weight.numel()
     return zeros / max(1, total)
 
 
@@ -61,6 +63,7 @@ class PruneStep:
         self.model_sparsity = 0.0  # zeros / weights over every decoder linear, after `run`
         self.keep_masks = False  # keep `masks` (a later step must keep the zeros)
         self.masks: dict[str, torch.Tensor] = {}  # pruned linear -> bool [out, in], True = zero
+        self.kept_dense: list[str] = []  # never pruned whatever --ignore says (after `plan`)
 
     @property
     def settings(self) -> SparsifySettings:
@@ -87,6 +90,9 @@ class PruneStep:
         return []
 
     def plan(self, model: torch.nn.Module, warn: Callable[[str], None]) -> None:
+        from llmctl.models.linears import kept_dense
+
+        self.kept_dense = kept_dense(model)  # routers, gates, fused experts: the ignore list
         self.targets = target_linears(model, self.settings)
         for name, why in self.targets.skipped.items():
             if not why.startswith("ignored"):
@@ -105,7 +111,7 @@ class PruneStep:
         )
         self.model_sparsity = decoder_sparsity(model)  # before a later step changes the model
         if self.keep_masks:
-            modules = dict(model.named_modules())
+            modules = dict(weights_root(model).named_modules())
             self.masks = {
                 line.name: (modules[line.name].weight == 0).cpu() for line in self.result.lines
             }
@@ -125,10 +131,11 @@ class PruneStep:
         from llmctl.compress.sparse.export import sparsity_config
 
         a = self.args
+        ignore = [*a.ignore, *self.kept_dense]
         lines = self.result.lines if self.result is not None else []
         per_layer = {line.name: line.sparsity for line in lines}
         meta = sparsity_config(
-            self.settings.pattern, a.method, per_layer, list(a.ignore), self.global_sparsity
+            self.settings.pattern, a.method, per_layer, ignore, self.global_sparsity
         )
         return {"sparsity_config": meta}
 
