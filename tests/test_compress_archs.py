@@ -115,7 +115,9 @@ def test_quantize_and_eval(tmp_path, text, arch):
         # experts written as checkpoints hold them, one tensor each (transformers fuses at load)
         fused = state["model.layers.1.mlp.experts.down_proj"]  # [E, hidden, intermediate]
         for e in range(fused.shape[0]):
-            assert torch.equal(written[f"model.layers.1.mlp.experts.{e}.down_proj.weight"], fused[e])
+            assert torch.equal(
+                written[f"model.layers.1.mlp.experts.{e}.down_proj.weight"], fused[e]
+            )
     _cli("eval", rtn, "--data", text, "--seq-len", 32, "--reference", src, "--report-json", report)
     result = json.loads(report.read_text())["result"]
     assert 0 <= result["mean_kl"] < 0.01 and result["reference_perplexity"] > 1

@@ -59,8 +59,8 @@ def test_model_impl_transformers_serves_a_native_family_too(tmp_path):
 
 
 def test_what_the_transformers_path_cannot_do_is_one_line(tmp_path):
-    folder, _ = save_clear_model(tmp_path / "phi3", "phi3")
-    with pytest.raises(ModelLoadError, match="--model-impl llmctl: 'phi3' is not native"):
+    folder, _ = save_clear_model(tmp_path / "phi", "phi")
+    with pytest.raises(ModelLoadError, match="--model-impl llmctl: .phi. is not native"):
         LLM(str(folder), device="cpu", model_impl="llmctl")
     with pytest.raises(UsageError, match="--batch-invariant needs llmctl's own model code"):
         LLM(str(folder), device="cpu", batch_invariant=True)

@@ -20,8 +20,9 @@ from llmctl.errors import ModelLoadError
 MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3_text")
 SUPPORTED_ARCHITECTURES = (
-    "llama", "mistral", "qwen2", "qwen3", *MOE_ARCHITECTURES, *GEMMA_ARCHITECTURES,
+    "llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_ARCHITECTURES, *GEMMA_ARCHITECTURES,
 )  # fmt: skip
+WINDOWED = ("mistral", "mixtral", "phi3")  # one sliding window for every layer, where set
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,12 @@ class ModelConfig:
         return self.native and self.model_type in ("llama", "mistral", "qwen2", "qwen3")
 
     @property
+    def fused_checkpoint(self) -> bool:
+        """The checkpoint holds q/k/v and gate/up as one tensor each (phi3), which our layers
+        load split: what our code writes would not be the family's layout."""
+        return self.model_type == "phi3"
+
+    @property
     def gemma(self) -> bool:
         """Gemma's conventions: norms scale by 1 + weight, embeddings by sqrt(hidden), GELU."""
         return self.model_type in GEMMA_ARCHITECTURES
@@ -121,10 +128,10 @@ class ModelConfig:
             qk_norm = model_type in ("qwen3", "qwen3_moe", "gemma3_text")
             bias = d.get("qkv_bias", True) if model_type == "qwen2_moe" else d.get("attention_bias")
             window = d.get("sliding_window")
-            if not d.get("use_sliding_window", model_type in ("mistral", "mixtral")):
+            if not d.get("use_sliding_window", model_type in WINDOWED):
                 window = None
             context = int(d.get("max_position_embeddings", 2048))
-            if window and model_type not in ("mistral", "mixtral"):  # qwen's per-layer rules
+            if window and model_type not in WINDOWED:  # qwen's per-layer rules
                 raise _NotNative(f"{model_type} with a sliding window is not native")
             every = (window if window and window < context else None,) * int(d["num_hidden_layers"])
             return cls(
@@ -195,6 +202,9 @@ def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     params = d.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
         params = params["full_attention"]
+    partial = (params or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise _NotNative(f"partial RoPE (factor {partial}) is not native")
     scaling = d.get("rope_scaling")
     if isinstance(params, dict):
         theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))

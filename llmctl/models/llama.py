@@ -1,4 +1,5 @@
-"""Our model code for the Llama family: llama, mistral, qwen2 (q/k/v bias) and qwen3 (q/k RMSNorm),
+"""Our model code for the Llama family: llama, mistral, qwen2 (q/k/v bias), qwen3 (q/k RMSNorm) and
+phi3 (its checkpoint's fused projections split at load: `checkpoint_tensors`), Gemma's,
 and their mixture-of-experts forms qwen2_moe, qwen3_moe and mixtral (models/moe.py in place of
 the MLP).
 
@@ -176,3 +177,24 @@ class LlamaForCausalLM(nn.Module):
         if cache is None or length == 0:
             return None
         return [(k[:, :, :length], v[:, :, :length]) for k, v in cache]
+
+
+def checkpoint_tensors(config: ModelConfig, tensors):
+    """(file, name, tensor) triples of a checkpoint as our layers name them: phi3's fused
+    `qkv_proj` [q + 2 kv, hidden] and `gate_up_proj` [2 intermediate, hidden] split into the
+    projections they hold (in that order)."""
+    for file, name, t in tensors:
+        if not config.fused_checkpoint:
+            yield file, name, t
+        elif name.endswith("self_attn.qkv_proj.weight"):
+            base = name.removesuffix("qkv_proj.weight")
+            sizes = [config.q_size, config.kv_size, config.kv_size]
+            for part, piece in zip(("q_proj", "k_proj", "v_proj"), t.split(sizes)):
+                yield file, f"{base}{part}.weight", piece
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            base = name.removesuffix("gate_up_proj.weight")
+            gate, up = t.chunk(2)
+            yield file, f"{base}gate_proj.weight", gate
+            yield file, f"{base}up_proj.weight", up
+        else:
+            yield file, name, t

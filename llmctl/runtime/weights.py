@@ -26,7 +26,7 @@ def load_model(path: Path, dtype: str = "auto", device: str = "cpu", impl: str =
     runs the config, else transformers'). Returns (model, config)."""
     import torch
 
-    from llmctl.models.llama import LlamaForCausalLM
+    from llmctl.models.llama import LlamaForCausalLM, checkpoint_tensors
 
     config = ModelConfig.from_file(path / "config.json")
     device = resolve_device(device)
@@ -39,7 +39,8 @@ def load_model(path: Path, dtype: str = "auto", device: str = "cpu", impl: str =
     if quant is not None:
         model = load_quantized(model, path, config, quant, torch_dtype, device)
     else:
-        assign_dense(model, iter_tensors(path), config, torch_dtype, device, path)
+        tensors = checkpoint_tensors(config, iter_tensors(path))
+        assign_dense(model, tensors, config, torch_dtype, device, path)
     _materialise_buffers(model, config, device)
     model = model.eval().requires_grad_(False)
     if quant is None:
@@ -54,7 +55,9 @@ def choose_impl(config: ModelConfig, impl: str = "auto") -> str:
     if impl == "llmctl" and not config.native:
         raise ModelLoadError(f"--model-impl llmctl: {config.not_native}")
     if impl == "auto":
-        return "llmctl" if config.native else "transformers"
+        # a quantized phi3 holds its fused projections quantized as one: transformers' layout
+        fused = config.fused_checkpoint and config.raw.get("quantization_config") is not None
+        return "llmctl" if config.native and not fused else "transformers"
     return impl
 
 

@@ -20,11 +20,13 @@ HEADER = "# llmctl distill: resolved arguments of the run that wrote this folder
 
 
 def student_tensors(student) -> dict:
-    """The student's parameters by Hugging Face name, tied ones once, contiguous on the CPU."""
+    """The student's parameters by checkpoint name (a transformers student's fused experts split
+    again, as transformers saves them), tied ones once, contiguous on the CPU."""
+    from llmctl.models.linears import export_state
     from llmctl.train.checkpoint import unique_tensors
 
     return unique_tensors(
-        {k: v.detach().cpu().contiguous() for k, v in student.state_dict().items()}
+        {k: v.detach().cpu().contiguous() for k, v in export_state(student).items()}
     )
 
 

@@ -43,7 +43,7 @@ def _build(raw: dict, device: str, seed: int = 0):
     from llmctl.models.llama import LlamaForCausalLM
 
     config = ModelConfig.from_dict(raw)
-    if not config.native:
+    if not config.native or config.fused_checkpoint:  # our names must be the checkpoint's
         return _build_transformers(raw, config, device, seed)
     with torch.device(device):
         model = LlamaForCausalLM(config)
@@ -80,7 +80,7 @@ def student_from_layers(teacher_path: Path, teacher_raw: dict, n: int, device: s
     raw = dict(teacher_raw, num_hidden_layers=n)
     if isinstance(raw.get("layer_types"), list):
         raw["layer_types"] = [raw["layer_types"][i] for i in keep]
-    if not teacher_config.native:
+    if not teacher_config.native or teacher_config.fused_checkpoint:
         return (*_layers_of_transformers_teacher(teacher_path, raw, keep, device), keep)
     model, config = _build(raw, device)
     new_index = {old: new for new, old in enumerate(keep)}
@@ -135,7 +135,7 @@ def student_from_config(path: Path, teacher_raw: dict, seed: int, device: str):
     raw = {k: v for k, v in raw.items() if k not in ("quantization_config", "auto_map")}
     _check_vocab(raw.get("vocab_size"), teacher_raw["vocab_size"], f"--student-config {path}")
     model, config = _build(raw, device, seed)
-    if not config.native:  # initialised by transformers' rules for its family
+    if hasattr(model, "hf"):  # initialised by transformers' rules for its family
         return _trainable(model), config, raw
     std = float(raw.get("initializer_range", 0.02))
     gen = torch.Generator(device="cpu").manual_seed(seed)
