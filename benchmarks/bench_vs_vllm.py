@@ -202,6 +202,9 @@ def main() -> None:
     )
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument(
+        "--skip-cli", action="store_true", help="no `llmctl run-batch` leg (engines only)"
+    )
+    ap.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -242,12 +245,16 @@ def main() -> None:
     python = os.environ.get("VLLM_PYTHON", "/work/venvs/vllm/bin/python")
     # Repeats alternate the engines (vLLM, llmctl, vLLM, llmctl, ...): on a VM whose speed drifts
     # with its host's load, the median of alternated runs is a fairer ratio than one run each.
-    runs = {"vllm_cpu": [], "llmctl": [], "llmctl_run_batch": []}
+    runs = {"vllm_cpu": [], "llmctl": []}
+    if not args.skip_cli:
+        runs["llmctl_run_batch"] = []
     for _ in range(args.repeats):
         runs["vllm_cpu"].append(run_vllm(python, folder, prompts, outs, args.threads, args.dtype))
         print(json.dumps({"vllm_cpu": runs["vllm_cpu"][-1]}), flush=True)
         runs["llmctl"].append(run_llmctl(folder, prompts, outs, dtype=args.dtype, max_num_seqs=256))
         print(json.dumps({"llmctl": runs["llmctl"][-1]}), flush=True)
+        if args.skip_cli:
+            continue
         cli = run_llmctl_cli(folder, prompts, outs, args.dtype, args.threads)
         runs["llmctl_run_batch"].append(dict(cli, seconds=cli["job_seconds"]))
         print(json.dumps({"llmctl_run_batch": cli}), flush=True)
@@ -261,7 +268,7 @@ def main() -> None:
         )
         if len(results) > 1:
             report[name]["all_seconds"] = [r["seconds"] for r in results]
-    for name in ("llmctl", "llmctl_run_batch"):  # vLLM's seconds over ours, run by run
+    for name in [n for n in runs if n != "vllm_cpu"]:  # vLLM's seconds over ours, run by run
         report[f"paired_ratios_{name}"] = [
             v["seconds"] / m["seconds"] for v, m in zip(runs["vllm_cpu"], runs[name])
         ]
@@ -269,9 +276,10 @@ def main() -> None:
     report["llmctl_over_vllm"] = (
         report["llmctl"]["output_tok_s"] / report["vllm_cpu"]["output_tok_s"]
     )
-    report["run_batch_over_vllm"] = (
-        report["llmctl_run_batch"]["output_tok_s"] / report["vllm_cpu"]["output_tok_s"]
-    )
+    if "llmctl_run_batch" in report:
+        report["run_batch_over_vllm"] = (
+            report["llmctl_run_batch"]["output_tok_s"] / report["vllm_cpu"]["output_tok_s"]
+        )
     if not args.skip_transformers:
         report["transformers"] = run_transformers(folder, prompts, outs, 32, dtype=args.dtype)
         report["llmctl_over_transformers"] = (

@@ -46,10 +46,10 @@ class ProcessorConfig:
     gpus_per_replica: float = 0.0
 
 
-def _default_loader(model, dtype="auto", device="auto"):
+def _default_loader(model, dtype="auto", device="auto", model_impl="auto"):
     from llmctl.runtime.loader import load_runtime
 
-    return load_runtime(model, dtype=dtype, device=device)
+    return load_runtime(model, dtype=dtype, device=device, model_impl=model_impl)
 
 
 class _DatasetReplica(Replica):

@@ -143,7 +143,7 @@ def test_native_off_keeps_the_c_kernels_out(monkeypatch):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 64, generator=g)
     linear, norm = Linear(64, 24), RMSNorm(64, 1e-6)
-    mlp = MLP(SimpleNamespace(hidden_size=64, intermediate_size=96))
+    mlp = MLP(SimpleNamespace(hidden_size=64, intermediate_size=96, gemma=False))
     q, kc, vc, tables, lt = _case(4, 2, 32, 4, [5, 3], torch.float32)
     kv = torch.randn(16, 2, 32, generator=g)  # WRITE_KV_MIN_ROWS tokens: the C write applies
     slots = torch.arange(16) + 8

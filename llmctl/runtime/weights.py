@@ -74,9 +74,10 @@ def _load_transformers(path: Path, config: ModelConfig, torch_dtype, device: str
 
     backend.register()
     quantized = config.raw.get("quantization_config") is not None
-    verbosity = hf_logging.get_verbosity()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     if quantized:  # its report would list the packed tensors and the linears they replace
         hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # "Loading weights" bars amid our own progress output
     try:
         hf = AutoModelForCausalLM.from_pretrained(
             path,
@@ -91,6 +92,8 @@ def _load_transformers(path: Path, config: ModelConfig, torch_dtype, device: str
         raise ModelLoadError(f"transformers cannot load {path}: {first}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     if quantized:
         _swap_quantized(hf, path, torch_dtype)
     hf = hf.to(device).eval().requires_grad_(False)
