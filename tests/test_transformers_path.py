@@ -29,7 +29,7 @@ def test_greedy_tokens_equal_transformers_generate(tmp_path, arch):
     assert _generate(llm) == expected
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss", "deepseek_v3", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen2_moe", "phi3"])
 def test_engine_features_hold_on_the_transformers_path(tmp_path, arch):
     """Chunked prefill (8-token budget), prefix caching (shared prompt starts), n-gram
     speculation and preemption (a KV cache of a few blocks) on layers with a sliding window

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from llmctl.kernels.attention import (
     PagedAttentionMetadata,
@@ -92,42 +93,67 @@ def paged_attention_with(
     return out
 
 
-def _window_slots(meta: PagedAttentionMetadata, width: int, padded: int):
-    """Each decode row's last `width` positions (from 0 where it has fewer), laid out in
-    `padded` >= width columns, the columns past them repeating its last position: (slots
-    [nd, padded], positions [nd, padded], how many are real [nd])."""
-    lens, bs = meta.decode_context_lens, meta.block_size
+def _window_slots(tables, lens, bs: int, width: int, padded: int):
+    """Each row's last `width` positions (from 0 where it has fewer), laid out in `padded` >=
+    width columns, the columns past them repeating its last position: (slots [n, padded],
+    positions [n, padded], how many are real [n])."""
     starts = (lens - width).clamp(min=0)
-    p = starts[:, None] + torch.arange(padded, device=lens.device)  # [nd, padded]
+    p = starts[:, None] + torch.arange(padded, device=lens.device)  # [n, padded]
     p = torch.minimum(p, (lens - 1)[:, None])
-    slots = meta.decode_block_tables.gather(1, p // bs) * bs + p % bs
+    slots = tables.gather(1, p // bs) * bs + p % bs
     return slots, p, lens - starts
+
+
+def _rows(meta: PagedAttentionMetadata, rows: torch.Tensor) -> PagedAttentionMetadata:
+    """The decode metadata of a subset of the decode rows (indices [n])."""
+    lens = meta.decode_context_lens[rows]
+    return PagedAttentionMetadata(
+        None, rows.numel(), meta.decode_block_tables[rows], lens, [], meta.block_size, None,
+        meta.workspace, int(lens.max()),
+    )  # fmt: skip
 
 
 def _decodes(q, k_cache, v_cache, meta: PagedAttentionMetadata, f: Features, kernels):
     """The decode rows q [nd, H, D] -> [nd, H, Dv]."""
-    window, longest = f.sliding_window, meta.decode_max_len or int(meta.decode_context_lens.max())
+    window, lens = f.sliding_window, meta.decode_context_lens
+    longest = meta.decode_max_len or int(lens.max())
     if f.window_only and (not window or longest <= window):
         return decode_cached(q, k_cache, v_cache, meta, f.scale, kernels)
-    width = min(window or longest, longest)
-    if f.window_only:  # the windows gathered into consecutive blocks of a scratch cache
-        bs = meta.block_size
-        padded = -(-width // bs) * bs
-        slots, _, counts = _window_slots(meta, width, padded)
-        kk = k_cache.index_select(1, slots.flatten())  # [KVH, nd * padded, D]
-        vv = v_cache.index_select(1, slots.flatten())
-        nd, per_row = q.shape[0], padded // bs
-        tables = torch.arange(nd * per_row, device=q.device).view(nd, per_row)
-        window_meta = PagedAttentionMetadata(
-            None, nd, tables, counts, [], bs, None, meta.workspace, width
-        )  # fmt: skip
-        return decode_cached(q, kk, vv, window_meta, f.scale, kernels)
-    slots, pos, counts = _window_slots(meta, width, width)
-    kk = k_cache[:, slots].permute(1, 2, 0, 3)  # [nd, width, KVH, D]
-    vv = v_cache[:, slots].permute(1, 2, 0, 3)
-    valid = torch.arange(width, device=q.device)[None] < counts[:, None]
-    lens = meta.decode_context_lens
-    return attend(q[:, None], kk, vv, (lens - 1)[:, None], pos, f, valid)[:, 0]
+    if not f.window_only:
+        width = min(window or longest, longest)
+        tables, bs = meta.decode_block_tables, meta.block_size
+        slots, pos, counts = _window_slots(tables, lens, bs, width, width)
+        kk = k_cache[:, slots].permute(1, 2, 0, 3)  # [nd, width, KVH, D]
+        vv = v_cache[:, slots].permute(1, 2, 0, 3)
+        valid = torch.arange(width, device=q.device)[None] < counts[:, None]
+        return attend(q[:, None], kk, vv, (lens - 1)[:, None], pos, f, valid)[:, 0]
+    # rows within the window read the cache in place; the others their gathered windows
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    inside = lens <= window
+    if inside.any():
+        rows = inside.nonzero().squeeze(1)
+        out[rows] = decode_cached(q[rows], k_cache, v_cache, _rows(meta, rows), f.scale, kernels)
+    rows = (~inside).nonzero().squeeze(1)
+    out[rows] = _gathered_windows(q[rows], k_cache, v_cache, _rows(meta, rows), f, kernels)
+    return out
+
+
+def _gathered_windows(q, k_cache, v_cache, meta: PagedAttentionMetadata, f: Features, kernels):
+    """Decode rows whose context is longer than the window: each row's window gathered into
+    consecutive blocks of a scratch cache, which the decode kernel reads."""
+    bs, width = meta.block_size, f.sliding_window
+    padded = -(-width // bs) * bs
+    slots, _, counts = _window_slots(
+        meta.decode_block_tables, meta.decode_context_lens, bs, width, padded
+    )
+    kk = k_cache.index_select(1, slots.flatten())  # [KVH, n * padded, D]
+    vv = v_cache.index_select(1, slots.flatten())
+    n, per_row = q.shape[0], padded // bs
+    tables = torch.arange(n * per_row, device=q.device).view(n, per_row)
+    window_meta = PagedAttentionMetadata(
+        None, n, tables, counts, [], bs, None, meta.workspace, width
+    )  # fmt: skip
+    return decode_cached(q, kk, vv, window_meta, f.scale, kernels)
 
 
 def _chunk(q, k, v, k_cache, v_cache, chunk, f: Features, kernels) -> torch.Tensor:
@@ -139,8 +165,15 @@ def _chunk(q, k, v, k_cache, v_cache, chunk, f: Features, kernels) -> torch.Tens
         )
     first = max(0, done + 1 - window) if window else 0  # the first key any query here sees
     slots = chunk.slots[first : done + n]
+    q_pos = torch.arange(done, done + n, device=q.device)
+    k_pos = torch.arange(first, done + n, device=q.device)
+    if f.window_only:  # SDPA with the window as a mask: [1, H, n, D] over [1, KVH, keys, D]
+        seen = (k_pos[None] <= q_pos[:, None]) & (k_pos[None] > q_pos[:, None] - window)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k_cache[:, slots][None], v_cache[:, slots][None],
+            attn_mask=seen, scale=f.scale, enable_gqa=True,
+        )  # fmt: skip
+        return out[0].transpose(0, 1)
     kk = k_cache[:, slots].transpose(0, 1)[None]  # [1, done + n - first, KVH, D]
     vv = v_cache[:, slots].transpose(0, 1)[None]
-    q_pos = torch.arange(done, done + n, device=q.device)[None]
-    k_pos = torch.arange(first, done + n, device=q.device)[None]
-    return attend(q[None], kk, vv, q_pos, k_pos, f)[0]
+    return attend(q[None], kk, vv, q_pos[None], k_pos[None], f)[0]
