@@ -32,7 +32,8 @@ def leg(impl: str, config: str, args) -> dict:
     torch.set_num_threads(args.threads)
     folder = random_model_folder(config)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-    prompts, outs = workload(args.num_prompts, (32, 512), output_range=(64, 256), vocab=vocab)
+    # issue 19's workload: prompts of 16-700 tokens, 32-200 output tokens each
+    prompts, outs = workload(args.num_prompts, (16, 700), output_range=(32, 200), vocab=vocab)
     return run_llmctl(folder, prompts, outs, dtype=args.dtype, max_num_seqs=256, model_impl=impl)
 
 

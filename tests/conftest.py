@@ -38,37 +38,10 @@ def stories_model() -> Path:
 
 
 def make_random_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
-    """Save a tiny randomly initialised HF model of `arch` (llama, mistral, qwen2, qwen3) to
-    `folder`."""
-    import torch
-    import transformers
+    """Save a tiny randomly initialised HF model of `arch` (any of tests/archs.py: two layers,
+    hidden 64, weights of std 0.2 unless overridden) to `folder`."""
+    from archs import build
 
-    cls = {
-        "llama": "LlamaConfig",
-        "mistral": "MistralConfig",
-        "qwen2": "Qwen2Config",
-        "qwen3": "Qwen3Config",
-    }[arch]
-    kw = dict(
-        vocab_size=160,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    if arch == "mistral":
-        kw["sliding_window"] = None
-    kw.update(overrides)
-    config = getattr(transformers, cls)(**kw)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = build(arch, seed, **{"initializer_range": 0.2, **overrides})
     model.save_pretrained(folder, safe_serialization=True)
     return folder

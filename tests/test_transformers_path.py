@@ -29,11 +29,15 @@ def test_greedy_tokens_equal_transformers_generate(tmp_path, arch):
     assert _generate(llm) == expected
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen2_moe", "phi3"])
-def test_engine_features_hold_on_the_transformers_path(tmp_path, arch):
+FEATURES = ["gemma2", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen2_moe", "phi3"]
+
+
+@pytest.mark.parametrize("arch", FEATURES)
+def test_engine_features_hold_beyond_the_llama_family(tmp_path, arch):
     """Chunked prefill (8-token budget), prefix caching (shared prompt starts), n-gram
     speculation and preemption (a KV cache of a few blocks) on layers with a sliding window
-    of 8, sinks and MLA: the same greedy tokens."""
+    of 8 (gemma2 soft-capped too), sinks, MLA and MoE, native or on transformers' code: the same
+    greedy tokens."""
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 5, 6, 7], [5, 6, 7, 8, 9, 20, 21]]
     folder, expected = save_clear_model(tmp_path, arch, prompts, max_new_tokens=12)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
