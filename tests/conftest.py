@@ -40,7 +40,7 @@ def stories_model() -> Path:
 def make_random_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
     """Save a tiny randomly initialised HF model of `arch` (any of tests/archs.py: two layers,
     hidden 64, weights of std 0.2 unless overridden) to `folder`."""
-    from archs import build
+    from tests.archs import build
 
     model = build(arch, seed, **{"initializer_range": 0.2, **overrides})
     model.save_pretrained(folder, safe_serialization=True)
