@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from archs import build
+from archs import ARCHS, build
 
 from llmctl import LLM, SamplingParams
 from llmctl.cli import main
@@ -18,7 +18,10 @@ from llmctl.compress.driver import MIN_ROUTED_TOKENS, HessianMethod, starved
 from llmctl.models.qlinear import QuantLinear
 from llmctl.runtime.semi_structured import satisfies_nm
 
-ARCHS = ("llama", "gemma2", "phi3", "gpt2", "qwen3_moe", "deepseek_v3")
+# Every architecture (the issue: "on each") but qwen2: for a qwen2 config transformers builds its
+# Qwen2Tokenizer, which reads BPE files only, and the word-level test tokenizer below gives it
+# nothing to read. qwen2 takes the Llama layout's path, as llama, mistral and qwen3 here do.
+COMPRESSED = tuple(a for a in ARCHS if a != "qwen2")
 IDS = torch.tensor(
     [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22, 23, 24, 25, 5, 6, 7, 8, 9, 10]]
 )
@@ -82,7 +85,7 @@ def _modules(llm: LLM):
     return getattr(llm.runtime.model, "hf", llm.runtime.model).named_modules()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", COMPRESSED)
 def test_quantize_and_eval(tmp_path, text, arch):
     """GPTQ w4 and RTN w8 (compressed-tensors) through the CLI; both load with QuantLinear
     layers and generate; w8's weights and logits stay close to the original's, and eval scores
@@ -123,7 +126,7 @@ def test_quantize_and_eval(tmp_path, text, arch):
     assert 0 <= result["mean_kl"] < 0.01 and result["reference_perplexity"] > 1
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", COMPRESSED)
 def test_sparsify_2of4(tmp_path, text, arch):
     """Wanda 2:4 through the CLI: every pruned linear holds the pattern along its inputs in the
     written checkpoint (GPT-2's Conv1D stored [in, out]), which loads and generates."""
