@@ -74,18 +74,24 @@ class SparseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
-        out = torch.zeros_like(x)
-        flat = ids.flatten()  # [T * k]: token t's j-th choice at t * k + j
-        order = flat.argsort(stable=True)  # grouped by expert, tokens in order within each
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        start = 0
+        # every (token, choice) pair sorted by expert, tokens in order within each: one gather
+        # of the rows, a contiguous slice of them per expert, one scatter-add of the results
+        order = ids.flatten().argsort(stable=True)  # [T * k]: token t's j-th choice at t * k + j
+        tokens = order // self.top_k
+        scale = weights.flatten()[order, None]  # [T * k, 1]
+        counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
+        rows = x[tokens]  # [T * k, H]
+        ys = torch.empty_like(rows) if scale.dtype is x.dtype else None
+        parts, start = [], 0
         for expert, count in zip(self.experts, counts):
             if count:
-                chosen = order[start : start + count]
-                tokens = chosen // self.top_k
-                y = expert(x[tokens], fixed_order) * weights.flatten()[chosen, None]
-                out.index_add_(0, tokens, y.to(out.dtype))
+                y = expert(rows[start : start + count], fixed_order) * scale[start : start + count]
+                if ys is not None:
+                    ys[start : start + count] = y
+                else:
+                    parts.append(y.to(x.dtype))  # float32 routing weights (mixtral)
                 start += count
+        out = torch.zeros_like(x).index_add_(0, tokens, ys if ys is not None else torch.cat(parts))
         if self.shared_expert is not None:
             shared = self.shared_expert(x, fixed_order)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
