@@ -163,17 +163,38 @@ def _chunk(q, k, v, k_cache, v_cache, chunk, f: Features, kernels) -> torch.Tens
         return chunk_attention(
             q, k, v, k_cache, v_cache, chunk.slots, done, f.scale, kernels=kernels
         )
+    if f.window_only:
+        return _windowed_chunk(q, k, v, k_cache, v_cache, chunk, f, kernels)
     first = max(0, done + 1 - window) if window else 0  # the first key any query here sees
     slots = chunk.slots[first : done + n]
     q_pos = torch.arange(done, done + n, device=q.device)
     k_pos = torch.arange(first, done + n, device=q.device)
-    if f.window_only:  # SDPA with the window as a mask: [1, H, n, D] over [1, KVH, keys, D]
-        seen = (k_pos[None] <= q_pos[:, None]) & (k_pos[None] > q_pos[:, None] - window)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k_cache[:, slots][None], v_cache[:, slots][None],
-            attn_mask=seen, scale=f.scale, enable_gqa=True,
-        )  # fmt: skip
-        return out[0].transpose(0, 1)
     kk = k_cache[:, slots].transpose(0, 1)[None]  # [1, done + n - first, KVH, D]
     vv = v_cache[:, slots].transpose(0, 1)[None]
     return attend(q[None], kk, vv, q_pos[None], k_pos[None], f)[0]
+
+
+def _windowed_chunk(q, k, v, k_cache, v_cache, chunk, f: Features, kernels) -> torch.Tensor:
+    """A chunk longer than the window, no other feature: its queries at positions below the
+    window see every key before them (plain chunk attention, the fast kernels); the rest run
+    SDPA with the window as a mask, [1, H, m, D] over [1, KVH, keys, D]."""
+    done, n, window = chunk.num_computed, chunk.length, f.sliding_window
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    split = max(0, min(n, window - done))  # queries [0, split) have no lower bound
+    if split:
+        out[:split] = chunk_attention(
+            q[:split], k[:split], v[:split], k_cache, v_cache, chunk.slots, done, f.scale,
+            kernels=kernels,
+        )  # fmt: skip
+    start = done + split  # the position of the first query with a lower bound
+    first = start + 1 - window
+    slots = chunk.slots[first : done + n]
+    q_pos = torch.arange(start, done + n, device=q.device)
+    k_pos = torch.arange(first, done + n, device=q.device)
+    seen = (k_pos[None] <= q_pos[:, None]) & (k_pos[None] > q_pos[:, None] - window)
+    rest = F.scaled_dot_product_attention(
+        q[split:].transpose(0, 1)[None], k_cache[:, slots][None], v_cache[:, slots][None],
+        attn_mask=seen, scale=f.scale, enable_gqa=True,
+    )  # fmt: skip
+    out[split:] = rest[0].transpose(0, 1)
+    return out

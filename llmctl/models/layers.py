@@ -249,4 +249,5 @@ class MLP(nn.Module):
             gate, up = m.linear(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        h = F.gelu(gate, approximate="tanh")
+        return self.down_proj(h * up if torch.is_grad_enabled() else h.mul_(up))
