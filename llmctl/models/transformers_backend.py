@@ -66,7 +66,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     width = k_cache.shape[-1]
     # [T, heads, D], rows contiguous as the kernels read them
     q, k, v = (_pad(x[0].transpose(0, 1), width).contiguous() for x in (query, key, value))
-    if f.plain and query.shape[-1] == value.shape[-1]:
+    if f.plain:  # MLA's values are zero-padded to the key size: their extra columns come out 0
         out = paged_attention(q, k, v, k_cache, v_cache, step.meta, f.scale, step.kernels)
     else:
         out = paged_attention_with(q, k, v, k_cache, v_cache, step.meta, f, step.kernels)
