@@ -150,16 +150,6 @@ class TransformersCausalLM(nn.Module):
 
     # The checkpoint's names, as transformers saves them (no "hf." before each): distill saves
     # and resumes students through these.
-    def decoder_layers(self) -> tuple[nn.Module, str]:
-        """(the module holding the decoder layers' ModuleList, its attribute name): the list of
-        `num_hidden_layers` entries under the base model."""
-        n = self.hf.config.get_text_config().num_hidden_layers
-        for parent in self.hf.base_model.modules():
-            for name, child in parent.named_children():
-                if isinstance(child, nn.ModuleList) and len(child) == n:
-                    return parent, name
-        raise ModelLoadError(f"{type(self.hf).__name__}: no list of {n} decoder layers found")
-
     def state_dict(self, *args, **kwargs):
         return self.hf.state_dict(*args, **kwargs)
 

@@ -262,22 +262,21 @@ def _unpermute(w, n_head: int):
 def _hf_config(file: Path):
     from transformers import AutoConfig
 
-    try:
-        return AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name)
-    except Exception as e:
-        raise ModelLoadError(
-            f"{file.name}: transformers cannot read this GGUF's config ({type(e).__name__}: "
-            f"{_first_line(e)})"
-        ) from None
+    return _read_with(AutoConfig, file, "config")
 
 
 def _hf_tokenizer(file: Path):
     from transformers import AutoTokenizer
 
+    return _read_with(AutoTokenizer, file, "tokenizer")
+
+
+def _read_with(auto, file: Path, what: str):
+    """transformers' `auto.from_pretrained` of the GGUF's `what`; a failure is one line."""
     try:
-        return AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        return auto.from_pretrained(str(file.parent), gguf_file=file.name)
     except Exception as e:
         raise ModelLoadError(
-            f"{file.name}: transformers cannot read this GGUF's tokenizer ({type(e).__name__}: "
+            f"{file.name}: transformers cannot read this GGUF's {what} ({type(e).__name__}: "
             f"{_first_line(e)})"
         ) from None

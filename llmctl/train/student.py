@@ -108,12 +108,13 @@ def _layers_of_transformers_teacher(teacher_path: Path, raw: dict, keep: list[in
     from torch import nn
 
     from llmctl.models import transformers_backend as backend
+    from llmctl.models.linears import decoder_layer_list
     from llmctl.runtime.weights import load_model
 
     teacher, _ = load_model(teacher_path, "float32", device, "transformers")
-    parent, name = teacher.decoder_layers()
-    layers = getattr(parent, name)
-    setattr(parent, name, nn.ModuleList(layers[i] for i in keep))
+    full, layers = decoder_layer_list(teacher.hf)
+    parent, _, name = full.rpartition(".")
+    setattr(teacher.hf.get_submodule(parent), name, nn.ModuleList(layers[i] for i in keep))
     text = teacher.hf.config.get_text_config()
     text.num_hidden_layers = len(keep)
     if isinstance(getattr(text, "layer_types", None), list):
