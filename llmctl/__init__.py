@@ -7,7 +7,14 @@ Heavy modules are imported lazily so `import llmctl` (and `llmctl --help`) stays
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "TextPrompt", "TokensPrompt", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "TextPrompt",
+    "TokensPrompt",
+    "__version__",
+]
 
 
 def __getattr__(name: str):
@@ -19,4 +26,8 @@ def __getattr__(name: str):
         from llmctl.engine.params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from llmctl.engine.structured import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(name)

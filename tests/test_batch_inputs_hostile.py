@@ -257,12 +257,11 @@ def test_openai_prompt_lists_are_refused_for_what_they_are(prompt, message):
     [
         ("stream", True),
         ("tools", [{"type": "function"}]),
-        ("response_format", {"type": "json_object"}),
         ("logit_bias", {"5": 1}),
         ("echo", True),
         ("best_of", 2),
         ("suffix", "x"),
-        ("guided_json", {}),
+        ("guided_whitespace_pattern", " "),
         ("frobnicate", 1),
     ],
 )

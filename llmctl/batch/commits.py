@@ -85,10 +85,11 @@ class Committer:
         error_code: str | None,
         ttft: float | None,
         tpot: float | None,
+        structured: str | None = None,
     ) -> None:
         """One row's output bytes, counted in the totals; durable at the next commit."""
         self.sink.write(data)
-        self.stats.add_row(prompt_tokens, completion_tokens, error_code, ttft, tpot)
+        self.stats.add_row(prompt_tokens, completion_tokens, error_code, ttft, tpot, structured)
         self._session_output_tokens += completion_tokens
         self._since_commit += 1
 

@@ -51,6 +51,8 @@ def simple_fields(result: Any, include_token_ids: bool) -> dict:
                 o["token_ids"] = list(c.token_ids)
             if c.logprobs is not None:
                 o["logprobs"] = simple_logprobs(c.logprobs, k)
+            if getattr(c, "structured_output", None) is not None:
+                o["structured_output"] = c.structured_output
             rec["outputs"].append(o)
     elif outs and outs[0].logprobs is not None:
         rec["logprobs"] = simple_logprobs(outs[0].logprobs, k)

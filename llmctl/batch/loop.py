@@ -99,7 +99,8 @@ class BatchLoop:
         self.engine, self.runtime, self.sink = engine, runtime, sink
         self._rows = rows
         self._format = format_record
-        self._defaults = dataclasses.asdict(defaults)
+        # field by field (asdict would turn a default constraint into a dict)
+        self._defaults = {f.name: getattr(defaults, f.name) for f in dataclasses.fields(defaults)}
         self.settings = settings
         self.stats = stats if stats is not None else BatchStats()
         self._base_spec = (self.stats.spec_proposed, self.stats.spec_accepted)
@@ -292,8 +293,9 @@ class BatchLoop:
 
     def _write(self, data: bytes, result: RowResult) -> None:
         r = result
-        code = None if r.error is None else r.error.code
-        self.committer.write(data, r.prompt_tokens, r.completion_tokens, code, r.ttft, r.tpot)
+        self.committer.write(
+            data, r.prompt_tokens, r.completion_tokens, r.error_code, r.ttft, r.tpot, r.structured
+        )
         self.committer.progress()
 
     # -- what a commit holds --------------------------------------------------------------------

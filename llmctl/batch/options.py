@@ -22,7 +22,12 @@ from llmctl.errors import RequestError, UsageError
 BATCH_SAMPLING_DEFAULTS: dict[str, Any] = {"max_tokens": 128, "temperature": 0.0}
 # SamplingParams fields newer than resumable state files: in the fingerprint only when set, so
 # a job started before they existed still resumes.
-LATER_SAMPLING_FIELDS = {"n": 1, "logprobs": None, "prompt_logprobs": None}
+LATER_SAMPLING_FIELDS = {
+    "n": 1,
+    "logprobs": None,
+    "prompt_logprobs": None,
+    "structured_outputs": None,
+}
 
 
 @dataclass(frozen=True)
@@ -96,10 +101,13 @@ def fingerprint(opts: BatchOptions, source_format: str, defaults: SamplingParams
         inp = str(Path(inp).resolve())
         size = os.path.getsize(inp)
     sampling = {
-        k: v
-        for k, v in dataclasses.asdict(defaults).items()
-        if k not in LATER_SAMPLING_FIELDS or v != LATER_SAMPLING_FIELDS[k]
+        f.name: getattr(defaults, f.name)
+        for f in dataclasses.fields(defaults)
+        if f.name not in LATER_SAMPLING_FIELDS
+        or getattr(defaults, f.name) != LATER_SAMPLING_FIELDS[f.name]
     }
+    if sampling.get("structured_outputs") is not None:  # as a user writes it (JSON)
+        sampling["structured_outputs"] = sampling["structured_outputs"].to_dict()
     model = opts.model or "(demo model)"
     if opts.model and Path(opts.model).expanduser().is_dir():
         model = str(Path(opts.model).expanduser().resolve())  # ./m and m are the same model

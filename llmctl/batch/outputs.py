@@ -41,12 +41,23 @@ class RowResult:
     prompt_logprobs: list | None = None
     logprobs_k: int | None = None  # top alternatives asked per position
     prompt_logprobs_k: int | None = None
+    # structured outputs: the row's status ("valid", "incomplete", "invalid": the worst of its
+    # completions) and, where not valid, the error its output row carries beside the text
+    structured: str | None = None
+    structured_error: RequestError | None = None
+
+    @property
+    def error_code(self) -> str | None:
+        """The code counted for this row: its failure, or its constraint's."""
+        error = self.error or self.structured_error
+        return None if error is None else error.code
 
     @classmethod
     def of(cls, out: Any, params: Any, decode: Callable[[list[int]], str]) -> "RowResult":
         """A finished engine request (`RequestOutput`-like) served with `params`."""
         outs = getattr(out, "outputs", None)
         text = out.text if out.text is not None else decode(out.output_token_ids)
+        structured, structured_error = _structured(outs or [])
         return cls(
             text=text,
             finish_reason=out.finish_reason,
@@ -61,6 +72,8 @@ class RowResult:
             prompt_logprobs=getattr(out, "prompt_logprobs", None),
             logprobs_k=params.logprobs,
             prompt_logprobs_k=params.prompt_logprobs,
+            structured=structured,
+            structured_error=structured_error,
         )
 
     @classmethod
@@ -74,6 +87,22 @@ class RowResult:
         )
 
 
+def _structured(outputs: list) -> tuple[str | None, RequestError | None]:
+    """A constrained row's status over its completions, and the error of the first that is not
+    valid (structured_output_incomplete: cut off, by max_tokens or a stop string, before the
+    constraint was complete; structured_output_invalid: complete but failing the check)."""
+    statuses = [getattr(c, "structured_output", None) for c in outputs]
+    if not any(statuses):
+        return None, None
+    for status in ("invalid", "incomplete"):
+        for c, s in zip(outputs, statuses):
+            if s == status:
+                where = f"completion {c.index}: " if len(outputs) > 1 else ""
+                message = f"{where}{c.structured_output_error}"
+                return status, RequestError(f"structured_output_{status}", message)
+    return "valid", None
+
+
 def simple_record(row: InputRow, result: RowResult, include_token_ids: bool = False) -> dict:
     rec = {
         "id": row.id,
@@ -85,6 +114,10 @@ def simple_record(row: InputRow, result: RowResult, include_token_ids: bool = Fa
         },
         "error": None if result.error is None else result.error.to_dict(),
     }
+    if result.structured is not None:
+        rec["structured_output"] = result.structured
+        if result.structured_error is not None:
+            rec["error"] = result.structured_error.to_dict()
     if include_token_ids:
         rec["token_ids"] = result.token_ids
     if result.error is None:
@@ -98,6 +131,17 @@ def _stable_id(*parts: object, n: int = 24) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:n]
 
 
+def _bad_request(e: RequestError, key: str) -> dict:
+    """The HTTP 400 response OpenAI gives a request it refuses."""
+    error = {
+        "message": e.message,
+        "type": "invalid_request_error",
+        "param": getattr(e, "param", None),
+        "code": e.code,
+    }
+    return {"status_code": 400, "request_id": f"req_{key}", "body": {"error": error}}
+
+
 def openai_record(
     row: InputRow, result: RowResult, model: str, created: int, include_token_ids: bool = False
 ) -> dict:
@@ -106,20 +150,7 @@ def openai_record(
     rec: dict = {"id": f"batch_req_{key}", "custom_id": row.custom_id}
     if result.error is not None:  # as OpenAI answers a bad request: an HTTP 400 response, and
         # `error` null (that field is for requests that failed without an HTTP response)
-        e = result.error
-        rec["response"] = {
-            "status_code": 400,
-            "request_id": f"req_{key}",
-            "body": {
-                "error": {
-                    "message": e.message,
-                    "type": "invalid_request_error",
-                    "param": getattr(e, "param", None),
-                    "code": e.code,
-                }
-            },
-        }
-        rec["error"] = None
+        rec["response"], rec["error"] = _bad_request(result.error, key), None
         return rec
     if row.endpoint == "chat":
         obj, prefix = "chat.completion", "chatcmpl"
@@ -154,7 +185,10 @@ def openai_record(
     }
     if prompt_lps is not None and row.endpoint == "chat":
         rec["response"]["body"]["prompt_logprobs"] = prompt_lps
-    rec["error"] = None
+    # the response stands (finish_reason says why it ended); the line's error says that the
+    # constraint was not met
+    e = result.structured_error
+    rec["error"] = None if e is None else e.to_dict()
     return rec
 
 

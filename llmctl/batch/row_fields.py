@@ -3,13 +3,15 @@ by their row names), n / logprobs / prompt_logprobs in each row shape's spelling
 `sampling_params` object (Ray Data LLM and vLLM rows), and the features refused rather than
 ignored. Pure functions on parsed JSON values; they raise RequestError (the row's error).
 
-Owns: OVERRIDE_KEYS, OUTPUT_KEYS, NEUTRAL_VALUES, `row_overrides`, `output_overrides`,
+Owns: OVERRIDE_KEYS, OUTPUT_KEYS, STRUCTURED_KEYS, NEUTRAL_VALUES, `row_overrides`,
+`output_overrides`, `structured_override` (a row's output constraint in any of its spellings),
 `sampling_params_overrides`, `refuse_unsupported`. The row shapes themselves are rows.py's.
 """
 
 from __future__ import annotations
 
 from llmctl.engine.requests import check_text, json_type, show
+from llmctl.engine.structured import StructuredOutputsParams
 from llmctl.errors import RequestError
 
 OVERRIDE_KEYS = (
@@ -39,7 +41,6 @@ NEUTRAL_VALUES: dict[str, tuple] = {
     "functions": ([],),
     "function_call": ("none",),
     "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "audio": (),
     "prediction": (),
@@ -121,6 +122,62 @@ def output_overrides(obj: dict, endpoint: str | None = None, where: str = "") ->
     return out
 
 
+# Where a row asks for structured outputs: vLLM's object, its older per-kind fields (and Ray Data
+# LLM's older `guided_decoding` object), and OpenAI's `response_format`.
+GUIDED_KINDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+STRUCTURED_KEYS = ("structured_outputs", "guided_decoding", *GUIDED_KINDS, "response_format")
+
+
+def structured_override(obj: dict, where: str = "") -> dict:
+    """{"structured_outputs": StructuredOutputsParams} for the row's constraint, or {}; more
+    than one spelling in a row, or a wrong one, is the row's error naming the field."""
+    given = [k for k in STRUCTURED_KEYS if obj.get(k) is not None]
+    if given == ["response_format"]:
+        found = _response_format(obj["response_format"], f"{where}response_format")
+        return {} if found is None else {"structured_outputs": found}
+    if len(given) > 1:
+        raise request_error(
+            "invalid_parameter",
+            f"{where}{given[0]} and {where}{given[1]} both constrain the output; give one",
+            param=given[1],
+        )
+    if not given:
+        return {}
+    key = given[0]
+    value = obj[key] if key not in GUIDED_KINDS else {GUIDED_KINDS[key]: obj[key]}
+    return {"structured_outputs": StructuredOutputsParams.of(value, f"{where}{key}")}
+
+
+def _response_format(value: object, at: str) -> StructuredOutputsParams | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema with
+    {name, schema, strict}."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True, source=at)
+    if kind != "json_schema":
+        raise request_error(
+            "invalid_parameter",
+            f"{at} must be an object whose type is text, json_object or json_schema, got "
+            f"{show(value)}",
+            param="response_format",
+        )
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or spec.get("schema") is None:
+        raise request_error(
+            "invalid_parameter",
+            f"{at}.json_schema must be an object with a schema (and a name)",
+            param="response_format",
+        )
+    return StructuredOutputsParams(json=spec["schema"], source=f"{at}.json_schema.schema")
+
+
 def _is_neutral(value: object, neutral: tuple) -> bool:
     return any(type(value) is type(n) and value == n for n in neutral)
 
@@ -139,9 +196,9 @@ def refuse_unsupported(
         if neutral is None or not _is_neutral(value, neutral):
             raise request_error(
                 "unsupported_parameter",
-                f"{where}{key}={show(value)} is not supported: run-batch answers with plain "
-                f"text (n of them with n), not streams, tools or structured output; remove "
-                f"the field",
+                f"{where}{key}={show(value)} is not supported: run-batch answers with text "
+                f"(n of them with n; constrained with response_format or structured_outputs), "
+                f"not streams or tool calls; remove the field",
                 param=key,
             )
 
@@ -174,12 +231,13 @@ def sampling_params_overrides(obj: dict, overrides: dict) -> dict:
             param="sampling_params",
         )
     sp = {k: v for k, v in sp.items() if v is not None}
-    known = (*OVERRIDE_KEYS, "n", "logprobs", "prompt_logprobs", "stop_token_ids")
+    known = (*OVERRIDE_KEYS, "n", "logprobs", "prompt_logprobs", "stop_token_ids", *STRUCTURED_KEYS)
     refuse_unsupported(sp, known, "sampling_params.", {**NEUTRAL_VALUES, **VLLM_NEUTRAL_VALUES})
     merged = dict(overrides)
     found = {
         **row_overrides(sp, "sampling_params."),
         **output_overrides(sp, None, "sampling_params."),
+        **structured_override(sp, "sampling_params."),
     }
     ids = sp.get("stop_token_ids")
     if ids is not None:

@@ -21,11 +21,13 @@ from typing import Callable
 from llmctl.batch.row_fields import (
     OUTPUT_KEYS,
     OVERRIDE_KEYS,
+    STRUCTURED_KEYS,
     output_overrides,
     refuse_unsupported,
     request_error,
     row_overrides,
     sampling_params_overrides,
+    structured_override,
 )
 from llmctl.engine.requests import (
     check_text,
@@ -104,10 +106,8 @@ def parse_simple(obj: object, index: int, position: int, end_position: int) -> I
             row.id = rid  # a lone surrogate in it is echoed back as the same JSON escape
         _fill_prompt(row, obj)
         refuse_unsupported(obj, None, "")
-        row.overrides = {
-            **sampling_params_overrides(obj, row_overrides(obj)),
-            **output_overrides(obj),
-        }
+        own = {**row_overrides(obj), **structured_override(obj)}
+        row.overrides = {**sampling_params_overrides(obj, own), **output_overrides(obj)}
     except RequestError as e:
         row.error = e
     return row
@@ -180,6 +180,7 @@ def parse_openai(obj: object, index: int, position: int, end_position: int) -> I
             *OVERRIDE_KEYS,
             "max_completion_tokens",
             *OUTPUT_KEYS,
+            *STRUCTURED_KEYS,
             *OPENAI_IGNORED,
         )
         refuse_unsupported(body, allowed, "body.")
@@ -187,6 +188,7 @@ def parse_openai(obj: object, index: int, position: int, end_position: int) -> I
         row.overrides = {
             **row_overrides(body, "body."),
             **output_overrides(body, row.endpoint, "body."),
+            **structured_override(body, "body."),
         }
     except RequestError as e:
         row.error = e

@@ -66,6 +66,8 @@ class BatchStats:
     spec_proposed: int = 0  # speculative decoding: draft tokens verified, and accepted
     spec_accepted: int = 0
     input_format: str | None = None  # the format the input was read as (detected or given)
+    # structured outputs: rows constrained, and how many ended valid / incomplete / invalid
+    structured: dict[str, int] = field(default_factory=dict)
 
     def add_row(
         self,
@@ -74,8 +76,12 @@ class BatchStats:
         error_code: str | None,
         ttft: float | None = None,
         tpot: float | None = None,
+        structured: str | None = None,
     ) -> None:
         self.rows += 1
+        if structured is not None:
+            for key in ("constrained", structured):
+                self.structured[key] = self.structured.get(key, 0) + 1
         self.prompt_tokens += prompt_tokens
         self.output_tokens += completion_tokens
         if error_code is not None:
@@ -99,6 +105,7 @@ class BatchStats:
             "spec_proposed": self.spec_proposed,
             "spec_accepted": self.spec_accepted,
             "input_format": self.input_format,
+            "structured": dict(self.structured),
         }
 
     @classmethod
@@ -115,6 +122,7 @@ class BatchStats:
             spec_proposed=int(d.get("spec_proposed", 0)),
             spec_accepted=int(d.get("spec_accepted", 0)),
             input_format=d.get("input_format"),
+            structured={str(k): int(v) for k, v in d.get("structured", {}).items()},
         )
 
     def copy(self) -> "BatchStats":
@@ -140,6 +148,10 @@ class BatchStats:
             "output_tokens_per_s": round(self.output_tokens / t, 3) if t > 0 else None,
             "ttft_s": pct(self.ttft),
             "tpot_s": pct(self.tpot),
+            "structured_outputs": {
+                k: self.structured.get(k, 0)
+                for k in ("constrained", "valid", "incomplete", "invalid")
+            },
             "speculative": {
                 "proposed_tokens": self.spec_proposed,
                 "accepted_tokens": self.spec_accepted,

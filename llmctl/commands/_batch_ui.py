@@ -105,6 +105,13 @@ class RichUI:
         )
         for name in ("ttft_s", "tpot_s"):
             t.add_row(name[:4].upper(), "  ".join(f"{k} {ms(v)}" for k, v in s[name].items()))
+        so = s["structured_outputs"]
+        if so["constrained"]:
+            t.add_row(
+                "structured outputs",
+                f"{so['constrained']:,} constrained: {so['valid']:,} valid, "
+                f"{so['incomplete']:,} incomplete, {so['invalid']:,} invalid",
+            )
         spec = s["speculative"]
         if spec["proposed_tokens"]:
             t.add_row(

@@ -20,6 +20,7 @@ from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.config import EngineConfig
 from llmctl.engine.detokenizer import Detokenize, first_stop
 from llmctl.engine.engine_log import EngineLog
+from llmctl.engine.grammar import Grammars
 from llmctl.engine.logprobs import add_prompt, add_sampled, to_dicts
 from llmctl.engine.model_runner import ModelRunner
 from llmctl.engine.params import CompletionOutput, RequestOutput, SamplingParams, derived_seed
@@ -77,7 +78,8 @@ class _Group:
 class LLMEngine:
     """The engine over a loaded model. It loads nothing: whoever builds it passes the model and its
     config, the EOS ids, a detokenize callable (token ids -> text; stop strings and output text need
-    it) and, for speculative decoding, a proposer (spec_decode.NgramProposer/DraftModelProposer)."""
+    it), for speculative decoding a proposer (spec_decode.NgramProposer/DraftModelProposer) and
+    for structured outputs the tokenizer's `Grammars` (engine/grammar.py)."""
 
     def __init__(
         self,
@@ -88,6 +90,7 @@ class LLMEngine:
         eos_token_ids: Iterable[int] = (),
         detokenize: Detokenize | None = None,
         proposer=None,
+        grammars: Grammars | None = None,
         device: str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -122,7 +125,7 @@ class LLMEngine:
         self.detokenize: Detokenize = detokenize or (lambda ids: "")
         self.stats = EngineStats()
         self._log = EngineLog(time.perf_counter())
-        self.proposer = proposer
+        self.proposer, self.grammars = proposer, grammars
         self._groups: dict[str, _Group] = {}  # requests with n > 1 by id
         if cfg.cuda_graphs and _graphs_supported(model, model_config, device):
             self.runner.enable_decode_graphs(cfg.max_num_seqs, self.capacity)
@@ -151,6 +154,10 @@ class LLMEngine:
         seq = Sequence(
             request_id, prompt_token_ids, params, max_len=min(self.capacity, n + params.max_tokens)
         )
+        if params.structured_outputs is not None:  # the constraint's errors are this request's
+            if self.grammars is None:
+                raise RequestError("unsupported_parameter", "structured outputs need a tokenizer")
+            self.grammars.start(seq)
         self.stats.prompt_tokens += n
         if params.n > 1:
             self._groups[request_id] = _Group(params.n)
@@ -198,8 +205,11 @@ class LLMEngine:
             add_prompt(self.runner.project, seq, first, hidden)
         if any(s.params.n > 1 and not s.index and not s.num_output_tokens for s in sampling):
             logits, sampling = self._fork(logits, sampling)
-        new_tokens = self._sample(logits, sampling)
-        if any(s.logprobs is not None for s in sampling):
+        lps = any(s.logprobs is not None for s in sampling)
+        constrained = any(s.params.structured_outputs is not None for s in sampling)
+        masked = self.grammars.mask(logits, sampling, lps) if constrained else logits
+        new_tokens = self._sample(masked, sampling)
+        if lps:  # of the model's distribution, as vLLM's default (raw) logprobs
             add_sampled(logits, sampling, new_tokens)
         self.stats.model_seconds += time.perf_counter() - t0
         self.stats.steps += 1
@@ -324,6 +334,8 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
+        if p.structured_outputs is not None and self.grammars.advance(seq, token):
+            return "stop"  # the grammar is complete (or refused the token: status says so)
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
         if p.stop:
@@ -343,6 +355,8 @@ class LLMEngine:
             end = first_stop(text, seq.params.stop)
             text = text if end is None else text[:end]
         out = CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason or "length")
+        if seq.params.structured_outputs is not None:
+            out.structured_output, out.structured_output_error = self.grammars.status(seq, text)
         if seq.logprobs is not None:
             entries = seq.logprobs[: seq.num_output_tokens]  # drafts after a stop were scored
             out.logprobs = to_dicts(entries, self.detokenize)

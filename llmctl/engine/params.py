@@ -8,8 +8,10 @@ completions of one request (`derived_seed`), and the results in vLLM's shapes: `
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmctl.engine.requests import show
+from llmctl.engine.structured import StructuredOutputsParams
 from llmctl.errors import RequestError
 
 MAX_STOP_STRINGS = 64  # each is searched for after every generated token
@@ -37,10 +39,15 @@ class SamplingParams:
     n: int = 1  # completions of the prompt, prefilled once; completion i: derived_seed(seed, i)
     logprobs: int | None = None  # per output token: its logprob and this many top alternatives
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    # decoding constrained to a schema, pattern, choice or grammar (engine/structured.py); an
+    # object with vLLM's field names is taken too
+    structured_outputs: StructuredOutputsParams | Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         if self.top_k in (0, -1) and not isinstance(self.top_k, bool):
             self.top_k = None  # vLLM's spellings of "no top-k cut"
         self.validate()
@@ -145,6 +152,10 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
     stop_reason: int | str | None = None
+    # constrained requests: "valid", "incomplete" (ended before the constraint was complete) or
+    # "invalid" (checked after decoding; engine/grammar.py), and why where not valid
+    structured_output: str | None = None
+    structured_output_error: str | None = None
 
 
 @dataclass

@@ -30,8 +30,10 @@ ERROR_CODES = {
     "invalid_id": "an id that is not a string or integer",
     "invalid_text": "a lone UTF-16 surrogate in a prompt, message or stop string",
     "invalid_token_id": "a negative token id, or one outside the vocabulary",
-    "invalid_parameter": "a bad sampling value (type, NaN/Infinity, range, too many stop strings)",
-    "unsupported_parameter": "a feature run-batch does not do (stream, tools, echo, best_of...)",
+    "invalid_parameter": "a bad sampling value (type, NaN/Infinity, range, too many stop strings), "
+    "or a wrong schema, pattern or grammar (named by its field path)",
+    "unsupported_parameter": "a feature run-batch does not do (stream, tools, echo, best_of...), "
+    "or a JSON Schema keyword the grammar engine cannot compile",
     "invalid_custom_id": "OpenAI batch: a missing or non-string custom_id",
     "duplicate_custom_id": "OpenAI batch: a custom_id already used (the first use is served)",
     "invalid_method": "OpenAI batch: a method other than POST",
@@ -43,6 +45,10 @@ ERROR_CODES = {
     "no_tokenizer": "text for a model without a tokenizer",
     "tokenization_failed": "the tokenizer failed on the text",
     "prompt_too_long": "the prompt does not fit the context or the KV cache",
+    "structured_output_incomplete": "a constrained output cut off (max_tokens, a stop string) "
+    "before its constraint was complete; the text and finish_reason are kept",
+    "structured_output_invalid": "a complete constrained output that fails its check (the "
+    "JSON against the schema, the choice, the pattern); the text is kept",
 }
 
 

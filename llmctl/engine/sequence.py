@@ -41,6 +41,7 @@ class Sequence:
         "index",
         "logprobs",
         "prompt_logprobs",
+        "matcher",
     )
 
     def __init__(
@@ -69,6 +70,7 @@ class Sequence:
         # Per output token / per prompt token after the first, when asked: logprobs.Entry tuples
         self.logprobs: list | None = None if params.logprobs is None else []
         self.prompt_logprobs: list | None = None if params.prompt_logprobs is None else []
+        self.matcher = None  # structured outputs: the grammar's state (engine/grammar.py)
 
     def step_token_ids(self, start: int, n: int) -> list[int]:
         """The n tokens from position `start` that a step computes, speculative drafts included."""

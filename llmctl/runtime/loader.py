@@ -38,8 +38,13 @@ class Runtime(TextMethods):
     def start_engine(self, engine_config=None):
         """A new engine over this model (`EngineConfig` settings); loads the draft model first when
         `speculative == "draft"`."""
+        from llmctl.engine.grammar import Grammars
         from llmctl.engine.llm_engine import LLMEngine
 
+        native = getattr(getattr(engine_config, "kernels", None), "native", True)
+        grammars = None
+        if self.tokenizer is not None:  # structured outputs: matchers over this tokenizer
+            grammars = Grammars(self.tokenizer, self.config.vocab_size, self.eos_token_ids, native)
         return LLMEngine(
             self.model,
             self.config,
@@ -47,6 +52,7 @@ class Runtime(TextMethods):
             eos_token_ids=self.eos_token_ids,
             detokenize=self.decode,
             proposer=self._proposer(engine_config),
+            grammars=grammars,
             device=self.device,
             dtype=self.dtype,
         )

@@ -89,7 +89,7 @@ class RayLoop:
         if not row["done"]:
             self.committer.write(
                 row["data"], row["prompt_tokens"], row["completion_tokens"], row["error_code"],
-                row["ttft"], row["tpot"],
+                row["ttft"], row["tpot"], row["structured"],
             )  # fmt: skip
         nxt = (row["index"] + 1, row["end_position"])
         self._read_position = max(self._read_position, row["end_position"])

@@ -5,7 +5,8 @@ Owns: `rms_norm` and `add_rms_norm` (x += r in place, then RMSNorm(x): a decoder
 add and the norm that reads it, one pass), `silu_mul` (into gate) and `silu_and_mul` (the merged
 gate/up projection's output [..., 2F] -> [..., F]), `rope` (bf16 q and k rotated in one call per
 layer, read straight from the merged q/k/v output's column slices), `argmax` (greedy sampling on
-the logits in the model's dtype), and for each the `use_*` test of whether it can serve a call.
+the logits in the model's dtype), `mask_rows` (structured outputs: a grammar's disallowed tokens
+set to -inf), and for each the `use_*` test of whether it can serve a call.
 Each follows the PyTorch reference's roundings step by step (bf16: every op rounded as the
 separate tensor ops round), so results match it to the last bit but for expf's last bit in SiLU.
 Callers test `use_*` first and keep the PyTorch path otherwise (no compiler, gradients, other
@@ -190,3 +191,30 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
             out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
     return out
+
+
+def use_mask_rows(x: torch.Tensor, mask: torch.Tensor) -> bool:
+    """x [rows, n] float32 or bfloat16 on the CPU, rows contiguous and written in place; mask
+    [rows, words] int32, contiguous (a grammar engine's allowed-token bits)."""
+    return (
+        x.dtype in DTYPES
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and mask.dtype is torch.int32
+        and mask.is_contiguous()
+        and mask.dim() == 2
+        and mask.shape[0] == x.shape[0]
+        and load("core") is not None
+    )
+
+
+def mask_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x with every token whose bit in `mask` is clear set to -inf, in place (cpu_argmax.c's
+    mask_rows; bit j % 32 of word j // 32 is token j). Call only where `use_mask_rows(x, mask)`."""
+    if x.shape[0]:
+        load("core").mask_rows(
+            x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), int(x.dtype is torch.bfloat16),
+            mask.data_ptr(), mask.shape[1], torch.get_num_threads(),
+        )  # fmt: skip
+    return x

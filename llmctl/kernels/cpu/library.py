@@ -64,6 +64,8 @@ def _signatures() -> dict[str, dict[str, tuple[list, object]]]:
             # (x, rows, n, ld, bf16, out, threads)
             "argmax_rows": ([P, I64, I64, I64, I32, P, I32], None),
             "argmax_rows_built": ([], INT),
+            # (x, rows, n, ld, bf16, mask, words, threads)
+            "mask_rows": ([P, I64, I64, I64, I32, P, I64, I32], None),
         },
         "linear_dpbf16": {
             "linear_dpbf16_built": ([], INT),

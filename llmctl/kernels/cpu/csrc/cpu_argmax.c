@@ -77,3 +77,29 @@ void argmax_rows(const void *x, int64_t rows, int64_t n, int64_t ld, int bf16, i
     (void)x, (void)rows, (void)n, (void)ld, (void)bf16, (void)out, (void)threads;
 }
 #endif
+
+/* Structured outputs (engine/grammar.py): row i of x [rows, n] (row stride ld elements) set to
+ * -inf wherever bit j % 32 of word j / 32 of mask row i [rows, words] is clear, for j < n; columns
+ * past 32 * words are disallowed too. The masks come from the grammar engine (llguidance's
+ * layout); most words are all ones or all zeros, so those take one test or one fill. Portable C:
+ * the cost is the zero words' stores. */
+void mask_rows(void *x, int64_t rows, int64_t n, int64_t ld, int bf16, const int32_t *mask,
+               int64_t words, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= 4)
+    for (int64_t i = 0; i < rows; ++i) {
+        const uint32_t *m = (const uint32_t *)mask + i * words;
+        uint16_t *xb = (uint16_t *)x + i * ld;
+        float *xf = (float *)x + i * ld;
+        const float ninf = -__builtin_inff();
+        for (int64_t j = 0; j < n; ++j) {
+            const int64_t w = j >> 5;
+            if (w < words && m[w] == 0xffffffffu) {  /* a whole word allowed: skip it */
+                j = (w << 5) + 31;
+                continue;
+            }
+            if (w < words && (m[w] >> (j & 31)) & 1u) continue;
+            if (bf16) xb[j] = 0xff80; /* bfloat16 -inf */
+            else xf[j] = ninf;
+        }
+    }
+}
