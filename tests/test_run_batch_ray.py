@@ -117,7 +117,8 @@ def _result(index, index_from, position_from, end, done=False):
         "index": index, "index_from": index_from, "position_from": position_from,
         "end_position": end, "done": done, "data": b"" if done else f"{index}\n".encode(),
         "prompt_tokens": 1, "completion_tokens": 2, "error_code": None, "ttft": None,
-        "tpot": None, "structured": None, "spec_proposed": 3 * (index == 1), "spec_accepted": index == 1,
+        "tpot": None, "structured": None, "spec_proposed": 3 * (index == 1),
+        "spec_accepted": index == 1,
     }  # fmt: skip
 
 

@@ -8,6 +8,7 @@ must match. Engine defaults are `EngineConfig`'s.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 from llmctl.batch.uris import input_size, is_uri
 from llmctl.engine.params import SamplingParams
+from llmctl.engine.structured import StructuredOutputsParams, grammar_of
 from llmctl.errors import RequestError, UsageError
 
 # Where run-batch's sampling defaults differ from SamplingParams' (vLLM's): greedy, so that batch
@@ -89,6 +91,22 @@ def default_sampling(
     except RequestError as e:
         where = "" if not generation else f" (with --generation-config {opts.generation_config})"
         raise UsageError(f"bad sampling option{where}: {e.message}") from None
+
+
+def constraint_of(text: str | None, flag: str) -> StructuredOutputsParams | None:
+    """A constraint flag's value (vLLM's structured_outputs object as JSON text, or @FILE holding
+    it), checked: a wrong one fails the command, not every row."""
+    if text is None:
+        return None
+    try:
+        raw = Path(text[1:]).read_text() if text.startswith("@") else text
+        params = StructuredOutputsParams.of(json.loads(raw), flag)
+        grammar_of(params)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{flag}: {e}") from None
+    except RequestError as e:
+        raise UsageError(e.message) from None
+    return params
 
 
 def fingerprint(opts: BatchOptions, source_format: str, defaults: SamplingParams) -> dict:

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from llmctl.batch.options import BatchOptions, sampling_default
+from llmctl.batch.options import BatchOptions, constraint_of, sampling_default
 from llmctl.commands import _batch_vllm_options as vllm
 from llmctl.commands._options import (
     DeviceOpt,
@@ -190,6 +190,16 @@ class SamplingFlags:
             "scoring a text; such rows take no prefix-cache hits).",
         ),
     ] = None
+    structured_outputs: Annotated[
+        Optional[str],
+        _opt(
+            "--structured-outputs",
+            help="Constrain every row's output (a row's response_format, structured_outputs or "
+            "guided_* wins): vLLM's object as JSON, or @FILE holding it, e.g. "
+            '\'{"choice": ["positive", "negative"]}\', \'{"json": SCHEMA}\', '
+            '\'{"regex": "[0-9]+"}\', \'{"json_object": true}\'.',
+        ),
+    ] = None
 
 
 @dataclass(frozen=True)
@@ -350,6 +360,7 @@ def _sampling_fields(s: SamplingFlags) -> dict[str, Any]:
         ignore_eos=s.ignore_eos or None,
         logprobs=s.logprobs,
         prompt_logprobs=s.prompt_logprobs,
+        structured_outputs=constraint_of(s.structured_outputs, "--structured-outputs"),
     )
 
 
