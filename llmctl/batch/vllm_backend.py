@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from llmctl.engine.params import RequestOutput, SamplingParams
+from llmctl.engine.structured import check_output
 from llmctl.errors import ModelLoadError, RequestError, UsageError
 from llmctl.runtime.resolve import DTYPE_NAMES, resolve_model_path
 from llmctl.runtime.tokenizer import TextCodec, TextMethods, load_tokenizer
@@ -126,6 +127,7 @@ class _Live:
     tokens: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     first: float | None = None
+    constraint: Any = None  # the request's StructuredOutputsParams, checked when it finishes
 
 
 class VllmEngine:
@@ -166,6 +168,7 @@ class VllmEngine:
             ignore_eos=p.ignore_eos,
             seed=p.seed,
             output_kind=RequestOutputKind.DELTA,
+            **_constraint(p),
         )
 
     def add_request(
@@ -185,7 +188,8 @@ class VllmEngine:
             )
         except self._refusals as e:  # vLLM's request checks (VLLMValidationError...)
             raise RequestError("invalid_parameter", f"vLLM: {e}") from None
-        self._live[request_id] = _Live(list(prompt_token_ids), time.perf_counter())
+        live = self._live[request_id] = _Live(list(prompt_token_ids), time.perf_counter())
+        live.constraint = params.structured_outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.engine.has_unfinished_requests())
@@ -212,7 +216,31 @@ class VllmEngine:
         return done
 
 
+def _constraint(p: SamplingParams) -> dict:
+    """vLLM's structured_outputs keyword for a constrained request (its own grammar engine
+    decodes it; ours checks the result in `_finished`)."""
+    if p.structured_outputs is None:
+        return {}
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return {"structured_outputs": StructuredOutputsParams(**p.structured_outputs.to_dict())}
+
+
 def _finished(rid: str, live: _Live, reason: str | None, now: float) -> RequestOutput:
+    out = _output(rid, live, reason, now)
+    if live.constraint is not None:  # judged by the text alone: vLLM's matcher is not ours
+        c = out.outputs[0]
+        why = check_output(live.constraint, c.text)
+        if c.finish_reason == "length" and why is not None:
+            c.structured_output = "incomplete"
+            c.structured_output_error = "the output ended before the constraint was complete"
+        else:
+            c.structured_output = "valid" if why is None else "invalid"
+            c.structured_output_error = why
+    return out
+
+
+def _output(rid: str, live: _Live, reason: str | None, now: float) -> RequestOutput:
     return RequestOutput(
         request_id=rid,
         prompt_token_ids=live.prompt,
