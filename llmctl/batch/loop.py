@@ -23,6 +23,7 @@ from llmctl.batch.commits import Checkpoint, Committer, ResumePoint
 from llmctl.batch.outputs import RowResult
 from llmctl.batch.rows import InputRow
 from llmctl.batch.summary import BatchStats, Progress
+from llmctl.batch.tool_calls import tool_calls_of
 from llmctl.engine.params import SamplingParams
 from llmctl.errors import AbortedError, RequestError
 
@@ -211,7 +212,8 @@ class BatchLoop:
         except RequestError as e:
             self._complete(row, RowResult.failed(e, prompt_tokens=len(ids)))
             return
-        row.prompt = row.messages = row.prompt_token_ids = None  # keep only what the output needs
+        # keep only what the output needs
+        row.prompt = row.messages = row.prompt_token_ids = row.tools = None
         self._in_flight[rid] = (row, params)
         self.peaks.in_flight = max(self.peaks.in_flight, len(self._in_flight))
 
@@ -224,6 +226,8 @@ class BatchLoop:
                         "invalid_token_id",
                         f"token id {max(ids)} is outside the vocabulary (size {self._vocab_size})",
                     )
+            elif row.tools:  # rendered by the model's chat template, as transformers does
+                ids = list(self.runtime.apply_chat_template(row.messages, tools=row.tools))
             elif row.messages is not None:
                 ids = list(self.runtime.apply_chat_template(row.messages))
             else:
@@ -260,7 +264,11 @@ class BatchLoop:
         row, params = self._in_flight.pop(out.request_id, (None, None))
         if row is None:
             raise RuntimeError(f"engine returned unknown request {out.request_id!r}")
-        self._complete(row, RowResult.of(out, params, self.runtime.decode))
+        result = RowResult.of(out, params, self.runtime.decode)
+        if row.tool_choice not in (None, "none"):  # the calls in each completion's text
+            fmt = getattr(self.runtime, "tool_call_format", None)
+            result.tools = [tool_calls_of(c.text, row.tool_choice, fmt) for c in result.outputs]
+        self._complete(row, result)
         self._busy = False
         self.committer.check_errors()
 

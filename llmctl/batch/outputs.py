@@ -22,6 +22,7 @@ from llmctl.batch.digests import new_hasher
 from llmctl.batch.journal import temp_path
 from llmctl.batch.logprob_records import openai_choices, simple_fields, vllm_prompt_logprobs
 from llmctl.batch.rows import InputRow
+from llmctl.batch.tool_calls import openai_tool_calls
 from llmctl.errors import RequestError, UsageError
 
 
@@ -45,6 +46,8 @@ class RowResult:
     # completions) and, where not valid, the error its output row carries beside the text
     structured: str | None = None
     structured_error: RequestError | None = None
+    # rows with tools: (content, calls or None) per completion (batch/tool_calls.py)
+    tools: list[tuple[str | None, list[dict] | None]] | None = None
 
     @property
     def error_code(self) -> str | None:
@@ -114,6 +117,8 @@ def simple_record(row: InputRow, result: RowResult, include_token_ids: bool = Fa
         },
         "error": None if result.error is None else result.error.to_dict(),
     }
+    if result.tools and result.tools[0][1] is not None:
+        rec["tool_calls"] = result.tools[0][1]
     if result.structured is not None:
         rec["structured_output"] = result.structured
         if result.structured_error is not None:
@@ -160,6 +165,14 @@ def openai_record(
         choices = openai_choices(result, row.endpoint, include_token_ids)
     else:  # a result built without the engine's completions (tests, fakes)
         choices = [_plain_choice(row.endpoint, result, include_token_ids)]
+    for choice, (content, calls) in zip(choices, result.tools or ()):
+        if calls is not None:  # OpenAI's shape of a message that calls tools
+            choice["message"]["content"] = content
+            choice["message"]["tool_calls"] = openai_tool_calls(
+                calls, f"{key}\x1f{choice['index']}"
+            )
+            if choice["finish_reason"] == "stop":
+                choice["finish_reason"] = "tool_calls"
     prompt_lps = None
     if result.prompt_logprobs is not None:
         prompt_lps = vllm_prompt_logprobs(result.prompt_logprobs)

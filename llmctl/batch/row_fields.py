@@ -183,7 +183,7 @@ def _is_neutral(value: object, neutral: tuple) -> bool:
 
 
 def refuse_unsupported(
-    obj: dict, allowed: tuple | None, where: str, neutral_values: dict = NEUTRAL_VALUES
+    obj: dict, allowed: tuple | None, where: str = "", neutral_values: dict = NEUTRAL_VALUES
 ) -> None:
     """A generation feature we do not implement is an error, never silently ignored. With
     `allowed` (an OpenAI body, sampling_params) every field not in it is such a feature."""

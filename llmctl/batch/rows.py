@@ -29,6 +29,7 @@ from llmctl.batch.row_fields import (
     sampling_params_overrides,
     structured_override,
 )
+from llmctl.batch.tool_calls import check_tool_choice, check_tools, tool_constraint
 from llmctl.engine.requests import (
     check_text,
     json_type,
@@ -62,6 +63,8 @@ class InputRow:
     error: RequestError | None = None
     custom_id: str | None = None  # OpenAI batch rows only
     endpoint: str | None = None  # OpenAI batch rows only: "completions" | "chat"
+    tools: list[dict] | None = None  # chat rows: the functions the model may call
+    tool_choice: str | dict | None = None  # none / auto / required / a named function
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,6 +94,27 @@ def _fill_prompt(row: InputRow, obj: dict) -> None:
         row.prompt_token_ids = validate_token_ids(value)
 
 
+TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
+
+
+def _tools(row: InputRow, obj: dict, where: str) -> None:
+    """A chat row's tools and tool_choice; a call it requires constrains the output."""
+    if not obj.get("tools") and obj.get("tool_choice") in (None, "none"):
+        return  # no tools (an empty list is none)
+    row.tools = check_tools(obj["tools"], where) if obj.get("tools") else None
+    row.tool_choice = check_tool_choice(obj.get("tool_choice"), row.tools, where)
+    parallel = obj.get("parallel_tool_calls") is not False
+    constraint = row.tools and tool_constraint(row.tools, row.tool_choice, parallel)
+    if constraint and "structured_outputs" in row.overrides:
+        raise request_error(
+            "invalid_parameter",
+            f"{where}tool_choice requires a call, and the row constrains its output too; give one",
+            param="tool_choice",
+        )
+    if constraint:
+        row.overrides["structured_outputs"] = constraint
+
+
 def parse_simple(obj: object, index: int, position: int, end_position: int) -> InputRow:
     """A simple-JSONL (or Parquet) row: id?, one of prompt/messages/prompt_token_ids, overrides."""
     row = InputRow(index=index, position=position, end_position=end_position, id=index + 1)
@@ -105,9 +129,11 @@ def parse_simple(obj: object, index: int, position: int, end_position: int) -> I
                 )
             row.id = rid  # a lone surrogate in it is echoed back as the same JSON escape
         _fill_prompt(row, obj)
-        refuse_unsupported(obj, None, "")
+        chat = row.messages is not None  # tools are for chat rows
+        refuse_unsupported({k: v for k, v in obj.items() if not chat or k not in TOOL_KEYS}, None)
         own = {**row_overrides(obj), **structured_override(obj)}
         row.overrides = {**sampling_params_overrides(obj, own), **output_overrides(obj)}
+        _tools(row, obj, "")
     except RequestError as e:
         row.error = e
     return row
@@ -176,6 +202,7 @@ def parse_openai(obj: object, index: int, position: int, end_position: int) -> I
             )
         body = _openai_envelope(row, obj)
         allowed = (
+            *(TOOL_KEYS if row.endpoint == "chat" else ()),
             OPENAI_PROMPT[row.endpoint],
             *OVERRIDE_KEYS,
             "max_completion_tokens",
@@ -190,6 +217,7 @@ def parse_openai(obj: object, index: int, position: int, end_position: int) -> I
             **output_overrides(body, row.endpoint, "body."),
             **structured_override(body, "body."),
         }
+        _tools(row, body, "body.")
     except RequestError as e:
         row.error = e
     return row

@@ -9,6 +9,7 @@ Everything raises RequestError, which callers turn into an error row or an excep
 
 from __future__ import annotations
 
+import json
 import re
 import reprlib
 
@@ -120,12 +121,37 @@ def validate_messages(messages: object, where: str = "messages") -> list[dict]:
                     f"{at}.content parts must be {{'type': 'text', 'text': str}}",
                 )
             content = "".join(p["text"] for p in content)
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if content is None and calls:  # an assistant turn that only called tools
+            content = ""
         if not isinstance(content, str):
             raise _err(
                 "invalid_messages", f"{at}.content must be a string, got {json_type(content)}"
             )
-        out.append({"role": role, "content": check_text(content, f"{at}.content")})
+        msg = {"role": role, "content": check_text(content, f"{at}.content")}
+        out.append({**msg, **_tool_fields(m, calls, at)})
     return out
+
+
+def _tool_fields(m: dict, calls: object, at: str) -> dict:
+    """An assistant turn's earlier tool calls (arguments as objects, as chat templates read
+    them) and a tool result's tool_call_id and name."""
+    extra = {k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)}
+    if not calls:
+        return extra
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise _err("invalid_messages", f"{at}.tool_calls must be a list of objects")
+    kept = []
+    for c in calls:
+        f = c.get("function") if isinstance(c.get("function"), dict) else c
+        args = f.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass  # the template gets the text
+        kept.append({**c, "function": {"name": f.get("name"), "arguments": args}})
+    return {**extra, "tool_calls": kept}
 
 
 def validate_token_ids(ids: object, where: str = "prompt_token_ids") -> list[int]:

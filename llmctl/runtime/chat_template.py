@@ -21,6 +21,7 @@ RequestError("chat_template_limit").
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from llmctl.errors import RequestError
@@ -68,24 +69,30 @@ class ChatTemplate:
                 f"the model's chat template cannot be used: {_short(f'{type(e).__name__}: {e}')}",
             )
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` ({role, content} dicts of strings)."""
+    def render(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+    ) -> str:
+        """The prompt text for `messages` ({role, content} dicts of strings) and, where given,
+        the `tools` the model may call (OpenAI's function objects, as transformers passes them)."""
         if self._error is not None:
             raise self._error
-        budget = Budget(self.limits, sum(len(m["role"]) + len(m["content"]) for m in messages))
+        size = sum(len(m["role"]) + len(m["content"]) for m in messages)
+        budget = Budget(self.limits, size + (len(json.dumps(tools)) if tools else 0))
         self._env._local.budget = budget
         try:
-            return self._generate(messages, add_generation_prompt, budget)
+            return self._generate(messages, add_generation_prompt, budget, tools)
         except Exception as e:
             raise _request_error(e) from None
         finally:
             self._env._local.budget = None
 
-    def _generate(self, messages: list[dict], add_generation_prompt: bool, budget: Budget) -> str:
+    def _generate(
+        self, messages: list[dict], add_generation_prompt: bool, budget: Budget, tools=None
+    ) -> str:
         parts, size = [], 0
         stream = self._template.generate(
             messages=[dict(m) for m in messages],
-            tools=None,
+            tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **self._variables,

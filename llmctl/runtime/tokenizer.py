@@ -67,8 +67,16 @@ class TextCodec:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: Any) -> list[int]:
-        """Token ids of `messages` in the model's chat template, ending with the assistant's turn.
+    @property
+    def tool_call_format(self) -> str | None:
+        """How the model writes tool calls, where we can read them: "hermes" (Hermes, Qwen:
+        `<tool_call>{"name": ..., "arguments": ...}</tool_call>`) when its chat template says so."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        return "hermes" if isinstance(template, str) and "<tool_call>" in template else None
+
+    def apply_chat_template(self, messages: Any, tools: list | None = None) -> list[int]:
+        """Token ids of `messages` in the model's chat template, ending with the assistant's turn,
+        with the `tools` the model may call where given.
 
         The template is user-supplied code: it is rendered by `ChatTemplate` under a time limit and
         size caps (a template that fails or runs past them is a RequestError for this request
@@ -85,7 +93,7 @@ class TextCodec:
             from llmctl.runtime.chat_template import ChatTemplate
 
             self._chat_template = ChatTemplate(tok)
-        text = self._chat_template.render(messages, add_generation_prompt=True)
+        text = self._chat_template.render(messages, add_generation_prompt=True, tools=tools)
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
@@ -108,5 +116,9 @@ class TextMethods:
     def decode(self, ids: list[int]) -> str:
         return self.text.decode(ids)
 
-    def apply_chat_template(self, messages: Any) -> list[int]:
-        return self.text.apply_chat_template(messages)
+    @property
+    def tool_call_format(self) -> str | None:
+        return self.text.tool_call_format
+
+    def apply_chat_template(self, messages: Any, tools: list | None = None) -> list[int]:
+        return self.text.apply_chat_template(messages, tools)
