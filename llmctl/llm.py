@@ -152,13 +152,16 @@ class LLM:
         use_tqdm: bool | Callable = True,
         *,
         params: SamplingParams | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of them, through the model's chat
-        template with the assistant turn opened; outputs in order."""
+        template with the assistant turn opened (and `tools`, OpenAI's function objects, given
+        to it as vLLM does); outputs in order."""
         if messages and isinstance(messages[0], dict):
             messages = [messages]  # type: ignore[list-item]
         chosen = sampling_params if sampling_params is not None else params
-        ids = [{"prompt_token_ids": self.runtime.apply_chat_template(c)} for c in messages]
+        kw = {"tools": tools} if tools else {}
+        ids = [{"prompt_token_ids": self.runtime.apply_chat_template(c, **kw)} for c in messages]
         outs = self.generate(ids, chosen)
         for o in outs:
             o.prompt = self.runtime.decode(o.prompt_token_ids)

@@ -172,3 +172,13 @@ def test_tools_need_a_chat_row():
         "body": {"prompt": "x", "tools": [WEATHER]},
     }
     assert parse_openai(completions, 0, 0, 1).error.code == "unsupported_parameter"
+
+
+def test_python_chat_takes_tools(hermes_model):
+    from llmctl import LLM, SamplingParams
+
+    llm = LLM(str(hermes_model), dtype="float32")
+    params = SamplingParams(max_tokens=2, temperature=0)
+    out = llm.chat(ASK, params, tools=[WEATHER])[0]
+    assert "get_weather" in out.prompt
+    assert "get_weather" not in llm.chat(ASK, params)[0].prompt
