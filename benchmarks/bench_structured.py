@@ -3,9 +3,10 @@ same rows unconstrained generating the same number of tokens, on a real chat mod
 
 Each constrained row's output length is recorded; the unconstrained leg gives every row exactly
 that many tokens (max_tokens = the length, ignore_eos), so both legs compute the same tokens
-through the same engine and the ratio of output tokens per second is what the grammar costs (masks, matcher
-updates, the end check). Legs alternate in one process after a warm-up. Also reported: how many
-rows ended valid, and the compile time of each distinct schema (grammar plus matcher, cold).
+through the same engine and the ratio of output tokens per second is what the grammar costs
+(masks, matcher updates, the end check). Legs alternate in one process after a warm-up. Also
+reported: how many rows ended valid, and the compile time of each distinct schema (grammar plus
+matcher, cold).
 
     python benchmarks/bench_structured.py --model $TMPDIR/smollm2-135m-instruct --rows 64 \
         --repeats 3 --out benchmarks/results/structured_zen4.json
@@ -59,7 +60,11 @@ SCHEMAS = [
         "properties": {
             "title": {"type": "string", "maxLength": 60},
             "year": {"type": "integer", "minimum": 1800, "maximum": 2100},
-            "authors": {"type": "array", "items": {"type": "string", "maxLength": 40}},
+            "authors": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 40},
+                "maxItems": 4,
+            },
         },
         "required": ["title", "year", "authors"],
         "additionalProperties": False,
