@@ -147,8 +147,10 @@ class XGrammar:
             json.dumps(schema), any_whitespace=False, separators=(",", ":")
         )
 
-    def walk(self, compiled, tokens: list[int]) -> list[float]:
-        """Seconds per token of (mask, apply to logits, accept)."""
+    def walk(self, compiled, tokens: list[int]) -> list[tuple[float, float, float]]:
+        """Seconds per token of (computing the mask, the library applying it to float32 logits,
+        advancing the matcher). llmctl applies masks with its own C kernel: the first and the
+        last are what it pays to the library."""
         xgr = self.xgr
         matcher = xgr.GrammarMatcher(compiled)
         mask = xgr.allocate_token_bitmask(1, self.vocab)
@@ -157,9 +159,11 @@ class XGrammar:
         for t in tokens:
             t0 = time.perf_counter()
             matcher.fill_next_token_bitmask(mask, 0)
+            t1 = time.perf_counter()
             xgr.apply_token_bitmask_inplace(logits, mask)
+            t2 = time.perf_counter()
             ok = matcher.accept_token(t)
-            times.append(time.perf_counter() - t0)
+            times.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
             assert ok, "the answer's token was rejected"
         return times
 
@@ -185,7 +189,7 @@ class LLGuidance:
             raise ValueError(matcher.get_error())
         return grammar
 
-    def walk(self, grammar, tokens: list[int]) -> list[float]:
+    def walk(self, grammar, tokens: list[int]) -> list[tuple[float, float, float]]:
         matcher = self.llg.LLMatcher(self.tok, grammar)
         mask = self.lt.allocate_token_bitmask(1, self.vocab)
         logits = torch.zeros(1, self.vocab)
@@ -193,15 +197,17 @@ class LLGuidance:
         for t in tokens:
             t0 = time.perf_counter()
             self.lt.fill_next_token_bitmask(matcher, mask, 0)
+            t1 = time.perf_counter()
             self.lt.apply_token_bitmask_inplace(logits, mask)
+            t2 = time.perf_counter()
             ok = matcher.consume_token(t)
-            times.append(time.perf_counter() - t0)
+            times.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
             assert ok, matcher.get_error()
         return times
 
 
 def measure(engine, tokenizer, repeats: int) -> dict:
-    out: dict = {"compile_ms": {}, "mask_us_per_token": {}, "features": {}}
+    out: dict = {"compile_ms": {}, "us_per_token": {}, "features": {}}
     for name, schema in SCHEMAS.items():
         times = []
         for _ in range(repeats):
@@ -212,7 +218,10 @@ def measure(engine, tokenizer, repeats: int) -> dict:
         text = json.dumps(ANSWERS[name], separators=(",", ":"))
         tokens = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
         per_token = [t for _ in range(repeats) for t in engine.walk(compiled, tokens)]
-        out["mask_us_per_token"][name] = round(1e6 * statistics.median(per_token), 1)
+        out["us_per_token"][name] = {
+            part: round(1e6 * statistics.median(t[i] for t in per_token), 1)
+            for i, part in enumerate(("mask", "apply", "advance"))
+        }
     for name, schema in FEATURES.items():
         try:
             engine.compile(schema)
