@@ -20,6 +20,7 @@ import statistics
 import time
 
 import torch
+from common import environment
 
 SCHEMAS = [
     {
@@ -148,6 +149,7 @@ def main() -> None:
     rate = {k: [n / t for n, t in zip(tokens[k], legs[k])] for k in legs}
     ratios = [c / u for c, u in zip(rate["constrained"], rate["unconstrained"])]
     result = {
+        "environment": environment(),
         "model": args.model,
         "rows": args.rows,
         "threads": torch.get_num_threads(),

@@ -17,6 +17,7 @@ import pytest
 from llmctl.batch.rows import parse_openai, parse_simple
 from llmctl.cli import main
 from llmctl.engine.structured import StructuredOutputsParams as SO
+from tests.test_run_batch_kill import COMMIT_EVERY_8_AND_RUN
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = {
@@ -163,21 +164,6 @@ def test_job_wide_constraint_and_a_rows_own(tmp_path):
     assert main(["run-batch", str(inp), "-o", "-", "--structured-outputs", f"@{schema_file}"]) == 2
 
 
-COMMIT_EVERY_4 = """
-import sys
-import llmctl.batch.runner as runner
-_run = runner.run_batch
-
-def run_batch(opts, *a, **k):
-    opts.commit_rows = 4
-    return _run(opts, *a, **k)
-
-runner.run_batch = run_batch
-from llmctl.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def test_interrupted_job_resumes_to_the_uninterrupted_output(tmp_path):
     """SIGINT after the first commits, then the same command again: the output equals an
     uninterrupted run's (batch-invariant, so batch make-up cannot change a token)."""
@@ -190,16 +176,25 @@ def test_interrupted_job_resumes_to_the_uninterrupted_output(tmp_path):
     assert main(["run-batch", str(inp), "-o", str(whole), *flags]) == 0
     part = tmp_path / "part.jsonl"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-c", COMMIT_EVERY_4, "run-batch", str(inp), "-o", str(part), *flags]
+    cmd = [
+        sys.executable,
+        "-c",
+        COMMIT_EVERY_8_AND_RUN,
+        "run-batch",
+        str(inp),
+        "-o",
+        str(part),
+        *flags,
+    ]
     child = subprocess.Popen(cmd, env=env, cwd=ROOT, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and child.poll() is None:
-        if part.exists() and part.read_text().count("\n") >= 4:
+        if part.exists() and part.read_text().count("\n") >= 8:
             child.send_signal(signal.SIGINT)
             break
         time.sleep(0.01)
     child.communicate(timeout=120)
     written = part.read_text().count("\n")
-    assert 4 <= written < 150, "the job was not interrupted midway"
+    assert 8 <= written < 150, "the job was not interrupted midway"
     assert main(["run-batch", str(inp), "-o", str(part), *flags]) == 0
     assert part.read_bytes() == whole.read_bytes()
