@@ -198,3 +198,18 @@ def test_interrupted_job_resumes_to_the_uninterrupted_output(tmp_path):
     assert 8 <= written < 150, "the job was not interrupted midway"
     assert main(["run-batch", str(inp), "-o", str(part), *flags]) == 0
     assert part.read_bytes() == whole.read_bytes()
+
+
+def test_constrained_rows_travel_to_ray_replicas_intact():
+    """Ray replicas get rows as JSON: the constraint (with where it came from) and the tools
+    come back equal."""
+    from llmctl.batch.ray.processor import _row_to_json, row_from_json
+    from llmctl.engine.params import SamplingParams
+
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    obj = {"messages": [{"role": "user", "content": "x"}], "guided_json": SCHEMA}
+    row = parse_simple({**obj, "tools": tools, "tool_choice": "auto"}, 0, 0, 1)
+    back = row_from_json(_row_to_json(row))
+    so = SamplingParams(**back.overrides).structured_outputs
+    assert so == SO(json=SCHEMA) and so.source == "guided_json"
+    assert (back.tools, back.tool_choice) == (tools, "auto")
