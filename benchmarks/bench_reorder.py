@@ -84,10 +84,10 @@ def run_batch(folder: Path, inp: Path, out: Path, reorder: bool, args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prefixes", type=int, default=16)
-    ap.add_argument("--rows-per-prefix", type=int, default=8)
-    ap.add_argument("--prefix-tokens", type=int, default=512)
+    ap.add_argument("--rows-per-prefix", type=int, default=6)
+    ap.add_argument("--prefix-tokens", type=int, default=384)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--kv-cache-memory", default="96MiB")
+    ap.add_argument("--kv-cache-memory", default="40MiB")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--config", default="smollm2-135m")
