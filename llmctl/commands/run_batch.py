@@ -32,7 +32,7 @@ Examples (in this order, from the project folder):
   llmctl run-batch examples/prompts.jsonl -o out-short.jsonl --max-tokens 32
   head -2 examples/prompts.jsonl | llmctl run-batch - -q > out-head.jsonl
   llmctl run-batch examples/prompts.jsonl -o out.parquet --speculative ngram
-  llmctl run-batch examples/prompts.jsonl -o out-grouped.jsonl --reorder prefix
+  llmctl run-batch examples/prompts.jsonl -o grouped.jsonl --reorder prefix
   llmctl run-batch out.parquet --prompt-column text --id-column id
 
 \b
