@@ -63,7 +63,10 @@ def run_batch(folder: Path, inp: Path, out: Path, reorder: bool, args) -> dict:
     cmd = [sys.executable, "-m", "llmctl.cli", "run-batch", str(inp), "-o", str(out)]
     cmd += ["--model", str(folder), "--dtype", "bfloat16", "--device", "cpu", "--ignore-eos"]
     cmd += ["--kv-cache-memory", args.kv_cache_memory, "--overwrite", "-q"]
-    cmd += ["--report-json", str(report)] + (["--reorder", "prefix"] if reorder else [])
+    cmd += ["--report-json", str(report)]
+    if reorder:
+        cmd += ["--reorder", "prefix"]
+        cmd += ["--reorder-window", str(args.reorder_window)] if args.reorder_window else []
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     t0 = time.perf_counter()
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -88,6 +91,7 @@ def main() -> None:
     ap.add_argument("--prefix-tokens", type=int, default=384)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--kv-cache-memory", default="40MiB")
+    ap.add_argument("--reorder-window", type=int, help="run-batch's (default: its own)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--config", default="smollm2-135m")
@@ -126,6 +130,7 @@ def main() -> None:
             "max_tokens": args.max_tokens,
             "mean_gap_between_sharers": round(gap, 1),
             "kv_cache_memory": args.kv_cache_memory,
+            "reorder_window": args.reorder_window,
             "model": f"{args.config} random weights, bf16",
         },
         "runs": runs,
