@@ -170,3 +170,12 @@ def test_an_interrupted_reordered_job_resumes_to_the_same_output(ordered):
     else:
         key = lambda r: r["id"]  # noqa: E731
         assert sorted(got, key=key) == sorted(want, key=key)
+
+
+def test_waiting_rows_hold_their_token_ids_only():
+    job, _, engine = make_job(rows(8), max_in_flight=1, window=6, reorder=True, block_size=4)
+    assert job._admit() == 6 + 1  # read to the window, one handed to the engine
+    assert len(job._queue) == 5 and engine.num_unfinished_requests() == 1
+    for _, ids, (row, _) in job._queue._waiting.values():
+        assert row.prompt is None and row.messages is None and row.prompt_token_ids is None
+        assert ids.itemsize == 8 and list(ids) == list(prompt(row.index).encode())
