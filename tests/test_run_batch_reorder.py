@@ -82,3 +82,17 @@ def test_a_killed_reordered_job_resumes_to_the_uninterrupted_input_order_output(
     assert rc == 0, err
     assert out.read_bytes() == ref.read_bytes()  # every row once, in input order, same rows
     assert json.loads(state_path(out).read_text())["stats"]["rows"] == 300
+
+
+def test_the_vllm_backend_takes_the_same_order_and_writes_the_same_rows(tmp_path, monkeypatch):
+    import vllm_stub
+
+    vllm_stub.install(monkeypatch)
+    inp = shared_prefix_input(tmp_path / "in.jsonl", n=12, groups=3)
+    outs = []
+    for extra in ([], ["--reorder", "prefix"]):
+        out = tmp_path / f"out{len(extra)}.jsonl"
+        argv = ["run-batch", str(inp), "-o", str(out), "--backend", "vllm", "-q", *extra]
+        assert main([*argv, "--max-model-len", "512", "--max-tokens", "3"]) == 0
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1] and len(outs[0].splitlines()) == 12
