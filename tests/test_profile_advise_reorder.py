@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from llmctl.engine.config import EngineConfig
 from llmctl.profiling import advise_report as rep
 from llmctl.profiling import advise_trials as t
-from llmctl.profiling.advise import Workload
+from llmctl.profiling.advise import Measurement, Workload
 
 DOC_A, DOC_B = list(range(100, 140)), list(range(200, 240))  # 2.5 blocks of 16 each
 
@@ -59,3 +59,22 @@ def test_the_advised_run_batch_line_asks_for_the_order():
     assert words[-2:] == ["--reorder", "prefix"] and "--no-prefix-caching" not in words
     assert "--reorder" not in rep.run_batch_args(state, t.combine([q]), "w.jsonl", "m")
     assert t.TrialResult(reorder_trial()).to_dict()["reorder"] == "prefix"
+
+
+def _result(trial: t.Trial, tps: float) -> t.TrialResult:
+    m = Measurement(None, None, tps, None, 1.0)
+    return t.TrialResult(trial, m)
+
+
+def test_grouping_is_advised_only_where_it_beats_plain_prefix_caching_beyond_the_noise():
+    base = Measurement(None, None, 100.0, None, 1.0)
+    plain = t.Trial("prefix_caching", "prefix caching", "prefix", {"enable_prefix_caching": True})
+    for reorder_tps, plain_tps, want in [
+        (204.0, 200.0, "prefix_caching"),  # 2% better: within the 5% noise
+        (220.0, 200.0, "reorder_prefix"),  # 10% better
+        (196.0, 200.0, "prefix_caching"),
+    ]:
+        for order in (1, -1):  # whichever was measured first
+            results = [_result(reorder_trial(), reorder_tps), _result(plain, plain_tps)][::order]
+            (chosen,) = t.recommended(results, "throughput", base, 0.05, 0.05)
+            assert chosen.trial.key == want, (reorder_tps, order)

@@ -260,15 +260,29 @@ def recommended(
     results: list[TrialResult], objective: str, base: Measurement, noise: float, max_kl: float
 ) -> list[TrialResult]:
     """The best trial of each group whose gain beats the noise (and, for quantization, whose KL
-    is within --max-kl)."""
+    is within --max-kl); grouping rows by prefix only where it beats plain prefix caching by more
+    than the noise too (the same cache hits otherwise: no reason to change the order)."""
     best: dict[str, tuple[float, TrialResult]] = {}
     for r in results:
         if r.measurement is None or (r.kl is not None and r.kl > max_kl):
             continue
         g = gain(objective, base, r.measurement)
-        if g is not None and g > 1 + noise and g > best.get(r.trial.group, (0.0, r))[0]:
+        if g is None or g <= 1 + noise:
+            continue
+        held = best.get(r.trial.group)
+        if held is None or g * _handicap(r, held[1], noise) > held[0]:
             best[r.trial.group] = (g, r)
     return [r for _, r in sorted(best.values(), key=lambda x: -x[0])]
+
+
+def _handicap(new: TrialResult, held: TrialResult, noise: float) -> float:
+    """The factor `new`'s gain is weighed by against `held`'s: a reordering trial must win by
+    more than the noise, and loses to a plain one within it."""
+    if new.trial.reorder and not held.trial.reorder:
+        return 1 / (1 + noise)
+    if held.trial.reorder and not new.trial.reorder:
+        return 1 + noise
+    return 1.0
 
 
 def combine(chosen: list[TrialResult]) -> Trial:
