@@ -34,8 +34,8 @@ class ReorderFlags:
         typer.Option(
             "--reorder-window",
             min=1,
-            help="--reorder prefix: rows read ahead and grouped, held as token ids (default: "
-            "4 x --max-in-flight, the reorder buffer's bound).",
+            help="--reorder prefix: rows read ahead and grouped, held as token ids; it also "
+            "bounds the reorder buffer (default: 4 x --max-in-flight).",
             show_default=False,
         ),
     ] = None
