@@ -2,7 +2,9 @@
 CLI, in vLLM's shapes so that vLLM scripts run unchanged (`llm.generate(prompts,
 sampling_params=..., use_tqdm=False)`, `out.outputs[0].text`, `{"prompt_token_ids": [...]}`,
 `llm.chat(conversation)`). `LLM(model, batch_invariant=True)`: each output independent of its
-batch-mates (issue 20).
+batch-mates (issue 20). `llm.generate(prompts, reorder="prefix")`: prompts sharing a prefix are
+admitted one after another (`engine.prefix_order`; outputs still in input order), as
+`run-batch --reorder prefix` does.
 
 Owns: `LLM`, the prompt forms it accepts (`TextPrompt`, `TokensPrompt`), and the translation
 of vLLM's engine keywords (enforce_eager, gpu_memory_utilization, speculative_config, ...) into
@@ -15,6 +17,7 @@ from typing import Any, Callable, Sequence, TypedDict
 
 from llmctl.engine.config import EngineConfig
 from llmctl.engine.params import RequestOutput, SamplingParams
+from llmctl.engine.prefix_order import prefix_order
 from llmctl.engine.vllm_config import speculative_from_vllm
 from llmctl.errors import RequestError, UsageError
 from llmctl.runtime.loader import load_runtime
@@ -116,11 +119,15 @@ class LLM:
         *,
         on_finish: Callable[[RequestOutput], None] | None = None,
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        reorder: str = "none",
     ) -> list[RequestOutput]:
         """Text prompts, token-id lists or dicts ({"prompt": ...} / {"prompt_token_ids": ...})
         in; outputs in input order. Bad prompts raise RequestError. `use_tqdm` is accepted for
         vLLM scripts; there is no progress bar. `params` is the older name of
-        `sampling_params`."""
+        `sampling_params`. `reorder="prefix"` (llmctl's, not vLLM's): the engine gets prompts
+        sharing a prefix one after another, so its prefix cache serves them."""
+        if reorder not in ("none", "prefix"):
+            raise UsageError(f"reorder must be 'none' or 'prefix', got {reorder!r}")
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
         ):
@@ -130,12 +137,15 @@ class LLM:
         per = list(chosen) if isinstance(chosen, (list, tuple)) else [chosen] * len(prompts)
         if len(per) != len(prompts):
             raise UsageError(f"{len(per)} sampling params for {len(prompts)} prompts")
-        return self._run([self._prompt_ids(p) for p in prompts], per, on_finish)
+        return self._run([self._prompt_ids(p) for p in prompts], per, on_finish, reorder)
 
-    def _run(self, prompts: list[tuple[list[int], str | None]], per, on_finish):
+    def _run(self, prompts: list[tuple[list[int], str | None]], per, on_finish, reorder="none"):
         engine = self.engine
-        for i, ((ids, _), sp) in enumerate(zip(prompts, per)):
-            engine.add_request(str(i), ids, sp)
+        order = range(len(prompts))
+        if reorder == "prefix":
+            order = prefix_order([ids for ids, _ in prompts], engine.engine_config.block_size)
+        for i in order:
+            engine.add_request(str(i), prompts[i][0], per[i])
         results: dict[str, RequestOutput] = {}
         while engine.has_unfinished_requests():
             for out in engine.step():

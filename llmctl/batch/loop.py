@@ -9,6 +9,12 @@ or Rich: rows come from an iterator, and finished rows go through a `commits.Com
 Memory bound: at most `window` rows are between the first row not yet written (the watermark)
 and the last row read, so the reorder buffer, the set of rows written ahead of the watermark
 (`--unordered`) and the requests in flight (<= `max_in_flight`) never grow with the input.
+
+`--reorder prefix` (`LoopSettings.reorder`): rows are read ahead up to `window`, tokenized, and
+wait in an `engine.prefix_order.PrefixQueue` (token ids only) that hands them to the engine with
+rows sharing a prompt prefix one after another. Nothing else changes: rows are still written in
+input order (the reorder buffer above), and a commit's resume point is still the watermark, so
+rows read but not yet served are read again by a resumed job, never lost, never written twice.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from llmctl.batch.rows import InputRow
 from llmctl.batch.summary import BatchStats, Progress
 from llmctl.batch.tool_calls import tool_calls_of
 from llmctl.engine.params import SamplingParams
+from llmctl.engine.prefix_order import PrefixQueue
 from llmctl.errors import AbortedError, RequestError
 
 
@@ -50,6 +57,8 @@ class LoopSettings:
     commit_rows: int = 256  # fsync + state save after this many written rows...
     commit_interval_s: float = 2.0  # ...or this many seconds, whichever first
     progress_interval_s: float = 0.2
+    reorder: bool = False  # --reorder prefix: read ahead to `window`, admit in prefix order
+    block_size: int = 16  # the prefix cache's block size: what reordered rows are grouped by
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1 or self.window < 1:
@@ -105,6 +114,7 @@ class BatchLoop:
         self.settings = settings
         self.stats = stats if stats is not None else BatchStats()
         self._base_spec = (self.stats.spec_proposed, self.stats.spec_accepted)
+        self._base_prefix = (self.stats.prefix_hit_tokens, self.stats.prefix_query_tokens)
         self._resume_done = set(done_after or ())
         self.committer = Committer(
             sink,
@@ -129,6 +139,8 @@ class BatchLoop:
         self._written: set[int] = set()  # rows written ahead of the watermark
         self._next_read = (start_index, start_position)  # resume point when _order is empty
         self._exhausted = False
+        # --reorder prefix: rows read and tokenized, waiting for the engine (ids, not prompts)
+        self._queue = PrefixQueue(settings.block_size) if settings.reorder else None
         self._busy = False  # True while one row's bookkeeping is half-updated: no commit then
         self.peaks = Peaks()
 
@@ -143,7 +155,7 @@ class BatchLoop:
                 admitted = self._admit()
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
-                    self._count_drafts()
+                    self._count_engine()
                     for out in outputs:
                         self._finish(out)
                     c.maybe_commit()
@@ -161,18 +173,20 @@ class BatchLoop:
             # (otherwise the previous commit stays the resume point and the rows after it are
             # served again).
             if not self._busy:
-                self._count_drafts()  # the engine may have counted some before a step raised
+                self._count_engine()  # the engine may have counted some before a step raised
                 c.safe_commit()
             raise
         c.finish()
         return self.stats
 
     def _admit(self) -> int:
-        """Read and submit rows while the in-flight and window bounds allow; returns rows read."""
+        """Read and submit rows while the in-flight and window bounds allow (reordering: read to
+        the window, then submit from the queue); returns rows read plus rows submitted from it."""
         s, n = self.settings, 0
+        reorder = self._queue is not None
         while (
             not self._exhausted
-            and len(self._in_flight) < s.max_in_flight
+            and (reorder or len(self._in_flight) < s.max_in_flight)
             and len(self._order) < s.window
         ):
             row = next(self._rows, None)
@@ -194,6 +208,18 @@ class BatchLoop:
                 self._submit(row)
             self._busy = False
             self.committer.check_errors()
+        return n + (self._release() if reorder else 0)
+
+    def _release(self) -> int:
+        """Hand queued rows to the engine, in prefix order, while the in-flight bound allows."""
+        n = 0
+        while self._queue and len(self._in_flight) < self.settings.max_in_flight:
+            self._busy = True
+            _, ids, (row, params) = self._queue.pop()
+            self._send(row, ids, params)
+            self._busy = False
+            self.committer.check_errors()
+            n += 1
         return n
 
     def _submit(self, row: InputRow) -> None:
@@ -206,6 +232,13 @@ class BatchLoop:
         except RequestError as e:
             self._complete(row, RowResult.failed(e))
             return
+        if self._queue is not None:
+            row.prompt = row.messages = row.prompt_token_ids = None  # the queue keeps the ids
+            self._queue.push(row.index, ids, (row, params))
+        else:
+            self._send(row, ids, params)
+
+    def _send(self, row: InputRow, ids: list[int], params: SamplingParams) -> None:
         rid = str(row.index)
         try:
             self.engine.add_request(rid, ids, params)
@@ -316,13 +349,17 @@ class BatchLoop:
             nxt = self._next_read
         return ResumePoint(nxt[0], nxt[1], sorted(self._written), self._next_read[1])
 
-    def _count_drafts(self) -> None:
-        """The speculative-decoding counts: the engine's (they change only in `step`) after
-        those of earlier sessions. Brought up to date before every commit."""
+    def _count_engine(self) -> None:
+        """The speculative-decoding and prefix-cache counts: the engine's (they change only in
+        `step`) after those of earlier sessions. Brought up to date before every commit."""
         engine_stats = getattr(self.engine, "stats", None)
         if engine_stats is not None and hasattr(engine_stats, "spec_proposed"):
             self.stats.spec_proposed = self._base_spec[0] + engine_stats.spec_proposed
             self.stats.spec_accepted = self._base_spec[1] + engine_stats.spec_accepted
+        bm = getattr(self.engine, "block_manager", None)
+        if bm is not None and hasattr(bm, "prefix_hits"):
+            self.stats.prefix_hit_tokens = self._base_prefix[0] + bm.prefix_hits
+            self.stats.prefix_query_tokens = self._base_prefix[1] + bm.prefix_queries
 
 
 __all__ = ["BatchLoop", "EngineLike", "LoopSettings", "Peaks", "RuntimeLike"]

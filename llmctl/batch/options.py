@@ -22,6 +22,9 @@ from llmctl.errors import RequestError, UsageError
 # Where run-batch's sampling defaults differ from SamplingParams' (vLLM's): greedy, so that batch
 # jobs are reproducible, and longer outputs. Every other sampling default is SamplingParams'.
 BATCH_SAMPLING_DEFAULTS: dict[str, Any] = {"max_tokens": 128, "temperature": 0.0}
+# --reorder: none (rows go to the engine in input order) or prefix (rows sharing a prompt prefix
+# go together, within --reorder-window rows read ahead; llmctl.batch.loop).
+REORDER_MODES = ("none", "prefix")
 # SamplingParams fields newer than resumable state files: in the fingerprint only when set, so
 # a job started before they existed still resumes.
 LATER_SAMPLING_FIELDS = {
@@ -72,6 +75,26 @@ class BatchOptions:
     ray: RayOptions | None = None  # --ray; not in the fingerprint: the rows are the same
     backend: str = "llmctl"  # or "vllm" (llmctl.batch.backends)
     engine_args: dict[str, Any] = field(default_factory=dict)  # vLLM EngineArgs passed through
+    # not in the fingerprint: the order rows are admitted in changes no row (greedy rows are
+    # identical), so a job may resume with another choice
+    reorder: str = "none"
+    reorder_window: int | None = None  # rows read ahead for --reorder prefix; None: 4 x in flight
+
+
+def check_reorder(opts: BatchOptions) -> None:
+    """--reorder and --reorder-window: a bad value or combination is a UsageError."""
+    if opts.reorder not in REORDER_MODES:
+        raise UsageError(
+            f"--reorder must be one of {', '.join(REORDER_MODES)}, got {opts.reorder!r}"
+        )
+    if opts.reorder_window is not None:
+        if opts.reorder == "none":
+            raise UsageError("--reorder-window is for --reorder prefix")
+        if opts.reorder_window < 1:
+            raise UsageError(f"--reorder-window must be >= 1, got {opts.reorder_window}")
+    if opts.reorder != "none" and opts.ray is not None:
+        # each replica's loop sees --batch-rows rows at a time: nothing to group across
+        raise UsageError("--reorder prefix is not available with --ray")
 
 
 def sampling_default(name: str) -> Any:

@@ -31,7 +31,7 @@ from llmctl.batch.checks import (
 from llmctl.batch.digests import StreamHasher
 from llmctl.batch.inputs import MAX_LINE_BYTES, open_input
 from llmctl.batch.journal import JobState, journal_path
-from llmctl.batch.options import BatchOptions, default_sampling, fingerprint
+from llmctl.batch.options import BatchOptions, check_reorder, default_sampling, fingerprint
 from llmctl.batch.outputs import FileSink, StdoutSink, open_locked
 from llmctl.batch.resume import Target, plan
 from llmctl.batch.session import (  # noqa: F401  (BatchInterrupted, StdoutClosed: public here)
@@ -80,6 +80,7 @@ def run_batch(
     defaults = default_sampling(opts, _generation_defaults(opts, ui))
     engine_config = EngineConfig(**opts.engine)  # raises UsageError for a bad value
     check_backend(opts.backend, opts.engine, opts.engine_args)
+    check_reorder(opts)
     to_file = opts.output != "-" and not (opts.output is None and opts.input == "-")
     stream = None
     if opts.input == "-" and to_file:

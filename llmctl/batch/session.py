@@ -129,13 +129,17 @@ class JobSession:
     def _settings(self) -> LoopSettings:
         opts = self.opts
         max_in_flight = opts.max_in_flight or 2 * self.engine_config.max_num_seqs
+        reorder = opts.reorder == "prefix"
         return LoopSettings(
             max_in_flight=max_in_flight,
-            window=4 * max_in_flight,
+            # --reorder prefix groups the rows read ahead: --reorder-window of them when given
+            window=(reorder and opts.reorder_window) or 4 * max_in_flight,
             ordered=opts.ordered,
             max_errors=opts.max_errors,
             commit_rows=opts.commit_rows,
             commit_interval_s=opts.commit_interval_s,
+            reorder=reorder,
+            block_size=self.engine_config.block_size,
         )
 
     def drive(self, sink, runtime, engine) -> BatchStats:

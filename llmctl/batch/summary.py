@@ -65,6 +65,8 @@ class BatchStats:
     tpot: LogHistogram = field(default_factory=LogHistogram)
     spec_proposed: int = 0  # speculative decoding: draft tokens verified, and accepted
     spec_accepted: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens the prefix cache served, of those looked up
+    prefix_query_tokens: int = 0
     input_format: str | None = None  # the format the input was read as (detected or given)
     # structured outputs: rows constrained, and how many ended valid / incomplete / invalid
     structured: dict[str, int] = field(default_factory=dict)
@@ -104,6 +106,8 @@ class BatchStats:
             "tpot": self.tpot.to_state(),
             "spec_proposed": self.spec_proposed,
             "spec_accepted": self.spec_accepted,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "prefix_query_tokens": self.prefix_query_tokens,
             "input_format": self.input_format,
             "structured": dict(self.structured),
         }
@@ -121,6 +125,8 @@ class BatchStats:
             tpot=LogHistogram.from_state(d.get("tpot")),
             spec_proposed=int(d.get("spec_proposed", 0)),
             spec_accepted=int(d.get("spec_accepted", 0)),
+            prefix_hit_tokens=int(d.get("prefix_hit_tokens", 0)),
+            prefix_query_tokens=int(d.get("prefix_query_tokens", 0)),
             input_format=d.get("input_format"),
             structured={str(k): int(v) for k, v in d.get("structured", {}).items()},
         )
@@ -157,6 +163,13 @@ class BatchStats:
                 "accepted_tokens": self.spec_accepted,
                 "acceptance_rate": round(self.spec_accepted / self.spec_proposed, 4)
                 if self.spec_proposed
+                else None,
+            },
+            "prefix_cache": {
+                "hit_tokens": self.prefix_hit_tokens,
+                "looked_up_tokens": self.prefix_query_tokens,
+                "hit_rate": round(self.prefix_hit_tokens / self.prefix_query_tokens, 4)
+                if self.prefix_query_tokens
                 else None,
             },
         }

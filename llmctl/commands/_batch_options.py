@@ -307,7 +307,7 @@ class EngineFlags:
             "--max-in-flight",
             min=1,
             help="Rows handed to the engine at once (default 2 x --max-num-seqs); the reorder "
-            "buffer holds at most 4x this.",
+            "buffer holds at most 4x this (or --reorder-window).",
         ),
     ] = None
 

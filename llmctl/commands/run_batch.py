@@ -1,10 +1,10 @@
 """`llmctl run-batch`: push a file of prompts through a model, resumably, with bounded memory.
 
 Owns: the command (its help, its signal handling) and what it prints: the progress bar and
-summary on stderr (`_batch_ui`), --report-json. Its options are six option records (`_records`):
-`JobFlags`, `SamplingFlags` and `EngineFlags` (`_batch_options`), `VllmFlags`, `RayFlags` and
-`BackendFlags`, defaulting to None (`BatchOptions`, `EngineConfig` and run-batch's sampling
-defaults own every default); the work is in `llmctl.batch.runner`.
+summary on stderr (`_batch_ui`), --report-json. Its options are seven option records
+(`_records`): `JobFlags`, `SamplingFlags` and `EngineFlags` (`_batch_options`), `VllmFlags`,
+`RayFlags`, `BackendFlags` and `ReorderFlags`, defaulting to None (`BatchOptions`, `EngineConfig`
+and run-batch's sampling defaults own every default); the work is in `llmctl.batch.runner`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from llmctl.commands import _backend_options as b
 from llmctl.commands import _batch_options as o
 from llmctl.commands import _batch_vllm_options as v
 from llmctl.commands import _ray_options as ro
+from llmctl.commands import _reorder_options as reo
 from llmctl.commands._batch_ui import RichUI, engine_logging, make_ui
 from llmctl.commands._output import emit_json
 from llmctl.commands._records import record_command
@@ -31,6 +32,7 @@ Examples (in this order, from the project folder):
   llmctl run-batch examples/prompts.jsonl -o out-short.jsonl --max-tokens 32
   head -2 examples/prompts.jsonl | llmctl run-batch - -q > out-head.jsonl
   llmctl run-batch examples/prompts.jsonl -o out.parquet --speculative ngram
+  llmctl run-batch examples/prompts.jsonl -o grouped.jsonl --reorder prefix
   llmctl run-batch out.parquet --prompt-column text --id-column id
 
 \b
@@ -69,6 +71,14 @@ prompt (good when outputs copy from it); --draft MODEL lets a small model with t
 propose them. Greedy outputs are identical with or without it. It pays for a few sequences at a
 time, not a large batch: auto stops speculating while more than --speculative-max-batch run. The
 summary reports the acceptance rate.
+
+\b
+Prefix-aware admission: --reorder prefix reads up to --reorder-window rows ahead (token ids
+only) and hands rows whose prompts share leading KV blocks to the engine one after another, so
+a shared system prompt or document is computed once while the prefix cache holds it. It pays
+when sharing rows lie far apart and the KV cache cannot hold every distinct prefix at once (the
+summary's prefix_cache hit_rate shows it). Output order, resume and the memory bound are those
+of input order; greedy rows are the same.
 
 \b
 vLLM spellings (same meaning): -i/--input-file (INPUT), --output-file (-o), --model (-m),
@@ -116,12 +126,13 @@ def _command(
     vllm: v.VllmFlags,
     ray: ro.RayFlags,
     backend: b.BackendFlags,
+    reorder: reo.ReorderFlags,
 ) -> None:
     """Generate a completion for every row of INPUT and write one output row per input row."""
     # The flags are read first (a bad one: UsageError before anything runs); the engine's log
     # lines go to stderr at --log-level.
     opts = o.batch_options(job, sampling, engine, vllm)
-    opts = dataclasses.replace(opts, **b.backend_fields(backend))
+    opts = dataclasses.replace(opts, **b.backend_fields(backend), **reo.reorder_fields(reorder))
     opts.ray = ro.ray_options(ray)
     interval = vllm.log_interval or v.DEFAULT_LOG_INTERVAL_S
     ui = make_ui(job.quiet, v.progress_mode(vllm), interval)

@@ -38,8 +38,10 @@ class BlockManager:
         # Free blocks in eviction order: the first key is evicted first (least recently freed).
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
-        self.prefix_hits = 0  # tokens served from the prefix cache
-        self.prefix_queries = 0  # prompt tokens looked up
+        # Of the sequences admitted after a lookup (`count_lookup`): prompt tokens the prefix cache
+        # served, and prompt tokens looked up.
+        self.prefix_hits = 0
+        self.prefix_queries = 0
 
     def reset(self) -> None:
         """Back to a new manager's state: every block free in id order, nothing cached. Only while
@@ -69,7 +71,8 @@ class BlockManager:
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of `seq`, always leaving the last token to
-        compute."""
+        compute. Counted by `count_lookup` once the sequence is admitted: a sequence that waits
+        for blocks is looked up again every step, and would count each time."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
@@ -87,9 +90,12 @@ class BlockManager:
                 break  # hash collision: treat as a miss
             hits.append(bid)
             parent = h
-        self.prefix_queries += seq.num_tokens
-        self.prefix_hits += len(hits) * bs
         return hits
+
+    def count_lookup(self, num_tokens: int, hit_tokens: int) -> None:
+        """One admitted sequence's prefix lookup: `hit_tokens` of its `num_tokens` served."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += hit_tokens
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
         """Give `seq` (plus the cached prefix blocks `cached`, for a sequence with none yet) slots

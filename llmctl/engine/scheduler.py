@@ -84,6 +84,8 @@ class Scheduler:
                 if not self.bm.allocate(seq, n, cached):
                     break
                 seq.num_computed_tokens = computed
+                if not seq.needs_prompt_logprobs:
+                    self.bm.count_lookup(seq.num_tokens, computed)
                 self.bm.cache_full_blocks(seq, computed + n)
                 seq.status = Status.RUNNING
                 self.waiting.popleft()

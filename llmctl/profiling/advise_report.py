@@ -220,6 +220,8 @@ def run_batch_args(state: AdviseState, trial: t.Trial, workload: str, model: str
         args += ["--max-num-batched-tokens", str(engine["max_num_batched_tokens"])]
     if "kv_cache_memory" in engine:
         args += ["--kv-cache-memory", str(engine["kv_cache_memory"])]
+    if trial.reorder:
+        args += ["--reorder", "prefix"]
     return args
 
 

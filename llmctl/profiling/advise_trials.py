@@ -1,8 +1,9 @@
 """`profile advise`: which trials apply to a workload, running them under the time budget, and
 ranking them by the objective.
 
-Owns: `Trial` (one change to the baseline: engine settings, the KV-cache size, the dtype, or
-quantized weights: RTN, or GPTQ/AWQ with --calib), the skip rules
+Owns: `Trial` (one change to the baseline: engine settings, the KV-cache size, the dtype,
+quantized weights: RTN, or GPTQ/AWQ with --calib, or run-batch's prefix-aware admission order),
+the skip rules
 (trials that cannot pay on this workload, with the reason), the quality cost of quantized
 weights (mean KL to the base model, `runtime.evaluate.perplexity`), `gain` (ratio to the baseline,
 above 1 is better for every objective) and the recommended combination. The measured pass itself
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from llmctl.engine.config import AUTO_SPEC_MAX_BATCH, EngineConfig, defaults
+from llmctl.engine.prefix_order import prefix_order
 from llmctl.profiling.advise import (
     AdviseTools,
     Measurement,
@@ -43,6 +45,7 @@ class Trial:
     bits: int | None = None  # weight bits; None: the loaded weights
     method: str = "rtn"  # how weights are quantized when bits is set: rtn, gptq or awq
     dtype: str | None = None  # the model loaded in another dtype; None: the baseline's
+    reorder: bool = False  # the sample admitted in prefix order (run-batch --reorder prefix)
 
 
 @dataclass
@@ -61,6 +64,7 @@ class TrialResult:
             "bits": self.trial.bits,
             "method": self.trial.method if self.trial.bits else None,
             "dtype": self.trial.dtype,
+            "reorder": "prefix" if self.trial.reorder else None,
             "measurement": None if self.measurement is None else self.measurement.to_dict(),
             "mean_kl": self.kl,
             "skipped": self.skipped,
@@ -80,6 +84,13 @@ def candidate_trials(
     pay. dtype: the loaded model's; kv_bytes: the baseline's KV cache."""
     trials = [
         Trial("prefix_caching", "prefix caching", "prefix", {"enable_prefix_caching": True}),
+        Trial(
+            "reorder_prefix",
+            "prefix caching, rows grouped by prefix",
+            "prefix",
+            {"enable_prefix_caching": True},
+            reorder=True,
+        ),
         Trial("ngram", "speculative n-gram", "speculative", {"speculative": "ngram"}),
     ]
     if draft:
@@ -112,6 +123,10 @@ def skip_reason(trial: Trial, work: Workload, concurrency: int) -> str | None:
         share = shared_prefix_tokens(work.prompts, DEFAULT.block_size) / work.prompt_tokens
         if share < MIN_PREFIX_SHARE:
             return f"no shared prefixes: {share:.1%} of the prompt tokens are reusable"
+        if trial.reorder and prefix_order(work.prompts, DEFAULT.block_size) == sorted(
+            range(len(work.prompts))
+        ):
+            return "the sample is in prefix order already: grouping changes no admission"
     if trial.group == "speculative" and concurrency > AUTO_SPEC_MAX_BATCH:
         return (
             f"batch already large for speculation: {concurrency} requests at once "
@@ -206,9 +221,22 @@ def run_trial(ctx: TrialContext, trial: Trial) -> TrialResult:
         if rt is not ctx.runtime:
             max_len = ctx.runtime.config.max_position_embeddings
             kl = mean_kl(ctx.runtime.model, rt.model, ctx.quality_ids, max_len)
-        m = measure(lambda: rt.start_engine(config), ctx.work, ctx.concurrency,
+        work = grouped(ctx.work, config.block_size) if trial.reorder else ctx.work
+        m = measure(lambda: rt.start_engine(config), work, ctx.concurrency,
                     ctx.runtime.device, ctx.repeats)  # fmt: skip
         return TrialResult(trial, m, kl)
+
+
+def grouped(work: Workload, block_size: int) -> Workload:
+    """The sample in the order run-batch --reorder prefix admits it (the sample fits its
+    window)."""
+    order = prefix_order(work.prompts, block_size)
+    return Workload(
+        [work.prompts[i] for i in order],
+        [work.max_tokens[i] for i in order],
+        work.rows_read,
+        work.rows_refused,
+    )
 
 
 def run_trials(
@@ -232,15 +260,29 @@ def recommended(
     results: list[TrialResult], objective: str, base: Measurement, noise: float, max_kl: float
 ) -> list[TrialResult]:
     """The best trial of each group whose gain beats the noise (and, for quantization, whose KL
-    is within --max-kl)."""
+    is within --max-kl); grouping rows by prefix only where it beats plain prefix caching by more
+    than the noise too (the same cache hits otherwise: no reason to change the order)."""
     best: dict[str, tuple[float, TrialResult]] = {}
     for r in results:
         if r.measurement is None or (r.kl is not None and r.kl > max_kl):
             continue
         g = gain(objective, base, r.measurement)
-        if g is not None and g > 1 + noise and g > best.get(r.trial.group, (0.0, r))[0]:
+        if g is None or g <= 1 + noise:
+            continue
+        held = best.get(r.trial.group)
+        if held is None or g * _handicap(r, held[1], noise) > held[0]:
             best[r.trial.group] = (g, r)
     return [r for _, r in sorted(best.values(), key=lambda x: -x[0])]
+
+
+def _handicap(new: TrialResult, held: TrialResult, noise: float) -> float:
+    """The factor `new`'s gain is weighed by against `held`'s: a reordering trial must win by
+    more than the noise, and loses to a plain one within it."""
+    if new.trial.reorder and not held.trial.reorder:
+        return 1 / (1 + noise)
+    if held.trial.reorder and not new.trial.reorder:
+        return 1 + noise
+    return 1.0
 
 
 def combine(chosen: list[TrialResult]) -> Trial:
@@ -250,6 +292,7 @@ def combine(chosen: list[TrialResult]) -> Trial:
     weights: dict = {}
     for r in chosen:
         engine.update(r.trial.engine)
+        weights["reorder"] = weights.get("reorder", False) or r.trial.reorder
         if r.trial.bits is not None:
             weights.update(bits=r.trial.bits, method=r.trial.method)
         if r.trial.dtype is not None:
