@@ -233,7 +233,8 @@ class BatchLoop:
             self._complete(row, RowResult.failed(e))
             return
         if self._queue is not None:
-            row.prompt = row.messages = row.prompt_token_ids = None  # the queue keeps the ids
+            # the queue keeps the ids; the row, only what the output needs
+            row.prompt = row.messages = row.prompt_token_ids = row.tools = None
             self._queue.push(row.index, ids, (row, params))
         else:
             self._send(row, ids, params)
