@@ -55,7 +55,9 @@ def engine_greedy(path, prompts, **engine_kwargs):
     return [o.output_token_ids for o in outs], llm.engine
 
 
-@pytest.fixture(scope="module", params=["llama", "llama3-rope", "mistral", "qwen2", "qwen3"])
+@pytest.fixture(
+    scope="module", params=["llama", "llama3-rope", "qwen3-yarn", "mistral", "qwen2", "qwen3"]
+)
 def random_model(request, tmp_path_factory):
     arch = request.param
     folder = tmp_path_factory.mktemp(arch)
@@ -69,6 +71,11 @@ def random_model(request, tmp_path_factory):
             "rope_theta": 500000.0,
         }
         return make_random_model(folder, "llama", seed=1, rope_parameters=rope, attention_bias=True)
+    if arch == "qwen3-yarn":  # a context 4x the original (Qwen3's long-context setting)
+        rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+        return make_random_model(
+            folder, "qwen3", seed=2, rope_parameters={**rope, "rope_theta": 1e4}
+        )
     return make_random_model(folder, arch, seed=2)
 
 

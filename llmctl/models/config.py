@@ -40,7 +40,7 @@ class MoeConfig:
     block_name: str = "mlp"  # the block's name in the checkpoint (mixtral: block_sparse_moe)
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Rotary position embeddings: inverse frequencies (default, linear, llama3 scaling) and a cos/sin
-table.
+"""Rotary position embeddings: inverse frequencies (default, linear, llama3 and YaRN scaling) and a
+cos/sin table (YaRN's scaled by its attention factor).
 
 Owns: the RoPE math shared by every attention layer. Matches Hugging Face's float32 computation so
 greedy outputs agree token for token.
@@ -27,6 +27,8 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / float(scaling["factor"])
+    if scaling["rope_type"] == "yarn":
+        return _yarn(config, inv_freq)
     # llama3: low frequencies divided by `factor`, high kept, a smooth ramp in between.
     factor = float(scaling["factor"])
     low, high = (
@@ -43,6 +45,50 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_factor(config: ModelConfig) -> float:
+    """YaRN's context-extension factor: given, or the ratio of the context lengths."""
+    scaling = config.rope_scaling
+    original = float(scaling["original_max_position_embeddings"])
+    return float(scaling.get("factor") or config.max_position_embeddings / original)
+
+
+def _yarn(config: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071), as transformers computes it: dimensions rotating fewer than
+    `beta_slow` times over the original context are interpolated (divided by the factor), those
+    rotating more than `beta_fast` times kept, a linear ramp between. inv_freq [D/2] float32."""
+    scaling, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+    original = float(scaling["original_max_position_embeddings"])
+
+    def dimension(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension(fast), dimension(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of each dimension extrapolated (kept as trained)
+    return (inv_freq / _yarn_factor(config)) * (1 - keep) + inv_freq * keep
+
+
+def attention_factor(config: ModelConfig) -> float:
+    """What cos and sin are scaled by: 1 but for YaRN (its `attention_factor`, by default from
+    the factor and `mscale` / `mscale_all_dim`)."""
+    scaling = config.rope_scaling
+    if not scaling or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, m, m_all = _yarn_factor(config), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+
 class RotaryEmbedding(torch.nn.Module):
     """Holds a [max_positions, head_dim] cos and sin table (float32) and rotates q/k by position."""
 
@@ -54,8 +100,12 @@ class RotaryEmbedding(torch.nn.Module):
         n = max_positions or config.max_position_embeddings
         freqs = torch.outer(torch.arange(n, dtype=torch.float32), inverse_frequencies(config))
         emb = torch.cat((freqs, freqs), dim=-1)  # [n, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        scale = attention_factor(config)
+        cos, sin = (
+            (emb.cos(), emb.sin()) if scale == 1.0 else (emb.cos() * scale, emb.sin() * scale)
+        )
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
