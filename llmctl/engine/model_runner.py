@@ -52,6 +52,7 @@ class StepInputs:
     sampling: list[Sequence] = field(default_factory=list)
     # (sequence, first prompt position, packed offset, count): prompt positions to score
     prompt_rows: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
+    lora_rows: list[tuple[object, int]] = field(default_factory=list)  # (adapter, tokens) per seq
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -152,6 +153,7 @@ class ModelRunner:
         ]
         self.workspace = GatherWorkspace()
         self.graphs: DecodeGraphs | None = None
+        self.lora = None  # engine/lora.LoraSlots when adapters are served: told each step's rows
 
     def enable_decode_graphs(
         self, max_num_seqs: int, max_model_len: int, use_graphs: bool = True
@@ -217,6 +219,7 @@ class ModelRunner:
                         torch.tensor(seq_slots, dtype=torch.long, device=self.device),
                     )
                 )
+            st.lora_rows.append((seq.lora, n))
             if seq.needs_prompt_logprobs:
                 _add_prompt_rows(st, seq, start, n, offset)
             k = len(seq.spec_token_ids)
@@ -281,6 +284,8 @@ class ModelRunner:
         sampling sequence, in order, those sequences, and (sequence, first position, hidden
         [m, H]) for the prompt positions whose logprobs were asked."""
         st = self._step_inputs(batch)
+        if self.lora is not None:  # which packed rows take which adapter (no CUDA graphs then)
+            self.lora.set_step(st.lora_rows)
         if (
             self.graphs is not None
             and not st.prefills

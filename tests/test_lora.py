@@ -1,0 +1,136 @@
+"""LoRA adapters in the engine (Python API): two PEFT adapters with random non-zero weights on
+different projections of the tinyshakespeare fixture, mixed with base prompts in one engine,
+greedy tokens equal to transformers + PEFT with the adapter merged, in float32; the prefix cache
+keyed by adapter; preemption; adapters PEFT folders that llmctl refuses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmctl import LLM, LoRARequest, SamplingParams
+from llmctl.errors import UsageError
+from llmctl.runtime.lora import load_adapter
+from tests.lora_helpers import ADAPTERS, make_adapter, merged_greedy
+
+MAX_NEW = 10
+TEXTS = [
+    "ROMEO:",
+    "First Citizen:\nBefore we proceed any further, hear me speak.",
+    "KING RICHARD III:\nNow is the winter of our discontent",
+]
+
+
+@pytest.fixture(scope="module")
+def adapters(shakespeare_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: make_adapter(shakespeare_model, root / name, seed, **cfg)
+        for seed, (name, cfg) in enumerate(ADAPTERS.items())
+    }
+
+
+@pytest.fixture(scope="module")
+def references(shakespeare_model, adapters):
+    """name (None: the base) -> greedy tokens per text, from transformers + merged PEFT."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(shakespeare_model))
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    refs = {None: merged_greedy(shakespeare_model, None, prompts, MAX_NEW)}
+    for name, folder in adapters.items():
+        refs[name] = merged_greedy(shakespeare_model, folder, prompts, MAX_NEW)
+    assert refs["attn"] != refs[None] and refs["mlp"] != refs[None]  # the adapters do something
+    return prompts, refs
+
+
+def _mixed(adapters, prompts):
+    """Every prompt under the base and each adapter, interleaved: (prompt, request, name)."""
+    jobs = []
+    for i, p in enumerate(prompts):
+        jobs.append((p, None, None))
+        for k, name in enumerate(adapters):
+            jobs.append((p, LoRARequest(name, k + 1, str(adapters[name])), name))
+    return jobs
+
+
+def _run(shakespeare_model, jobs, **kw):
+    llm = LLM(str(shakespeare_model), dtype="float32", device="cpu", enable_lora=True, **kw)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    outs = llm.generate([j[0] for j in jobs], params, lora_request=[j[1] for j in jobs])
+    return [o.output_token_ids for o in outs], llm.engine
+
+
+def _expected(jobs, prompts, refs):
+    return [refs[name][prompts.index(p)] for p, _, name in jobs]
+
+
+def test_adapters_mixed_with_base_match_merged_peft(shakespeare_model, adapters, references):
+    prompts, refs = references
+    jobs = _mixed(adapters, prompts)
+    ours, engine = _run(shakespeare_model, jobs, max_loras=2, kv_cache_memory=16 * 1024**2)
+    assert ours == _expected(jobs, prompts, refs)
+    # the adapters' projections are wrapped, the rest keep merging
+    assert engine.lora.modules and all(m.base is not None for m in engine.lora.modules)
+
+
+def test_prefix_cache_is_keyed_by_adapter(shakespeare_model, adapters, references):
+    prompts, refs = references
+    long = prompts[2]  # 40+ tokens: full blocks of 4 to share
+    jobs = [(long, None, None)] + [j for j in _mixed(adapters, [long]) if j[2]] * 2
+    ours, engine = _run(
+        shakespeare_model, jobs, max_loras=2, block_size=4, kv_cache_memory=16 * 1024**2
+    )
+    assert ours == [refs[name][2] for _, _, name in jobs]
+    bm = engine.block_manager
+    full = (len(long) - 1) // 4
+    # each adapter's second request hits its own first one's blocks; the base's prefix never
+    # serves an adapter (3 distinct roots: 3 chains of cached blocks)
+    assert bm.prefix_hits == 2 * full * 4
+    roots = {bm.blocks[b].parent_hash for b in bm.hash_to_block.values()}
+    assert {None, *(("lora", load_adapter(n, f).digest) for n, f in adapters.items())} <= roots
+
+
+def test_preemption_keeps_the_adapter(shakespeare_model, adapters, references):
+    prompts, refs = references
+    jobs = _mixed(adapters, prompts) * 2  # 3072 bytes a token: a cache of 16 blocks of 4
+    ours, engine = _run(
+        shakespeare_model, jobs, max_loras=2, block_size=4, kv_cache_memory=16 * 4 * 3072
+    )
+    assert engine.scheduler.num_preemptions > 0
+    assert ours == _expected(jobs, prompts, refs)
+
+
+def test_one_slot_serves_adapters_one_after_another(shakespeare_model, adapters, references):
+    prompts, refs = references
+    llm = LLM(str(shakespeare_model), dtype="float32", device="cpu", enable_lora=True)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    for k, name in enumerate(adapters):
+        req = LoRARequest(name, k + 1, str(adapters[name]))
+        outs = llm.generate(prompts, params, lora_request=req)
+        assert [o.output_token_ids for o in outs] == refs[name]
+    with pytest.raises(UsageError, match="max_loras=1"):
+        reqs = [LoRARequest(n, k + 1, str(f)) for k, (n, f) in enumerate(adapters.items())]
+        llm.generate(prompts[:2], params, lora_request=reqs)
+
+
+def test_pickle_and_unsupported_adapters_are_refused(adapters, tmp_path):
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(
+        (adapters["attn"] / "adapter_config.json").read_text()
+    )
+    (folder / "adapter_model.bin").write_bytes(b"\x80\x04not loaded")
+    with pytest.raises(UsageError, match="pickle"):
+        load_adapter("p", folder)
+    for key, value in [("use_dora", True), ("modules_to_save", ["lm_head"]), ("bias", "all")]:
+        dora = tmp_path / key
+        dora.mkdir()
+        config = json.loads((adapters["attn"] / "adapter_config.json").read_text())
+        (dora / "adapter_config.json").write_text(json.dumps({**config, key: value}))
+        (dora / "adapter_model.safetensors").write_bytes(
+            (adapters["attn"] / "adapter_model.safetensors").read_bytes()
+        )
+        with pytest.raises(UsageError, match=key):
+            load_adapter("d", dora)
