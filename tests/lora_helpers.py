@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 # two adapters on different projections; the second with rsLoRA scaling
@@ -53,3 +54,13 @@ def merged_greedy(base: Path, adapter: Path | None, prompts, max_new: int) -> li
         )
         outs.append(gen[0, len(p) :].tolist())
     return outs
+
+
+@pytest.fixture(scope="module")
+def adapters(shakespeare_model, tmp_path_factory):
+    """name -> folder of each ADAPTERS adapter of the tinyshakespeare fixture."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: make_adapter(shakespeare_model, root / name, seed, **cfg)
+        for seed, (name, cfg) in enumerate(ADAPTERS.items())
+    }

@@ -12,7 +12,7 @@ import pytest
 from llmctl import LLM, LoRARequest, SamplingParams
 from llmctl.errors import UsageError
 from llmctl.runtime.lora import load_adapter
-from tests.lora_helpers import ADAPTERS, make_adapter, merged_greedy
+from tests.lora_helpers import adapters, merged_greedy  # noqa: F401 (a fixture)
 
 MAX_NEW = 10
 TEXTS = [
@@ -20,15 +20,6 @@ TEXTS = [
     "First Citizen:\nBefore we proceed any further, hear me speak.",
     "KING RICHARD III:\nNow is the winter of our discontent",
 ]
-
-
-@pytest.fixture(scope="module")
-def adapters(shakespeare_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    return {
-        name: make_adapter(shakespeare_model, root / name, seed, **cfg)
-        for seed, (name, cfg) in enumerate(ADAPTERS.items())
-    }
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Which engine serves a run-batch job: llmctl's own, or vLLM's offline engine.
 
-Owns: the backend names, `load_engine` (the one place a job's runtime and engine are loaded:
+Owns: the backend names, `load_engine` (the one place a job's runtime and engine are loaded,
+the job's LoRA adapters read and registered with the engine:
 by `runner.run_batch` in a single-process job, inside each replica under `--ray`), the refusal of
 llmctl-only engine options under `vllm`, and the mapping of the `EngineConfig` fields a user set to
 vLLM's `EngineArgs`. vLLM itself is imported only in `vllm_backend`, when that backend is chosen.
@@ -8,10 +9,12 @@ vLLM's `EngineArgs`. vLLM itself is imported only in `vllm_backend`, when that b
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 from llmctl.engine.config import EngineConfig, format_bytes
 from llmctl.errors import UsageError
+from llmctl.runtime.lora import load_adapter
 
 BACKENDS = ("llmctl", "vllm")
 DEFAULT_BACKEND = "llmctl"
@@ -76,7 +79,13 @@ def load_engine(
     """(runtime, engine) of `opts.backend` for `opts` (a `BatchOptions`), the engine started with
     `engine_config` and warmed up; what the settings came to is said through `ui.info`."""
     runtime = _backend_runtime(opts, load_runtime)
+    adapters = [load_adapter(n, p) for n, p in getattr(opts, "lora_modules", {}).items()]
+    if adapters:  # wrap only the projections the job's adapters touch
+        targets = tuple(sorted(set().union(*(a.targets for a in adapters))))
+        engine_config = dataclasses.replace(engine_config, lora_targets=targets)
     engine = runtime.start_engine(engine_config)
+    for adapter in adapters:
+        engine.lora.register(adapter)
     warm_up = getattr(engine, "warm_up", None)  # our engine: one-time costs before the job clock
     if warm_up is not None:
         warm_up()

@@ -63,6 +63,14 @@ class SilentUI:
     def stop(self) -> None: ...
 
 
+def base_names(opts: BatchOptions, model_name: str, runtime) -> tuple[str, ...]:
+    """The names a row's `model` may give the base model: the served name, the model as given,
+    its folder's name, the runtime's name for it."""
+    given = opts.model or ""
+    names = (model_name, given, Path(given).name, getattr(runtime, "model_name", None))
+    return tuple(dict.fromkeys(n for n in names if n))
+
+
 def record_format(opts: BatchOptions, source_format: str, model_name: str, created: int):
     """(input row, result) -> the encoded output line for the input's format."""
     if source_format == "openai":
@@ -126,7 +134,7 @@ class JobSession:
 
         return on_commit
 
-    def _settings(self) -> LoopSettings:
+    def _settings(self, base: tuple[str, ...] = ()) -> LoopSettings:
         opts = self.opts
         max_in_flight = opts.max_in_flight or 2 * self.engine_config.max_num_seqs
         reorder = opts.reorder == "prefix"
@@ -140,6 +148,8 @@ class JobSession:
             commit_interval_s=opts.commit_interval_s,
             reorder=reorder,
             block_size=self.engine_config.block_size,
+            adapters=tuple(opts.lora_modules),
+            base_names=base,
         )
 
     def drive(self, sink, runtime, engine) -> BatchStats:
@@ -162,7 +172,7 @@ class JobSession:
             sink,
             fmt,
             self.defaults,
-            self._settings(),
+            self._settings(base_names(self.opts, model_name, runtime)),
             stats=stats,
             start_index=state.next_index,
             start_position=state.next_position,

@@ -4,8 +4,9 @@ replayed.
 Owns: the static input buffers a captured step reads (token ids, positions, slot mapping, block
 tables, context lengths), the padding of a batch up to the next captured size, the captured
 graphs, and `graphs_supported` (which models and devices may use them; the engine also keeps
-them off when it serves LoRA adapters, whose per-step segments a graph would freeze). A decode step of a small model launches hundreds of kernels whose launch time exceeds their
-run time on a large GPU; a replay launches them as one.
+them off when it serves LoRA adapters, whose per-step segments a graph would freeze). A decode
+step of a small model launches hundreds of kernels whose launch time exceeds their run time on a
+large GPU; a replay launches them as one.
 
 Padded rows write their K/V into a scratch block that the block manager never hands out and attend
 to that block alone, so they never touch a real sequence's cache. With `use_graphs=False` (the CPU,

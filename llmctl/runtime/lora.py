@@ -117,6 +117,19 @@ def digest(folder: Path) -> str:
     return h.hexdigest()
 
 
+def lora_digests(modules: dict[str, str]) -> dict[str, str]:
+    """name -> content digest of each adapter folder (checked as `load_adapter` checks its
+    config)."""
+    out = {}
+    for name, path in modules.items():
+        folder = Path(path).expanduser()
+        if not folder.is_dir():
+            raise UsageError(f"LoRA adapter {name!r}: {folder} is not a folder")
+        _config(folder, name)
+        out[name] = digest(folder)
+    return out
+
+
 def load_adapter(name: str, path: str | Path) -> Adapter:
     """The adapter in the PEFT folder `path`, served under `name`; UsageError naming the
     problem where it is not one llmctl can serve."""
