@@ -32,11 +32,19 @@ def make_adapter(base: Path, folder: Path, seed: int, **config) -> Path:
     return folder
 
 
-def merged_greedy(base: Path, adapter: Path | None, prompts, max_new: int) -> list[list[int]]:
-    """transformers' greedy tokens with `adapter` merged into the weights (None: the base)."""
+def merged_greedy(
+    base: Path, adapter: Path | None, prompts, max_new: int, weights: dict | None = None
+) -> list[list[int]]:
+    """transformers' greedy tokens with `adapter` merged into the weights (None: the base);
+    `weights`: tensors by name replacing the base's first (a quantized model's dequantized
+    weights)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    if weights:
+        missing = set(weights) - set(hf.state_dict())
+        assert not missing, missing
+        hf.load_state_dict(weights, strict=False)
     if adapter is not None:
         from peft import PeftModel
 

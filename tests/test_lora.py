@@ -125,3 +125,36 @@ def test_pickle_and_unsupported_adapters_are_refused(adapters, tmp_path):
         )
         with pytest.raises(UsageError, match=key):
             load_adapter("d", dora)
+
+
+def test_n_above_one_keeps_the_adapter(shakespeare_model, adapters, references):
+    prompts, refs = references
+    llm = LLM(str(shakespeare_model), dtype="float32", device="cpu", enable_lora=True)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, n=3)
+    outs = llm.generate(prompts, params, lora_request=LoRARequest("mlp", 2, str(adapters["mlp"])))
+    for out, ref in zip(outs, refs["mlp"]):
+        assert [c.token_ids for c in out.outputs] == [ref] * 3
+
+
+def test_adapters_on_a_quantized_base(shakespeare_model, adapters, references, tmp_path):
+    """8-bit RTN (served by dequantize + matmul, exact in float32) against transformers holding
+    the dequantized weights, the adapter merged on top."""
+    from llmctl.cli import main
+    from llmctl.models.qlinear import QuantLinear
+    from llmctl.runtime.formats import read_quantized
+
+    out = tmp_path / "q"
+    args = ["quantize", str(shakespeare_model), "-o", str(out), "--rtn", "--bits", "8"]
+    small = ["--group-size", "32", "--num-samples", "2", "--seq-len", "32", "--quiet"]
+    assert main([*args, *small]) == 0
+    _, linears, _ = read_quantized(out)
+    weights = {f"{n}.weight": u.dequantize().float() for n, u in linears.items()}
+    prompts, _ = references
+    jobs = _mixed(adapters, prompts)
+    ours, engine = _run(out, jobs, max_loras=2, kv_cache_memory=16 * 1024**2)
+    assert all(isinstance(m.base, QuantLinear) for m in engine.lora.modules)
+    expected = {
+        name: merged_greedy(shakespeare_model, adapters.get(name), prompts, MAX_NEW, weights)
+        for name in (None, *adapters)
+    }
+    assert ours == _expected(jobs, prompts, expected)

@@ -162,3 +162,21 @@ def test_bad_lora_options_are_one_line_usage_errors(
     assert main(_argv(shakespeare_model, adapters, inp, tmp_path / "o.jsonl", *extra)) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_parquet_rows_pick_adapters_by_their_model_column(
+    shakespeare_model,
+    adapters,  # noqa: F811
+    refs,
+    tmp_path,
+):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    names = [None, "attn", "mlp", "nope"]
+    inp, out = tmp_path / "in.parquet", tmp_path / "out.jsonl"
+    pq.write_table(pa.table({"prompt": [TEXTS[2]] * 4, "model": names}), inp)
+    assert main(_argv(shakespeare_model, adapters, inp, out)) == 0
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [g["token_ids"] for g in got[:3]] == [refs[n][2] for n in names[:3]]
+    assert got[3]["error"]["code"] == "unknown_model"
