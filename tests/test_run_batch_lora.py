@@ -180,3 +180,20 @@ def test_parquet_rows_pick_adapters_by_their_model_column(
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert [g["token_ids"] for g in got[:3]] == [refs[n][2] for n in names[:3]]
     assert got[3]["error"]["code"] == "unknown_model"
+
+
+def test_ray_replicas_serve_the_adapters(shakespeare_model, adapters, refs, tmp_path):  # noqa: F811
+    """Two replicas on a local Ray cluster, each loading the adapters itself: the same rows as
+    one process (which the tests above hold equal to merged PEFT)."""
+    ray = pytest.importorskip("ray")
+    rows = [r for r, _ in _simple_rows()[:10]] + [{"prompt": TEXTS[0], "model": "nope"}]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(_argv(shakespeare_model, adapters, inp, tmp_path / "one.jsonl")) == 0
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)  # 2 replicas + reads
+    try:
+        ray_args = ["--ray", "--replicas", "2", "--batch-rows", "3"]
+        assert main(_argv(shakespeare_model, adapters, inp, tmp_path / "ray.jsonl", *ray_args)) == 0
+    finally:
+        ray.shutdown()
+    assert (tmp_path / "ray.jsonl").read_bytes() == (tmp_path / "one.jsonl").read_bytes()
