@@ -41,7 +41,8 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.base = base
         self.in_features, self.out_features = base.in_features, base.out_features
-        # [slots, max_rank, in] and [slots, out, max_rank]; slot 0 stays zero (no adapter)
+        # [slots, max_rank, in] and [slots, out, max_rank] (B times the adapter's scale); slot 0
+        # stays zero (no adapter)
         kw = dict(dtype=dtype, device=device)
         self.register_buffer("lora_a", torch.zeros(slots, max_rank, self.in_features, **kw), False)
         self.register_buffer("lora_b", torch.zeros(slots, self.out_features, max_rank, **kw), False)
@@ -63,7 +64,7 @@ class LoraLinear(nn.Module):
                 f"{self.in_features}, out {self.out_features}"
             )
         self.lora_a[slot, :r].copy_(a)
-        self.lora_b[slot, :, :r].copy_(b)
+        self.lora_b[slot, :, :r].copy_(b * scale)  # scale folded in: one op less a segment
         self.ranks[slot], self.scales[slot] = r, scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,13 +79,12 @@ class LoraLinear(nn.Module):
             if not r:
                 continue
             a = self.lora_a[slot, :r]  # [r, in]
-            b = self.lora_b[slot, :, :r]  # [out, r]
-            d = (xf[rows] @ a.T) @ b.T  # [rows, out]
-            d.mul_(self.scales[slot])
-            if isinstance(rows, slice):
-                yf[rows] += d
+            b = self.lora_b[slot, :, :r]  # [out, r], scale included
+            xa = xf[rows] @ a.T  # [rows, r]
+            if isinstance(rows, slice):  # a view of y: updated in place by one fused call
+                yf[rows].addmm_(xa, b.T)
             else:
-                yf.index_add_(0, rows, d)
+                yf.index_add_(0, rows, xa @ b.T)  # [rows, out] added at their rows
         return y
 
 
