@@ -158,3 +158,14 @@ def test_adapters_on_a_quantized_base(shakespeare_model, adapters, references, t
         for name in (None, *adapters)
     }
     assert ours == _expected(jobs, prompts, expected)
+
+
+def test_adapters_on_the_transformers_path(shakespeare_model, adapters, references):
+    """model_impl="transformers": the wrappers go into transformers' own modules."""
+    prompts, refs = references
+    jobs = _mixed(adapters, prompts)
+    ours, engine = _run(
+        shakespeare_model, jobs, max_loras=2, model_impl="transformers", kv_cache_memory=2**24
+    )
+    assert engine.lora.modules and hasattr(engine.runner.model, "hf")
+    assert ours == _expected(jobs, prompts, refs)

@@ -188,11 +188,14 @@ class ModelRunner:
     def _packed_order(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, bool]]:
         """The batch's (sequence, new tokens, laid out as decodes), the decode rows first sorted
         by context length, longest first, so that decode attention can pad each run of similar
-        lengths separately."""
+        lengths separately; while adapters are served, grouped by adapter first (stable: by
+        length within each)."""
         rows = [
             (seq, n, self._as_decodes(seq, n)) for seq, n in zip(batch.seqs, batch.num_new_tokens)
         ]
         decodes = sorted((r for r in rows if r[2]), key=lambda r: -r[0].num_computed_tokens)
+        if self.lora is not None:  # each adapter's decode rows one slice (models/lora.py)
+            decodes.sort(key=lambda r: "" if r[0].lora is None else r[0].lora.digest)
         return decodes + [r for r in rows if not r[2]]
 
     def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:
