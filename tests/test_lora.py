@@ -101,9 +101,10 @@ def test_one_slot_serves_adapters_one_after_another(shakespeare_model, adapters,
         req = LoRARequest(name, k + 1, str(adapters[name]))
         outs = llm.generate(prompts, params, lora_request=req)
         assert [o.output_token_ids for o in outs] == refs[name]
-    with pytest.raises(UsageError, match="max_loras=1"):
-        reqs = [LoRARequest(n, k + 1, str(f)) for k, (n, f) in enumerate(adapters.items())]
-        llm.generate(prompts[:2], params, lora_request=reqs)
+    # both adapters and the base in one call: one slot, so the adapters take turns
+    jobs = _mixed(adapters, prompts)
+    outs = llm.generate([j[0] for j in jobs], params, lora_request=[j[1] for j in jobs])
+    assert [o.output_token_ids for o in outs] == _expected(jobs, prompts, refs)
 
 
 def test_pickle_and_unsupported_adapters_are_refused(adapters, tmp_path):

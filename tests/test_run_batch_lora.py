@@ -64,8 +64,9 @@ def _simple_rows():
     [
         ["--block-size", "4"],  # the shared prefix's blocks cached under each adapter apart
         ["--block-size", "4", "--kv-cache-memory", str(12 * 4 * 3072), "--max-num-seqs", "8"],
+        ["--max-loras", "1"],  # the adapters take turns in one slot
     ],
-    ids=["prefix-cache", "preemption"],
+    ids=["prefix-cache", "preemption", "one-slot"],
 )
 def test_mixed_job_matches_merged_peft(
     shakespeare_model,
@@ -143,7 +144,6 @@ def test_resume_refuses_a_changed_adapter(shakespeare_model, adapters, tmp_path,
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["--max-loras", "1"], "--max-loras 1 is fewer than the 2 --lora-modules"),
         (["--lora-modules", "x"], "--lora-modules 'x': give NAME=PATH"),
         (["--lora-modules", "attn=/nonexistent"], "names 'attn' twice"),
         (["--lora-modules", "z=/nonexistent"], "is not a folder"),

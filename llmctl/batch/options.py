@@ -101,25 +101,20 @@ def check_reorder(opts: BatchOptions) -> None:
 
 
 def check_lora(opts: BatchOptions) -> None:
-    """--lora-modules with --max-loras and the backends: a combination not served is a
-    UsageError (the folders are checked when their digests are taken, `fingerprint`)."""
+    """--lora-modules with the backends: a combination not served is a UsageError (the folders
+    are checked when their digests are taken, `fingerprint`)."""
     if not opts.lora_modules:
         return
     if opts.backend != "llmctl":
         raise UsageError(f"--lora-modules is not passed to --backend {opts.backend} yet")
-    max_loras = opts.engine.get("max_loras")
-    if max_loras is not None and max_loras < len(opts.lora_modules):
-        raise UsageError(
-            f"--max-loras {max_loras} is fewer than the {len(opts.lora_modules)} --lora-modules: "
-            f"swapping adapters in and out during a job is not implemented"
-        )
     for name in opts.lora_modules:
         if not name.strip():
             raise UsageError("--lora-modules: an adapter name is empty")
 
 
 def lora_engine_fields(opts: BatchOptions) -> dict[str, Any]:
-    """EngineConfig fields for the job's adapters: on, with a slot for each."""
+    """EngineConfig fields for the job's adapters: on, with a slot for each unless --max-loras
+    says fewer (rows of an adapter without a slot wait until one frees)."""
     if not opts.lora_modules:
         return {}
     return {"enable_lora": True, "max_loras": len(opts.lora_modules), **opts.engine}

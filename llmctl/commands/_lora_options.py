@@ -51,8 +51,8 @@ class LoraFlags:
         _opt(
             "--max-loras",
             min=1,
-            help="Adapters resident at once (default: as many as --lora-modules; fewer is not "
-            "implemented yet).",
+            help="Adapters resident at once (default: as many as --lora-modules; with fewer, rows "
+            "of an adapter without a slot wait until one frees).",
         ),
     ] = None
 

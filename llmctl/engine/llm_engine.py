@@ -106,6 +106,7 @@ class LLMEngine:
             self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self.scheduler.lora_gate = self.lora and self.lora.gate
         self.sampler = Sampler(cfg.seed, cfg.kernels.native)
         model_len = model_config.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or model_len, model_len)
@@ -150,7 +151,7 @@ class LLMEngine:
             request_id, prompt_token_ids, params, max_len=min(self.capacity, n + params.max_tokens)
         )
         if lora is not None:
-            seq.lora = self._loras().admit(lora, self.scheduler)
+            seq.lora = self._loras().resolve(lora)  # resident once admitted: scheduler.lora_gate
         if params.structured_outputs is not None:  # the constraint's errors are this request's
             if self.grammars is None:
                 raise RequestError("unsupported_parameter", "structured outputs need a tokenizer")

@@ -5,10 +5,11 @@ Owns: `Adapter` (one loaded adapter: plain tensors by module name, its scale, it
 digest; runtime/lora.py reads PEFT folders into it), `LoRARequest` (vLLM's spelling: name, int
 id, path), and `LoraSlots`: wraps the model's target projections once when the engine starts
 (models/lora.py), keeps up to `max_loras` adapters resident (slot 0 is the base model), loads
-an adapter into a free slot when a request needs it (evicting the least recently loaded one no
-unfinished request uses), and turns a step's (adapter, token count) list in packed order into
-the segments the wrappers read. Adapters registered by name (run-batch's --lora-modules) are
-what a request's adapter name resolves to; an unknown name is the request's `unknown_model`.
+an adapter into a free slot when the scheduler admits a request that needs it (evicting the least
+recently loaded one no running request uses; with every slot held the request waits), and turns
+a step's (adapter, token count) list in packed order into the segments the wrappers read.
+Adapters registered by name (run-batch's --lora-modules) are what a request's adapter name
+resolves to; an unknown name is the request's `unknown_model`.
 """
 
 from __future__ import annotations
@@ -108,24 +109,25 @@ class LoraSlots:
                 f"of this model wrapped for adapters"
             )
 
-    def activate(self, adapter: Adapter, in_use: set[str]) -> int:
-        """The slot holding `adapter`, loading it first where needed into a free slot or one
-        whose adapter no unfinished request uses (`in_use`: their digests)."""
-        for slot, held in enumerate(self.slots):
-            if held is not None and held.digest == adapter.digest:
-                return slot
+    def activate(self, adapter: Adapter, in_use: set[str]) -> bool:
+        """Make `adapter` resident: True where it is, or was loaded into a free slot or one
+        whose adapter no running request uses (`in_use`: their digests); False where every
+        slot is in use (the request waits)."""
+        if any(a is not None and a.digest == adapter.digest for a in self.slots):
+            return True
         free = [s for s in range(1, len(self.slots)) if self.slots[s] is None]
         idle = [s for s in self.loaded_order if self.slots[s].digest not in in_use]
         if not free and not idle:
-            raise UsageError(
-                f"more than max_loras={len(self.slots) - 1} LoRA adapters in flight at once; "
-                f"raise max_loras"
-            )
+            return False
         slot = free[0] if free else idle[0]
         if slot in self.loaded_order:
             self.loaded_order.remove(slot)
         self._load(slot, adapter)
-        return slot
+        return True
+
+    def gate(self, seq, running) -> bool:
+        """The scheduler's `lora_gate`: `seq`'s adapter resident beside the running ones'."""
+        return self.activate(seq.lora, {s.lora.digest for s in running if s.lora is not None})
 
     @torch.inference_mode()
     def _load(self, slot: int, adapter: Adapter) -> None:
@@ -158,15 +160,6 @@ class LoraSlots:
     @property
     def modules(self) -> list[LoraLinear]:
         return list(self.wrappers.values())
-
-    def admit(self, lora, scheduler) -> Adapter | None:
-        """A new request's adapter (`resolve`), made resident: its slot is kept while any
-        unfinished request (the scheduler's waiting and running ones) uses it."""
-        adapter = self.resolve(lora)
-        if adapter is not None:
-            queued = (*scheduler.waiting, *scheduler.running)
-            self.activate(adapter, {s.lora.digest for s in queued if s.lora is not None})
-        return adapter
 
 
 def start_lora(model, cfg, device, dtype) -> LoraSlots | None:
