@@ -197,3 +197,27 @@ def test_ray_replicas_serve_the_adapters(shakespeare_model, adapters, refs, tmp_
     finally:
         ray.shutdown()
     assert (tmp_path / "ray.jsonl").read_bytes() == (tmp_path / "one.jsonl").read_bytes()
+
+
+def test_the_vllm_backend_gets_the_adapters_by_name(
+    shakespeare_model, adapters, tmp_path, monkeypatch
+):  # noqa: F811
+    """--backend vllm (tests/vllm_stub.py): vLLM's enable_lora, max_loras and max_lora_rank, and
+    each row's LoRARequest (vLLM reads the folders itself)."""
+    import vllm_stub
+
+    stub = vllm_stub.install(monkeypatch)
+    rows = [{"prompt": "a"}, {"prompt": "b", "lora": "mlp"}, {"prompt": "c", "model": "attn"}]
+    rows.append({"prompt": "d", "model": "nope"})
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = _argv(shakespeare_model, adapters, inp, out, "--backend", "vllm", "--max-lora-rank", "8")
+    assert main([a for a in argv if a not in ("--device", "cpu")]) == 0
+    engine = stub.started[0]
+    args = engine.args
+    assert (args.enable_lora, args.max_loras, args.max_lora_rank) == (True, 2, 8)
+    names = [None if r is None else (r.lora_name, r.lora_int_id, r.lora_path) for r in engine.loras]
+    paths = {n: str(f) for n, f in adapters.items()}
+    assert names == [None, ("mlp", 2, paths["mlp"]), ("attn", 1, paths["attn"])]
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert got[3]["error"]["code"] == "unknown_model"

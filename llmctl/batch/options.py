@@ -101,12 +101,10 @@ def check_reorder(opts: BatchOptions) -> None:
 
 
 def check_lora(opts: BatchOptions) -> None:
-    """--lora-modules with the backends: a combination not served is a UsageError (the folders
-    are checked when their digests are taken, `fingerprint`)."""
+    """--lora-modules: an empty adapter name is a UsageError (the folders are checked when
+    their digests are taken, `fingerprint`)."""
     if not opts.lora_modules:
         return
-    if opts.backend != "llmctl":
-        raise UsageError(f"--lora-modules is not passed to --backend {opts.backend} yet")
     for name in opts.lora_modules:
         if not name.strip():
             raise UsageError("--lora-modules: an adapter name is empty")
