@@ -170,3 +170,18 @@ def test_adapters_on_the_transformers_path(shakespeare_model, adapters, referenc
     )
     assert engine.lora.modules and hasattr(engine.runner.model, "hf")
     assert ours == _expected(jobs, prompts, refs)
+
+
+def test_an_adapter_of_another_model_is_refused_in_one_line(shakespeare_model, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    small = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=2048,
+    )  # fmt: skip
+    other = get_peft_model(LlamaForCausalLM(small), LoraConfig(r=2, target_modules=["q_proj"]))
+    other.save_pretrained(str(tmp_path / "other"))
+    llm = LLM(str(shakespeare_model), dtype="float32", device="cpu", enable_lora=True)
+    with pytest.raises(UsageError, match=r"q_proj is \[64 x 64\] in the adapter, \[256 x 256\]"):
+        llm.generate(["ROMEO:"], lora_request=LoRARequest("o", 1, str(tmp_path / "other")))

@@ -108,6 +108,14 @@ class LoraSlots:
                 f"LoRA adapter {adapter.name!r} adapts {missing[0]}, which is not a projection "
                 f"of this model wrapped for adapters"
             )
+        for name, (a, b) in adapter.weights.items():
+            w = self.wrappers[name]
+            if a.shape[1] != w.in_features or b.shape[0] != w.out_features:
+                raise UsageError(
+                    f"LoRA adapter {adapter.name!r}: {name} is [{b.shape[0]} x {a.shape[1]}] in "
+                    f"the adapter, [{w.out_features} x {w.in_features}] in this model (an adapter "
+                    f"of another base model?)"
+                )
 
     def activate(self, adapter: Adapter, in_use: set[str]) -> bool:
         """Make `adapter` resident: True where it is, or was loaded into a free slot or one
