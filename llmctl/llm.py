@@ -88,6 +88,7 @@ class LLM:
         EngineConfig(**fields)  # a bad keyword fails before the model loads
         self.runtime = load_runtime(model, dtype=dtype, device=device, model_impl=model_impl)
         self.engine = self.runtime.start_engine(EngineConfig(**fields))
+        self._lora_cache: dict[tuple[str, str], Any] = {}  # (name, path) -> engine.lora.Adapter
 
     def get_tokenizer(self):
         return self.runtime.tokenizer
@@ -151,13 +152,20 @@ class LLM:
         per = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * n
         if len(per) != n:
             raise UsageError(f"{len(per)} lora requests for {n} prompts")
-        cache = self.__dict__.setdefault("_lora_cache", {})
+        cache = self._lora_cache
         for req in per:
             if req is not None and (req.lora_name, req.lora_path) not in cache:
                 cache[req.lora_name, req.lora_path] = load_adapter(req.lora_name, req.lora_path)
         return [None if r is None else cache[r.lora_name, r.lora_path] for r in per]
 
-    def _run(self, prompts, per, on_finish, reorder="none", loras=None):
+    def _run(
+        self,
+        prompts: list[tuple[list[int], str | None]],
+        per,
+        on_finish,
+        reorder: str = "none",
+        loras: list | None = None,
+    ):
         engine = self.engine
         order = range(len(prompts))
         if reorder == "prefix":
