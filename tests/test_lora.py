@@ -185,3 +185,21 @@ def test_an_adapter_of_another_model_is_refused_in_one_line(shakespeare_model, t
     llm = LLM(str(shakespeare_model), dtype="float32", device="cpu", enable_lora=True)
     with pytest.raises(UsageError, match=r"q_proj is \[64 x 64\] in the adapter, \[256 x 256\]"):
         llm.generate(["ROMEO:"], lora_request=LoRARequest("o", 1, str(tmp_path / "other")))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(max_num_batched_tokens=7),  # prompts in chunks, beside other rows' decodes
+        dict(speculative="ngram", num_speculative_tokens=3),  # drafts verified under the adapter
+        dict(enable_prefix_caching=False, block_size=1),
+    ],
+    ids=["chunked-prefill", "ngram-speculation", "no-prefix-cache"],
+)
+def test_engine_configurations_keep_each_rows_adapter(shakespeare_model, adapters, references, kw):
+    prompts, refs = references
+    jobs = _mixed(adapters, prompts)
+    ours, engine = _run(shakespeare_model, jobs, max_loras=2, kv_cache_memory=2**24, **kw)
+    assert ours == _expected(jobs, prompts, refs)
+    if "speculative" in kw:
+        assert engine.stats.spec_proposed > 0
