@@ -72,8 +72,10 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="bench-lora-"))
     paths = make_adapters(args.model, folder, args.rank)
     requests = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
-    words = "the king and the queen of the north went to the sea".split()
-    prompts = [" ".join(words[i % 7 :] + words[: i % 5]) for i in range(args.rows)]
+    g = torch.Generator().manual_seed(0)  # token ids: any model folder, tokenizer or not
+    prompts = [
+        torch.randint(5, 1000, (12 + i % 9,), generator=g).tolist() for i in range(args.rows)
+    ]
     per_row = [None if i % 5 == 0 else requests[i % 5 - 1] for i in range(args.rows)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     kw = dict(dtype=args.dtype, device="cpu")
