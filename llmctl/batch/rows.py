@@ -2,7 +2,8 @@
 
 Owns: `InputRow`, the two JSONL row shapes (simple rows: `prompt` | `messages` |
 `prompt_token_ids` with per-row sampling overrides, and n / logprobs / prompt_logprobs in their
-own spellings per shape, `output_overrides`; OpenAI Batch API rows: `custom_id`,
+own spellings per shape, `output_overrides`, and the `model` / `lora` names that pick a LoRA
+adapter (batch/adapters.py); OpenAI Batch API rows: `custom_id`,
 `method`, `url`, `body`), `decode_json_line`/`parse_line` (whatever goes wrong reading one row is
 that row's error, never an exception), the fields we refuse rather than ignore, and `CustomIds`
 (a repeated `custom_id` is an error row). The request checks themselves are in

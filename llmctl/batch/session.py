@@ -2,8 +2,9 @@
 
 Owns: `JobSession` (drives a `loop.BatchLoop` into a sink, saves the state at each commit,
 converts a Parquet journal and records the finished output's size and hash), how rows are encoded
-for the input's format, the UI protocol the command implements (`BatchUI`), and the one-line
-errors an interruption, a closed stdout or a failed write become (`BatchInterrupted` 130,
+for the input's format, the names a row's `model` gives the base model (`base_names`; the LoRA
+adapters' are `--lora-modules`'), the UI protocol the command implements (`BatchUI`), and the
+one-line errors an interruption, a closed stdout or a failed write become (`BatchInterrupted` 130,
 `StdoutClosed` 141, 1). The Ray session (`ray.session.RayJobSession`) is this one with its rows
 served by Ray replicas.
 """
