@@ -189,16 +189,17 @@ class LLM:
         *,
         params: SamplingParams | None = None,
         tools: list[dict] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of them, through the model's chat
         template with the assistant turn opened (and `tools`, OpenAI's function objects, given
-        to it as vLLM does); outputs in order."""
+        to it as vLLM does; `lora_request` as `generate`'s); outputs in order."""
         if messages and isinstance(messages[0], dict):
             messages = [messages]  # type: ignore[list-item]
         chosen = sampling_params if sampling_params is not None else params
         kw = {"tools": tools} if tools else {}
         ids = [{"prompt_token_ids": self.runtime.apply_chat_template(c, **kw)} for c in messages]
-        outs = self.generate(ids, chosen)
+        outs = self.generate(ids, chosen, lora_request=lora_request)
         for o in outs:
             o.prompt = self.runtime.decode(o.prompt_token_ids)
         return outs

@@ -203,3 +203,14 @@ def test_engine_configurations_keep_each_rows_adapter(shakespeare_model, adapter
     assert ours == _expected(jobs, prompts, refs)
     if "speculative" in kw:
         assert engine.stats.spec_proposed > 0
+
+
+def test_chat_takes_a_lora_request(shakespeare_model, adapters, references, monkeypatch):
+    prompts, refs = references
+    llm = LLM(str(shakespeare_model), dtype="float32", device="cpu", enable_lora=True)
+    # the fixture has no chat template: each conversation renders as its one message's tokens
+    monkeypatch.setattr(llm.runtime, "apply_chat_template", lambda c, **kw: prompts[c[0]["n"]])
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    chats = [[{"role": "user", "content": "x", "n": i}] for i in range(len(prompts))]
+    outs = llm.chat(chats, params, lora_request=LoRARequest("attn", 1, str(adapters["attn"])))
+    assert [o.output_token_ids for o in outs] == refs["attn"]
