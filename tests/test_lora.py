@@ -137,15 +137,17 @@ def test_n_above_one_keeps_the_adapter(shakespeare_model, adapters, references):
         assert [c.token_ids for c in out.outputs] == [ref] * 3
 
 
-def test_adapters_on_a_quantized_base(shakespeare_model, adapters, references, tmp_path):
-    """8-bit RTN (served by dequantize + matmul, exact in float32) against transformers holding
-    the dequantized weights, the adapter merged on top."""
+@pytest.mark.parametrize("fmt,bits", [("gptq", "8"), ("compressed-tensors", "4"), ("awq", "4")])
+def test_adapters_on_a_quantized_base(shakespeare_model, adapters, references, tmp_path, fmt, bits):
+    """RTN-quantized bases (8-bit: dequantize + matmul; 4-bit: the int4 kernel for up to 32
+    rows) against transformers holding the dequantized weights, the adapter merged on top."""
     from llmctl.cli import main
     from llmctl.models.qlinear import QuantLinear
     from llmctl.runtime.formats import read_quantized
 
     out = tmp_path / "q"
-    args = ["quantize", str(shakespeare_model), "-o", str(out), "--rtn", "--bits", "8"]
+    args = ["quantize", str(shakespeare_model), "-o", str(out), "--rtn", "--bits", bits]
+    args += ["--format", fmt]
     small = ["--group-size", "32", "--num-samples", "2", "--seq-len", "32", "--quiet"]
     assert main([*args, *small]) == 0
     _, linears, _ = read_quantized(out)
@@ -158,7 +160,16 @@ def test_adapters_on_a_quantized_base(shakespeare_model, adapters, references, t
         name: merged_greedy(shakespeare_model, adapters.get(name), prompts, MAX_NEW, weights)
         for name in (None, *adapters)
     }
-    assert ours == _expected(jobs, prompts, expected)
+    want = _expected(jobs, prompts, expected)
+    if bits == "8":
+        assert ours == want
+        return
+    # the int4 kernel rounds activations to bf16 (tests/test_quant_engine.py: within 1e-2 of the
+    # dequantized float32 matmul), so greedy paths may part late: the first tokens equal, and
+    # nearly all; an adapter not applied would part at once
+    assert all(o[:4] == w[:4] for o, w in zip(ours, want)), (ours, want)
+    same = sum(a == b for o, w in zip(ours, want) for a, b in zip(o, w))
+    assert same >= 0.9 * len(jobs) * MAX_NEW
 
 
 def test_adapters_on_the_transformers_path(shakespeare_model, adapters, references):
