@@ -9,6 +9,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
+    "LoRARequest",
     "SamplingParams",
     "StructuredOutputsParams",
     "TextPrompt",
@@ -26,6 +27,10 @@ def __getattr__(name: str):
         from llmctl.engine.params import SamplingParams
 
         return SamplingParams
+    if name == "LoRARequest":
+        from llmctl.engine.lora import LoRARequest
+
+        return LoRARequest
     if name == "StructuredOutputsParams":
         from llmctl.engine.structured import StructuredOutputsParams
 

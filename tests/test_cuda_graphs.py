@@ -103,7 +103,7 @@ def test_captured_graphs_match_eager_on_cuda(llama):
 
 
 def test_graphs_only_for_cuda_models_of_plain_weights():
-    from llmctl.engine.llm_engine import _graphs_supported
+    from llmctl.engine.cuda_graphs import graphs_supported as _graphs_supported
 
     class Wrapped(torch.Tensor):  # stands in for the 2:4 SparseSemiStructuredTensor subclass
         pass

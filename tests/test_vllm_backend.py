@@ -185,6 +185,10 @@ def test_real_vllm_api_matches_the_stub():
     with pytest.raises(VLLMClientError):  # a row's error in the adapter
         vllm.SamplingParams(presence_penalty=3.0)
     assert hasattr(vllm.LLMEngine, "from_engine_args") and hasattr(vllm.LLMEngine, "step")
+    from vllm.lora.request import LoRARequest  # --lora-modules: positional as the stub's
+
+    r = LoRARequest("a", 1, "/adapters/a")
+    assert (r.lora_name, r.lora_int_id, r.lora_path) == ("a", 1, "/adapters/a")
 
 
 def test_rows_on_stdout_and_vllm_logs_sent_to_stderr(tmp_path, stub, monkeypatch, capsys):

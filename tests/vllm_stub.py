@@ -1,7 +1,7 @@
 """A stand-in `vllm` module for the vLLM backend's adapter tests: the few names run-batch uses
 (`EngineArgs`, `SamplingParams`, `LLMEngine.from_engine_args`, `sampling_params.RequestOutputKind`,
-`platforms.current_platform`, `exceptions.VLLMClientError`), shaped like vLLM 0.32's, with an
-engine that needs no model.
+`platforms.current_platform`, `exceptions.VLLMClientError`, `lora.request.LoRARequest`), shaped
+like vLLM 0.32's, with an engine that needs no model.
 
 Each step gives every running request one token (a function of its prompt and position, as
 `tests.fakes.FakeEngine`), returned as DELTA outputs; a request finishes at max_tokens or
@@ -44,6 +44,16 @@ class EngineArgs:
     load_format: str = "auto"
     speculative_config: dict | None = None
     gpu_memory_utilization: float = 0.9
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
+
+@dataclass
+class LoRARequest:
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
 
 
 class VLLMClientError(Exception):
@@ -77,6 +87,7 @@ class StubEngine:
         self.model_config = SimpleNamespace(max_model_len=args.max_model_len or 2048)
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self.params: list[SamplingParams] = []
+        self.loras: list[LoRARequest | None] = []  # each request's, in order
         self.steps = 0
 
     @classmethod
@@ -85,9 +96,13 @@ class StubEngine:
         cls.started.append(engine)
         return engine
 
-    def add_request(self, request_id: str, prompt: dict, params: SamplingParams) -> str:
+    def add_request(
+        self, request_id: str, prompt: dict, params: SamplingParams, lora_request=None
+    ) -> str:
         assert params.kw["output_kind"] is RequestOutputKind.DELTA  # the adapter needs deltas
+        assert lora_request is None or self.args.enable_lora  # as vLLM refuses it
         self.params.append(params)
+        self.loras.append(lora_request)
         self.requests[request_id] = (list(prompt["prompt_token_ids"]), params, [])
         return request_id
 
@@ -131,8 +146,11 @@ def install(monkeypatch, device_type: str = "cpu") -> type[StubEngine]:
         VLLMValidationError,
     )
     vllm.sampling_params, vllm.platforms, vllm.exceptions = sp, platforms, exceptions
+    lora, request = types.ModuleType("vllm.lora"), types.ModuleType("vllm.lora.request")
+    request.LoRARequest = LoRARequest
+    vllm.lora, lora.request = lora, request
     modules = {"vllm": vllm, "vllm.sampling_params": sp, "vllm.platforms": platforms}
-    modules["vllm.exceptions"] = exceptions
+    modules.update({"vllm.exceptions": exceptions, "vllm.lora": lora, "vllm.lora.request": request})
     for name, mod in modules.items():
         monkeypatch.setitem(sys.modules, name, mod)
     return Engine

@@ -1,6 +1,7 @@
 """Which engine serves a run-batch job: llmctl's own, or vLLM's offline engine.
 
-Owns: the backend names, `load_engine` (the one place a job's runtime and engine are loaded:
+Owns: the backend names, `load_engine` (the one place a job's runtime and engine are loaded,
+the job's LoRA adapters read and registered with the engine:
 by `runner.run_batch` in a single-process job, inside each replica under `--ray`), the refusal of
 llmctl-only engine options under `vllm`, and the mapping of the `EngineConfig` fields a user set to
 vLLM's `EngineArgs`. vLLM itself is imported only in `vllm_backend`, when that backend is chosen.
@@ -8,10 +9,13 @@ vLLM's `EngineArgs`. vLLM itself is imported only in `vllm_backend`, when that b
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
+from llmctl.batch.options import lora_engine_fields
 from llmctl.engine.config import EngineConfig, format_bytes
 from llmctl.errors import UsageError
+from llmctl.runtime.lora import load_adapter
 
 BACKENDS = ("llmctl", "vllm")
 DEFAULT_BACKEND = "llmctl"
@@ -58,6 +62,9 @@ def vllm_engine_args(engine: dict[str, Any], engine_args: dict[str, Any]) -> dic
         out["max_model_len"] = engine["max_model_len"]
     if engine.get("seed") is not None:
         out["seed"] = engine["seed"]
+    if engine.get("enable_lora"):  # vLLM's own names: it loads the adapter folders itself
+        out["enable_lora"] = True
+        out.update({k: engine[k] for k in ("max_loras", "max_lora_rank") if k in engine})
     method = engine.get("speculative")
     if method is not None:
         spec: dict[str, Any] = {"method": "ngram" if method == "ngram" else "draft_model"}
@@ -76,7 +83,17 @@ def load_engine(
     """(runtime, engine) of `opts.backend` for `opts` (a `BatchOptions`), the engine started with
     `engine_config` and warmed up; what the settings came to is said through `ui.info`."""
     runtime = _backend_runtime(opts, load_runtime)
+    modules = getattr(opts, "lora_modules", {})
+    on_vllm = getattr(opts, "backend", DEFAULT_BACKEND) == "vllm"  # it reads the folders itself
+    adapters = [] if on_vllm else [load_adapter(n, p) for n, p in modules.items()]
+    if adapters:  # wrap only the projections the job's adapters touch
+        targets = tuple(sorted(set().union(*(a.targets for a in adapters))))
+        engine_config = dataclasses.replace(engine_config, lora_targets=targets)
     engine = runtime.start_engine(engine_config)
+    if modules and on_vllm:
+        engine.register_loras(modules)
+    for adapter in adapters:
+        engine.lora.register(adapter)
     warm_up = getattr(engine, "warm_up", None)  # our engine: one-time costs before the job clock
     if warm_up is not None:
         warm_up()
@@ -111,6 +128,7 @@ def _backend_runtime(opts: Any, load_runtime: Callable[..., Any]) -> Any:
         return load_runtime(opts.model, dtype=opts.dtype, device=opts.device, model_impl=impl)
     from llmctl.batch.vllm_backend import load_vllm_runtime
 
+    engine = {**opts.engine, **lora_engine_fields(opts)}  # the adapters' fields (vLLM's names)
     return load_vllm_runtime(
-        opts.model, opts.dtype, opts.device, vllm_engine_args(opts.engine, engine_args)
+        opts.model, opts.dtype, opts.device, vllm_engine_args(engine, engine_args)
     )

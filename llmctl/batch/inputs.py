@@ -212,7 +212,9 @@ class ParquetSource:
                 f"--messages-column); columns: {', '.join(sorted(names))}"
             )
         self.row_overrides = [
-            k for k in (*OVERRIDE_KEYS, *OUTPUT_KEYS, "sampling_params") if k in names
+            k
+            for k in (*OVERRIDE_KEYS, *OUTPUT_KEYS, "sampling_params", "model", "lora")
+            if k in names  # model / lora: which LoRA adapter serves the row (batch/adapters.py)
         ]
         self._columns = sorted({c for c in self._map.values() if c} | set(self.row_overrides))
         self._batch_rows = batch_rows

@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
+from llmctl.batch.adapters import pick_adapter
 from llmctl.batch.commits import Checkpoint, Committer, ResumePoint
 from llmctl.batch.outputs import RowResult
 from llmctl.batch.rows import InputRow
@@ -59,6 +60,8 @@ class LoopSettings:
     progress_interval_s: float = 0.2
     reorder: bool = False  # --reorder prefix: read ahead to `window`, admit in prefix order
     block_size: int = 16  # the prefix cache's block size: what reordered rows are grouped by
+    adapters: tuple[str, ...] = ()  # --lora-modules names, which rows pick by model or lora
+    base_names: tuple[str, ...] = ()  # names that pick the base model (batch/adapters.py)
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1 or self.window < 1:
@@ -223,10 +226,12 @@ class BatchLoop:
         return n
 
     def _submit(self, row: InputRow) -> None:
+        s = self.settings
         if row.error is not None:
             self._complete(row, RowResult.failed(row.error))
             return
         try:
+            row.lora = pick_adapter(row.model, row.lora, s.adapters, s.base_names)
             ids = self._tokenize(row)
             params = self._params(row)
         except RequestError as e:
@@ -242,7 +247,8 @@ class BatchLoop:
     def _send(self, row: InputRow, ids: list[int], params: SamplingParams) -> None:
         rid = str(row.index)
         try:
-            self.engine.add_request(rid, ids, params)
+            lora = {"lora": row.lora} if row.lora else {}  # engines without adapters take none
+            self.engine.add_request(rid, ids, params, **lora)
         except RequestError as e:
             self._complete(row, RowResult.failed(e, prompt_tokens=len(ids)))
             return

@@ -18,6 +18,7 @@ from llmctl.batch.uris import input_size, is_uri
 from llmctl.engine.params import SamplingParams
 from llmctl.engine.structured import StructuredOutputsParams, grammar_of
 from llmctl.errors import RequestError, UsageError
+from llmctl.runtime.lora import lora_digests
 
 # Where run-batch's sampling defaults differ from SamplingParams' (vLLM's): greedy, so that batch
 # jobs are reproducible, and longer outputs. Every other sampling default is SamplingParams'.
@@ -79,6 +80,8 @@ class BatchOptions:
     # identical), so a job may resume with another choice
     reorder: str = "none"
     reorder_window: int | None = None  # rows read ahead for --reorder prefix; None: 4 x in flight
+    # --lora-modules: adapter name -> PEFT folder (runtime/lora.py); rows pick one by name
+    lora_modules: dict[str, str] = field(default_factory=dict)
 
 
 def check_reorder(opts: BatchOptions) -> None:
@@ -95,6 +98,24 @@ def check_reorder(opts: BatchOptions) -> None:
     if opts.reorder != "none" and opts.ray is not None:
         # each replica's loop sees --batch-rows rows at a time: nothing to group across
         raise UsageError("--reorder prefix is not available with --ray")
+
+
+def check_lora(opts: BatchOptions) -> None:
+    """--lora-modules: an empty adapter name is a UsageError (the folders are checked when
+    their digests are taken, `fingerprint`)."""
+    if not opts.lora_modules:
+        return
+    for name in opts.lora_modules:
+        if not name.strip():
+            raise UsageError("--lora-modules: an adapter name is empty")
+
+
+def lora_engine_fields(opts: BatchOptions) -> dict[str, Any]:
+    """EngineConfig fields for the job's adapters: on, with a slot for each unless --max-loras
+    says fewer (rows of an adapter without a slot wait until one frees)."""
+    if not opts.lora_modules:
+        return {}
+    return {"enable_lora": True, "max_loras": len(opts.lora_modules), **opts.engine}
 
 
 def sampling_default(name: str) -> Any:
@@ -170,4 +191,6 @@ def fingerprint(opts: BatchOptions, source_format: str, defaults: SamplingParams
         **({"batch_invariant": True} if opts.engine.get("batch_invariant") else {}),
         **({"served_model_name": opts.served_model_name} if opts.served_model_name else {}),
         **({"backend": opts.backend} if opts.backend != "llmctl" else {}),
+        # only when given: each adapter by name and content (a changed adapter is another job)
+        **({"lora_modules": lora_digests(opts.lora_modules)} if opts.lora_modules else {}),
     }

@@ -191,7 +191,7 @@ def openai_record(
             "id": f"{prefix}-{key}",
             "object": obj,
             "created": created,
-            "model": model,
+            "model": row.lora or model,  # vLLM's answer names the adapter that served it
             "choices": choices,
             "usage": usage,
         },

@@ -2,7 +2,8 @@
 
 Owns: `InputRow`, the two JSONL row shapes (simple rows: `prompt` | `messages` |
 `prompt_token_ids` with per-row sampling overrides, and n / logprobs / prompt_logprobs in their
-own spellings per shape, `output_overrides`; OpenAI Batch API rows: `custom_id`,
+own spellings per shape, `output_overrides`, and the `model` / `lora` names that pick a LoRA
+adapter (batch/adapters.py); OpenAI Batch API rows: `custom_id`,
 `method`, `url`, `body`), `decode_json_line`/`parse_line` (whatever goes wrong reading one row is
 that row's error, never an exception), the fields we refuse rather than ignore, and `CustomIds`
 (a repeated `custom_id` is an error row). The request checks themselves are in
@@ -42,7 +43,8 @@ from llmctl.errors import RequestError
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 OPENAI_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 OPENAI_PROMPT = {"completions": "prompt", "chat": "messages"}
-# Body fields accepted and ignored: they do not change the answer.
+# Body fields accepted and ignored: they do not change the answer (`model` picks a LoRA adapter
+# where the job serves some, and is ignored otherwise: InputRow.model).
 OPENAI_IGNORED = ("model", "user", "metadata", "store", "service_tier")
 BOM = b"\xef\xbb\xbf"
 _LONG_ID = 64  # custom_ids longer than this are remembered by a 16-byte digest
@@ -65,6 +67,10 @@ class InputRow:
     endpoint: str | None = None  # OpenAI batch rows only: "completions" | "chat"
     tools: list[dict] | None = None  # chat rows: the functions the model may call
     tool_choice: str | dict | None = None  # none / auto / required / a named function
+    # which model serves it, as the row names it: OpenAI body.model or a simple row's model
+    # (the base model or a LoRA adapter's name), a simple row's lora (an adapter's name)
+    model: str | None = None
+    lora: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,6 +121,16 @@ def _tools(row: InputRow, obj: dict, where: str) -> None:
         row.overrides["structured_outputs"] = constraint
 
 
+def _name(obj: dict, key: str, where: str) -> str | None:
+    """A model or adapter name field: a string, or absent."""
+    value = obj.get(key)
+    if value is not None and not isinstance(value, str):
+        raise request_error(
+            "invalid_type", f"{where}{key} must be a string, got {json_type(value)}", param=key
+        )
+    return value
+
+
 def parse_simple(obj: object, index: int, position: int, end_position: int) -> InputRow:
     """A simple-JSONL (or Parquet) row: id?, one of prompt/messages/prompt_token_ids, overrides."""
     row = InputRow(index=index, position=position, end_position=end_position, id=index + 1)
@@ -129,6 +145,7 @@ def parse_simple(obj: object, index: int, position: int, end_position: int) -> I
                 )
             row.id = rid  # a lone surrogate in it is echoed back as the same JSON escape
         _fill_prompt(row, obj)
+        row.model, row.lora = _name(obj, "model", ""), _name(obj, "lora", "")
         chat = row.messages is not None  # tools are for chat rows
         refuse_unsupported({k: v for k, v in obj.items() if not chat or k not in TOOL_KEYS}, None)
         own = {**row_overrides(obj), **structured_override(obj)}
@@ -212,6 +229,7 @@ def parse_openai(obj: object, index: int, position: int, end_position: int) -> I
         )
         refuse_unsupported(body, allowed, "body.")
         _openai_prompt(row, body)
+        row.model = _name(body, "model", "body.")
         row.overrides = {
             **row_overrides(body, "body."),
             **output_overrides(body, row.endpoint, "body."),

@@ -31,7 +31,14 @@ from llmctl.batch.checks import (
 from llmctl.batch.digests import StreamHasher
 from llmctl.batch.inputs import MAX_LINE_BYTES, open_input
 from llmctl.batch.journal import JobState, journal_path
-from llmctl.batch.options import BatchOptions, check_reorder, default_sampling, fingerprint
+from llmctl.batch.options import (
+    BatchOptions,
+    check_lora,
+    check_reorder,
+    default_sampling,
+    fingerprint,
+    lora_engine_fields,
+)
 from llmctl.batch.outputs import FileSink, StdoutSink, open_locked
 from llmctl.batch.resume import Target, plan
 from llmctl.batch.session import (  # noqa: F401  (BatchInterrupted, StdoutClosed: public here)
@@ -78,7 +85,9 @@ def run_batch(
     """Serve every row of opts.input into the output, resuming a previous run of the same job."""
     ui = ui or SilentUI()
     defaults = default_sampling(opts, _generation_defaults(opts, ui))
-    engine_config = EngineConfig(**opts.engine)  # raises UsageError for a bad value
+    check_lora(opts)
+    # raises UsageError for a bad value
+    engine_config = EngineConfig(**(lora_engine_fields(opts) or opts.engine))
     check_backend(opts.backend, opts.engine, opts.engine_args)
     check_reorder(opts)
     to_file = opts.output != "-" and not (opts.output is None and opts.input == "-")

@@ -2,8 +2,9 @@
 
 Owns: `JobSession` (drives a `loop.BatchLoop` into a sink, saves the state at each commit,
 converts a Parquet journal and records the finished output's size and hash), how rows are encoded
-for the input's format, the UI protocol the command implements (`BatchUI`), and the one-line
-errors an interruption, a closed stdout or a failed write become (`BatchInterrupted` 130,
+for the input's format, the names a row's `model` gives the base model (`base_names`; the LoRA
+adapters' are `--lora-modules`'), the UI protocol the command implements (`BatchUI`), and the
+one-line errors an interruption, a closed stdout or a failed write become (`BatchInterrupted` 130,
 `StdoutClosed` 141, 1). The Ray session (`ray.session.RayJobSession`) is this one with its rows
 served by Ray replicas.
 """
@@ -61,6 +62,14 @@ class SilentUI:
     def start(self, rows_total: int | None, rows_done: int) -> None: ...
     def progress(self, p: Progress) -> None: ...
     def stop(self) -> None: ...
+
+
+def base_names(opts: BatchOptions, model_name: str, runtime) -> tuple[str, ...]:
+    """The names a row's `model` may give the base model: the served name, the model as given,
+    its folder's name, the runtime's name for it."""
+    given = opts.model or ""
+    names = (model_name, given, Path(given).name, getattr(runtime, "model_name", None))
+    return tuple(dict.fromkeys(n for n in names if n))
 
 
 def record_format(opts: BatchOptions, source_format: str, model_name: str, created: int):
@@ -126,7 +135,7 @@ class JobSession:
 
         return on_commit
 
-    def _settings(self) -> LoopSettings:
+    def _settings(self, base: tuple[str, ...] = ()) -> LoopSettings:
         opts = self.opts
         max_in_flight = opts.max_in_flight or 2 * self.engine_config.max_num_seqs
         reorder = opts.reorder == "prefix"
@@ -140,6 +149,8 @@ class JobSession:
             commit_interval_s=opts.commit_interval_s,
             reorder=reorder,
             block_size=self.engine_config.block_size,
+            adapters=tuple(opts.lora_modules),
+            base_names=base,
         )
 
     def drive(self, sink, runtime, engine) -> BatchStats:
@@ -162,7 +173,7 @@ class JobSession:
             sink,
             fmt,
             self.defaults,
-            self._settings(),
+            self._settings(base_names(self.opts, model_name, runtime)),
             stats=stats,
             start_index=state.next_index,
             start_position=state.next_position,

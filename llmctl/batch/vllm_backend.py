@@ -139,6 +139,7 @@ class VllmEngine:
         config = getattr(engine, "model_config", None)
         self.max_model_len: int | None = getattr(config, "max_model_len", None)
         self._live: dict[str, _Live] = {}
+        self.loras: dict[str, Any] = {}  # adapter name -> vLLM's LoRARequest (register_loras)
         try:  # what vLLM raises for a bad request (not a ValueError since 0.1x)
             from vllm.exceptions import VLLMClientError
 
@@ -149,6 +150,13 @@ class VllmEngine:
             )
         except ImportError:
             self._refusals = (ValueError, TypeError)
+
+    def register_loras(self, modules: dict[str, str]) -> None:
+        """The job's --lora-modules as vLLM's LoRARequests (ids from 1, in the given order)."""
+        from vllm.lora.request import LoRARequest
+
+        for i, (name, path) in enumerate(modules.items()):
+            self.loras[name] = LoRARequest(name, i + 1, str(path))
 
     def vllm_params(self, p: SamplingParams) -> Any:
         """vLLM's SamplingParams for llmctl's; outputs come as deltas (first-token times)."""
@@ -172,9 +180,10 @@ class VllmEngine:
         )
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora=None
     ) -> None:
-        """Queue a request; raises RequestError when vLLM refuses it (one row, not the job)."""
+        """Queue a request (`lora`: a registered adapter's name); raises RequestError when vLLM
+        refuses it (one row, not the job)."""
         n, cap = len(prompt_token_ids), self.max_model_len
         if cap is not None and n >= cap:
             raise RequestError(
@@ -183,8 +192,9 @@ class VllmEngine:
             )
         try:
             vparams = self.vllm_params(params)
+            kw = {"lora_request": self.loras[lora]} if lora is not None else {}
             self.engine.add_request(
-                request_id, {"prompt_token_ids": list(prompt_token_ids)}, vparams
+                request_id, {"prompt_token_ids": list(prompt_token_ids)}, vparams, **kw
             )
         except self._refusals as e:  # vLLM's request checks (VLLMValidationError...)
             raise RequestError("invalid_parameter", f"vLLM: {e}") from None

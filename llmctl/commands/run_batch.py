@@ -18,6 +18,7 @@ from llmctl.batch.options import BatchOptions
 from llmctl.commands import _backend_options as b
 from llmctl.commands import _batch_options as o
 from llmctl.commands import _batch_vllm_options as v
+from llmctl.commands import _lora_options as lo
 from llmctl.commands import _ray_options as ro
 from llmctl.commands import _reorder_options as reo
 from llmctl.commands._batch_ui import RichUI, engine_logging, make_ui
@@ -127,6 +128,7 @@ def _command(
     ray: ro.RayFlags,
     backend: b.BackendFlags,
     reorder: reo.ReorderFlags,
+    lora: lo.LoraFlags,
 ) -> None:
     """Generate a completion for every row of INPUT and write one output row per input row."""
     # The flags are read first (a bad one: UsageError before anything runs); the engine's log
@@ -134,6 +136,10 @@ def _command(
     opts = o.batch_options(job, sampling, engine, vllm)
     opts = dataclasses.replace(opts, **b.backend_fields(backend), **reo.reorder_fields(reorder))
     opts.ray = ro.ray_options(ray)
+    adapters = lo.lora_fields(lora)
+    if adapters:
+        opts.lora_modules = adapters["lora_modules"]
+        opts.engine = {**opts.engine, **adapters["engine"]}
     interval = vllm.log_interval or v.DEFAULT_LOG_INTERVAL_S
     ui = make_ui(job.quiet, v.progress_mode(vllm), interval)
     with engine_logging(v.log_level(vllm)):

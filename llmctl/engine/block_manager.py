@@ -1,7 +1,8 @@
 """The paged KV cache's bookkeeping: which fixed-size blocks each sequence owns, and prefix caching.
 
 Owns: block allocation, reference counts, and the prefix cache. A full block is identified by a
-hash chained over the previous block's hash and its own tokens (tokens re-checked on a hit); blocks
+hash chained over the previous block's hash (the first block's over the sequence's LoRA
+adapter, when it has one) and its own tokens (tokens re-checked on a hit); blocks
 are shared by reference count and, once free, evicted least-recently-used. Plain Python, no tensors.
 """
 
@@ -19,14 +20,16 @@ class Block:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
-        self.parent_hash: int | None = None
+        self.parent_hash: object = None  # the previous block's hash, or the sequence's root
         self.token_ids: tuple[int, ...] = ()
 
     def reset(self) -> None:
         self.hash, self.parent_hash, self.token_ids = None, None, ()
 
 
-def block_hash(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
+def block_hash(parent_hash: object, tokens: tuple[int, ...]) -> int:
+    """`parent_hash`: the previous block's hash; for a first block the sequence's root (None, or
+    its LoRA adapter's `cache_root`)."""
     return hash((parent_hash, tokens))
 
 
@@ -78,7 +81,7 @@ class BlockManager:
         bs = self.block_size
         limit = (seq.num_tokens - 1) // bs  # a block holding the last token is never a hit
         hits: list[int] = []
-        parent = None
+        parent = seq.cache_root  # None, or the adapter's: prefixes are keyed by adapter
         for i in range(limit):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = block_hash(parent, tokens)
@@ -168,7 +171,7 @@ class BlockManager:
         bs = self.block_size
         full = num_tokens // bs
         for i in range(len(seq.block_hashes), full):
-            parent = seq.block_hashes[i - 1] if i else None
+            parent = seq.block_hashes[i - 1] if i else seq.cache_root
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = block_hash(parent, tokens)
             block = self.blocks[seq.block_table[i]]

@@ -118,6 +118,12 @@ class EngineConfig:
     # (cached per CPU and shape; kernels/cpu/linear/autotune.py); off: the static rules. The
     # --no-autotune flag's field: False here turns `kernels.autotune` off.
     autotune: bool = True
+    # LoRA adapters (engine/lora.py): the projections wrapped when the engine starts (None: every
+    # one an adapter may target), the most adapters resident at once, the largest rank served.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_targets: tuple[str, ...] | None = None
     # Every kernel choice (kernels/config.py); made without one, from LLMCTL_KERNELS, read here.
     kernels: KernelConfig = field(default_factory=kernels_from_env)
 
@@ -147,6 +153,10 @@ class EngineConfig:
                 f"n-gram lookup needs 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
                 f"prompt_lookup_max ({self.prompt_lookup_max})"
             )
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise UsageError("--max-loras and --max-lora-rank must be >= 1")
+        if self.enable_lora and self.batch_invariant:
+            raise UsageError("--batch-invariant does not serve LoRA adapters yet")
         util = self.gpu_memory_utilization
         if util is not None and not 0 < util <= 1:
             raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {util}")

@@ -2,9 +2,11 @@
 replayed.
 
 Owns: the static input buffers a captured step reads (token ids, positions, slot mapping, block
-tables, context lengths), the padding of a batch up to the next captured size, and the captured
-graphs. A decode step of a small model launches hundreds of kernels whose launch time exceeds their
-run time on a large GPU; a replay launches them as one.
+tables, context lengths), the padding of a batch up to the next captured size, the captured
+graphs, and `graphs_supported` (which models and devices may use them; the engine also keeps
+them off when it serves LoRA adapters, whose per-step segments a graph would freeze). A decode
+step of a small model launches hundreds of kernels whose launch time exceeds their run time on a
+large GPU; a replay launches them as one.
 
 Padded rows write their K/V into a scratch block that the block manager never hands out and attend
 to that block alone, so they never touch a real sequence's cache. With `use_graphs=False` (the CPU,
@@ -154,3 +156,19 @@ class DecodeGraphs:
             out = self._forward(b, max_len)
         self._pool = graph.pool()
         return graph, out
+
+
+def graphs_supported(model, config, device: str) -> bool:
+    """Whether `model` (its ModelConfig `config`) may serve decode steps from graphs: CUDA graphs
+    need a CUDA device and the Triton decode kernels (the PyTorch reference pads
+    every block table to its full width, which a graph would fix at the longest possible context),
+    and plain weight tensors: 2:4 sparse weights (a tensor subclass over cuSPARSELt) stay eager."""
+    if not str(device).startswith("cuda") or not config.native or config.attention_features:
+        return False
+    if any(type(p.data) is not torch.Tensor for p in model.parameters()):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

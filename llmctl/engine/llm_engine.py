@@ -18,10 +18,12 @@ import torch
 
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.config import EngineConfig
+from llmctl.engine.cuda_graphs import graphs_supported
 from llmctl.engine.detokenizer import Detokenize, first_stop
 from llmctl.engine.engine_log import EngineLog
 from llmctl.engine.grammar import Grammars
 from llmctl.engine.logprobs import add_prompt, add_sampled, to_dicts
+from llmctl.engine.lora import LoraSlots, start_lora
 from llmctl.engine.model_runner import ModelRunner
 from llmctl.engine.params import CompletionOutput, RequestOutput, SamplingParams, derived_seed
 from llmctl.engine.requests import check_prompt_ids
@@ -31,21 +33,6 @@ from llmctl.engine.sequence import Sequence
 from llmctl.engine.spec_decode import verify
 from llmctl.errors import RequestError, UsageError
 from llmctl.models.config import ModelConfig
-
-
-def _graphs_supported(model, config: ModelConfig, device: str) -> bool:
-    """CUDA graphs need a CUDA device and the Triton decode kernels (the PyTorch reference pads
-    every block table to its full width, which a graph would fix at the longest possible context),
-    and plain weight tensors: 2:4 sparse weights (a tensor subclass over cuSPARSELt) stay eager."""
-    if not str(device).startswith("cuda") or not config.native or config.attention_features:
-        return False
-    if any(type(p.data) is not torch.Tensor for p in model.parameters()):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @dataclass
@@ -107,7 +94,9 @@ class LLMEngine:
         weight = next(model.parameters())
         device = str(device or weight.device)
         self.model_config, self.engine_config = model_config, cfg
+        self.lora = start_lora(model, cfg, device, dtype or weight.dtype)  # before the runner
         self.runner = ModelRunner(model, model_config, cfg, device, dtype or weight.dtype)
+        self.runner.lora = self.lora
         if self.runner.num_blocks < 1:
             raise UsageError(
                 f"--kv-cache-memory is smaller than one KV block ({self.runner.bytes_per_block} "
@@ -117,6 +106,7 @@ class LLMEngine:
             self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self.scheduler.lora_gate = self.lora and self.lora.gate
         self.sampler = Sampler(cfg.seed, cfg.kernels.native)
         model_len = model_config.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or model_len, model_len)
@@ -127,8 +117,13 @@ class LLMEngine:
         self._log = EngineLog(time.perf_counter())
         self.proposer, self.grammars = proposer, grammars
         self._groups: dict[str, _Group] = {}  # requests with n > 1 by id
-        if cfg.cuda_graphs and _graphs_supported(model, model_config, device):
+        if cfg.cuda_graphs and not self.lora and graphs_supported(model, model_config, device):
             self.runner.enable_decode_graphs(cfg.max_num_seqs, self.capacity)
+
+    def _loras(self) -> LoraSlots:
+        if self.lora is None:
+            raise UsageError("a LoRA adapter needs an engine started with enable_lora")
+        return self.lora
 
     @property
     def num_kv_blocks(self) -> int:
@@ -139,9 +134,10 @@ class LLMEngine:
         return self.runner.kv_cache_bytes
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora=None
     ) -> None:
-        """Queue a request; raises RequestError when it can never be served."""
+        """Queue a request (`lora`: an engine.lora.Adapter or a registered adapter's name, None
+        for the base model); raises RequestError when it can never be served."""
         check_prompt_ids(prompt_token_ids, self.model_config.vocab_size)
         n = len(prompt_token_ids)
         if n >= self.capacity:
@@ -154,6 +150,8 @@ class LLMEngine:
         seq = Sequence(
             request_id, prompt_token_ids, params, max_len=min(self.capacity, n + params.max_tokens)
         )
+        if lora is not None:
+            seq.lora = self._loras().resolve(lora)  # resident once admitted: scheduler.lora_gate
         if params.structured_outputs is not None:  # the constraint's errors are this request's
             if self.grammars is None:
                 raise RequestError("unsupported_parameter", "structured outputs need a tokenizer")
@@ -267,7 +265,7 @@ class LLMEngine:
                     p, n=1, seed=derived_seed(p.seed, i), prompt_logprobs=None
                 )
                 child = Sequence(seq.request_id, seq.token_ids, params, seq.max_len)
-                child.index, child.arrival_time = i, seq.arrival_time
+                child.index, child.arrival_time, child.lora = i, seq.arrival_time, seq.lora
                 children.append(child)
             for src, dst in self.scheduler.fork(seq, children):
                 self.runner.copy_block(src, dst)

@@ -52,6 +52,7 @@ class StepInputs:
     sampling: list[Sequence] = field(default_factory=list)
     # (sequence, first prompt position, packed offset, count): prompt positions to score
     prompt_rows: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
+    lora_rows: list[tuple[object, int]] = field(default_factory=list)  # (adapter, tokens) per seq
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -152,6 +153,7 @@ class ModelRunner:
         ]
         self.workspace = GatherWorkspace()
         self.graphs: DecodeGraphs | None = None
+        self.lora = None  # engine/lora.LoraSlots when adapters are served: told each step's rows
 
     def enable_decode_graphs(
         self, max_num_seqs: int, max_model_len: int, use_graphs: bool = True
@@ -186,11 +188,14 @@ class ModelRunner:
     def _packed_order(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, bool]]:
         """The batch's (sequence, new tokens, laid out as decodes), the decode rows first sorted
         by context length, longest first, so that decode attention can pad each run of similar
-        lengths separately."""
+        lengths separately; while adapters are served, grouped by adapter first (stable: by
+        length within each)."""
         rows = [
             (seq, n, self._as_decodes(seq, n)) for seq, n in zip(batch.seqs, batch.num_new_tokens)
         ]
         decodes = sorted((r for r in rows if r[2]), key=lambda r: -r[0].num_computed_tokens)
+        if self.lora is not None:  # each adapter's decode rows one slice (models/lora.py)
+            decodes.sort(key=lambda r: "" if r[0].lora is None else r[0].lora.digest)
         return decodes + [r for r in rows if not r[2]]
 
     def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:
@@ -217,6 +222,7 @@ class ModelRunner:
                         torch.tensor(seq_slots, dtype=torch.long, device=self.device),
                     )
                 )
+            st.lora_rows.append((seq.lora, n))
             if seq.needs_prompt_logprobs:
                 _add_prompt_rows(st, seq, start, n, offset)
             k = len(seq.spec_token_ids)
@@ -281,6 +287,8 @@ class ModelRunner:
         sampling sequence, in order, those sequences, and (sequence, first position, hidden
         [m, H]) for the prompt positions whose logprobs were asked."""
         st = self._step_inputs(batch)
+        if self.lora is not None:  # which packed rows take which adapter (no CUDA graphs then)
+            self.lora.set_step(st.lora_rows)
         if (
             self.graphs is not None
             and not st.prefills

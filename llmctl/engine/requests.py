@@ -46,6 +46,7 @@ ERROR_CODES = {
     "no_tokenizer": "text for a model without a tokenizer",
     "tokenization_failed": "the tokenizer failed on the text",
     "prompt_too_long": "the prompt does not fit the context or the KV cache",
+    "unknown_model": "a model or lora name that is neither the base model nor a LoRA adapter",
     "structured_output_incomplete": "a constrained output cut off (max_tokens, a stop string) "
     "before its constraint was complete; the text and finish_reason are kept",
     "structured_output_invalid": "a complete constrained output that fails its check (the "

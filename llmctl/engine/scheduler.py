@@ -1,13 +1,15 @@
 """Continuous batching: which sequences compute how many tokens in the next step.
 
 Owns: the waiting and running queues, the per-step token budget (chunked prefill), admission with
-prefix-cache hits, and preemption by recompute when KV blocks run out. Plain Python, no tensors.
+prefix-cache hits (a LoRA request admitted only once its adapter has a slot: `lora_gate`), and
+preemption by recompute when KV blocks run out. Plain Python, no tensors.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.sequence import Sequence, Status
@@ -37,6 +39,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # LoRA (engine/lora.py): whether a waiting sequence's adapter can be made resident beside
+        # the running ones' (loading it where so); None: no adapters
+        self.lora_gate: Callable[[Sequence, list[Sequence]], bool] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -77,6 +82,8 @@ class Scheduler:
         if not preempted:  # admit new work only when running requests are not short of blocks
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
+                if seq.lora is not None and not self.lora_gate(seq, self.running):
+                    break  # every adapter slot is held by running requests: wait, in order
                 # a hit would skip positions whose prompt logprobs are asked: compute them all
                 cached = [] if seq.needs_prompt_logprobs else self.bm.find_cached_prefix(seq)
                 computed = len(cached) * self.bm.block_size

@@ -42,6 +42,7 @@ class Sequence:
         "logprobs",
         "prompt_logprobs",
         "matcher",
+        "lora",
     )
 
     def __init__(
@@ -71,6 +72,7 @@ class Sequence:
         self.logprobs: list | None = None if params.logprobs is None else []
         self.prompt_logprobs: list | None = None if params.prompt_logprobs is None else []
         self.matcher = None  # structured outputs: the grammar's state (engine/grammar.py)
+        self.lora = None  # its LoRA adapter (engine/lora.Adapter); None: the base model
 
     def step_token_ids(self, start: int, n: int) -> list[int]:
         """The n tokens from position `start` that a step computes, speculative drafts included."""
@@ -90,6 +92,13 @@ class Sequence:
         skip their positions)."""
         done = self.prompt_logprobs
         return done is not None and len(done) < self.num_prompt_tokens - 1
+
+    @property
+    def cache_root(self):
+        """What its first block's prefix-cache hash chains from: None for the base model, the
+        adapter's content digest under an adapter (a prefix computed under one adapter is never
+        reused under another)."""
+        return None if self.lora is None else self.lora.cache_root
 
     @property
     def num_tokens(self) -> int:

@@ -27,7 +27,7 @@ from llmctl.batch.loop import BatchLoop, LoopSettings
 from llmctl.batch.options import BatchOptions
 from llmctl.batch.outputs import RowResult
 from llmctl.batch.rows import InputRow
-from llmctl.batch.session import SilentUI, record_format
+from llmctl.batch.session import SilentUI, base_names, record_format
 from llmctl.engine.config import EngineConfig
 from llmctl.engine.params import SamplingParams
 from llmctl.errors import RequestError
@@ -137,6 +137,8 @@ class Replica:
             ordered=False,
             commit_rows=1 << 62,
             commit_interval_s=float("inf"),
+            adapters=tuple(spec.opts.lora_modules),  # registered by load_engine, as in one process
+            base_names=base_names(spec.opts, name, self.runtime),
         )
 
     def __call__(self, batch: Any) -> Any:
