@@ -243,6 +243,7 @@ def _decode(
     scale: float,
     triton,
     kernels: KernelConfig = DEFAULT_KERNELS,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     fixed = invariant.triton_kernels(q, kernels) if meta.batch_invariant else None
     if fixed is not None:  # keys in tiles of a fixed size, whatever the block size
@@ -262,7 +263,7 @@ def _decode(
     if meta.decode_max_len and kernels.native and cpu_attention.supports(q, k_cache):
         return cpu_attention.paged_decode_attention(  # reads blocks in place
             q, k_cache, v_cache, tables, lens, scale, bs, meta.decode_max_len,
-            kernels.decode_attention,
+            kernels.decode_attention, out,
         )  # fmt: skip
     if meta.batch_invariant:
         return _decode_per_row(q, k_cache, v_cache, tables, lens, scale, bs)
@@ -310,9 +311,12 @@ def paged_attention(
     meta: PagedAttentionMetadata,
     scale: float,
     kernels: KernelConfig = DEFAULT_KERNELS,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, heads, D], k/v [T, kv_heads, D] for the packed batch; writes K/V and returns
-    [T, heads, D]. `kernels`: which CPU kernels may serve (the calling layer's KernelConfig)."""
+    [T, heads, D]. `kernels`: which CPU kernels may serve (the calling layer's KernelConfig).
+    `out` [T, heads, D] contiguous: where a step of decodes alone may write (a step's buffer,
+    models/step.py; other kernels return a new tensor)."""
     triton = _triton_kernels(q)
     if triton:
         triton[0](k_cache, v_cache, k, v, meta.slot_mapping)
@@ -320,7 +324,7 @@ def paged_attention(
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping, kernels.native)
     nd = meta.num_decodes
     if nd == q.shape[0]:
-        return _decode(q, k_cache, v_cache, meta, scale, triton, kernels)
+        return _decode(q, k_cache, v_cache, meta, scale, triton, kernels, out)
     out = torch.empty_like(q)
     if nd:
         out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale, triton, kernels)

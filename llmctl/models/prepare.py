@@ -5,9 +5,10 @@ hands every layer the engine's KernelConfig (which kernels may serve), merges ea
 q/k/v and gate/up into one linear each (models/merged.py), chooses each plain CPU linear's kernel
 per row count by measurement (kernels/cpu/linear/autotune.py: decoder linears see at most the
 token budget, the vocabulary projection at most `logit_rows`), keeps a oneDNN-packed copy of the
-float32 vocabulary projection for batched logits, and builds the flat decode program
-(models/decode_program.py) over the result where it applies. Each is undone or redone on a
-second call (a new engine over the same model). A model of transformers' code (the
+float32 vocabulary projection for batched logits, and says whether the engine's steps may take
+the lean path (models/step.py: the same layer methods called directly, on buffers shared by the
+step's layers) where it applies. Each is undone or redone on a second call (a new engine over
+the same model). A model of transformers' code (the
 transformers path) has no layers of ours to merge: its plain `nn.Linear` modules become our
 `Linear` (the same parameters; only the class changes), so they take the same tuned kernels.
 """
@@ -22,7 +23,7 @@ from torch import nn
 from llmctl.kernels.config import KernelConfig
 from llmctl.kernels.cpu.linear import autotune, dispatch, torch_kernels
 from llmctl.models import merged as merging
-from llmctl.models.decode_program import DecodeProgram
+from llmctl.models import step as steps
 from llmctl.models.layers import MLP, Attention, Linear
 
 
@@ -51,6 +52,8 @@ def prepare_for_inference(model: nn.Module, kernels: KernelConfig, serving: Serv
     for m in (*model.modules(), *merged):
         if hasattr(type(m), "kernels"):
             m.kernels = kernels
+    if ours:
+        model.lean = None
     if not cpu:
         return
     linears = _tunable(model, merged, parts)
@@ -60,9 +63,8 @@ def prepare_for_inference(model: nn.Module, kernels: KernelConfig, serving: Serv
         _tune(model, linears, serving, kernels.native)
     if serving.dtype == torch.float32 and not serving.batch_invariant:
         _pack_lm_head(model.lm_head)
-    if ours:
-        program = kernels.decode_program and DecodeProgram.build(model, kernels)
-        model.decode_program = program or None
+    if ours and kernels.decode_program and steps.applies(model, kernels):
+        model.lean = steps.Watch(model)
 
 
 def _adopt_linears(model: nn.Module) -> None:

@@ -131,9 +131,11 @@ def paged_decode_attention(
     block_size: int,
     max_len: int,  # max(context_lens), known to the caller without a tensor read
     choice: str = "auto",  # KernelConfig.decode_attention
+    out: torch.Tensor | None = None,  # [B, heads, D] contiguous, q's dtype: written where used
 ) -> torch.Tensor:
     """The same contract as attention.decode_attention, without gathering K/V; returns [B, heads, D]
-    in q's dtype. Call only where `supports(q, k_cache)`."""
+    in q's dtype (`out` where given and the kernel reads q as it is). Call only where
+    `supports(q, k_cache)`."""
     b, heads, d = q.shape
     kvh, slots, _ = k_cache.shape
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype):
@@ -144,7 +146,8 @@ def paged_decode_attention(
     qf = q.contiguous() if bf16_query else q.to(torch.float32).contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
-    out = torch.empty_like(qf)
+    if out is None or not bf16_query:
+        out = torch.empty_like(qf)
     failed = getattr(load("core"), kernel)(
         qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(), b, heads, kvh, d, slots, tables.shape[1], block_size, scale, max_len,

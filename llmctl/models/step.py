@@ -1,0 +1,125 @@
+"""An engine step's lean path through the one forward implementation (models/llama.py, layers.py).
+
+Owns: `applies` (which prepared models may take it: dense llama-family bf16 on the CPU with the C
+kernels; models/prepare.py asks once, where `KernelConfig.decode_program` allows), `begin` (whether
+one step may: no gradients, not batch-invariant, the inputs and caches as the kernels read them,
+no forward hook anywhere) and `Step`, what such a step shares between its layers: the buffers
+[T, width] each layer writes its norms, RoPE, attention and activation into (one allocation a
+step, not one a call). On the lean path each layer's `forward` is called as a method, not through
+nn.Module.__call__ (with no hook anywhere, the call does nothing else), and the layers hand their
+kernels the step's buffers; every other step calls the same methods through the modules, with
+fresh outputs. The kernels and their order are the same, so the hidden states are equal bit for
+bit (tests/test_decode_program.py). Decode steps gain the most: at small batches the fixed cost
+per layer and step is most of their time.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import nn
+from torch.nn.modules import module as nn_module
+
+from llmctl.kernels.config import KernelConfig
+from llmctl.kernels.cpu.library import load
+
+BF16 = torch.bfloat16
+
+
+class Step:
+    """One lean step's buffers: `buffer(name, *shape)` is a bf16 [T, *shape] tensor, the same for
+    every layer (each layer has consumed the previous one's by the time it writes it)."""
+
+    __slots__ = ("rows", "buffers")
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def buffer(self, name: str, *shape: int) -> torch.Tensor:
+        b = self.buffers.get(name)
+        if b is None:
+            b = self.buffers[name] = torch.empty(self.rows, *shape, dtype=BF16)
+        return b
+
+
+def applies(model: nn.Module, kernels: KernelConfig) -> bool:
+    """A model of ours whose steps may take the lean path: the C kernels on, a dense llama-family
+    shape (no q/k norms, experts, Gemma norms or attention features: the buffers are shared on the
+    plain layer order), bf16 embeddings on the CPU, the norm and RoPE kernels built."""
+    c = model.config
+    if not kernels.native or c.qk_norm or c.moe or c.gemma or c.attention_features:
+        return False
+    if c.hidden_size % 8 or c.head_dim % 16 or not len(model.model.layers):
+        return False
+    embed = model.model.embed_tokens.weight
+    if embed.dtype is not BF16 or not embed.is_cpu:
+        return False
+    return load("core") is not None and load("rope") is not None
+
+
+class Watch:
+    """What `begin` checks each step, by identity, so that a module replaced or hooked after
+    prepare_for_inference sends the steps back to the module path (compress and eval hook and
+    swap modules of a model an engine served): every module below the model where it was (each
+    parent's entry), the merged linears (not registered in it) still the blocks', and none of
+    them hooked. Not the model itself: the model keeps this, and a cycle would keep a dropped
+    model's weights alive until the garbage collector runs."""
+
+    def __init__(self, model: nn.Module):
+        places = []  # (the owner's dict, key, value found there)
+        for parent in model.modules():
+            places += [(parent._modules, name, child) for name, child in parent._modules.items()]
+            merged = parent.__dict__.get("merged")
+            if merged is not None:
+                places.append((parent.__dict__, "merged", merged))
+        self.owners, self.keys, self.values = (list(c) for c in zip(*places))
+        merged_linears = [v.linear for v in self.values if not isinstance(v, nn.Module)]
+        self.modules = [v for v in self.values if isinstance(v, nn.Module)] + merged_linears
+
+    def unchanged(self) -> bool:
+        """Every place holds what it held, and no module is hooked (map: this runs every step)."""
+        if not all(map(operator.is_, map(dict.get, self.owners, self.keys), self.values)):
+            return False
+        return not _hooked(self.modules)
+
+
+def begin(model: nn.Module, input_ids, positions, meta, kv_caches) -> Step | None:
+    """A Step where this step may take the lean path (model.lean: its `Watch`, set by
+    models/prepare.py where `applies`), else None: the module path serves."""
+    t = input_ids.shape[0]
+    if not t or meta.batch_invariant or torch.is_grad_enabled() or not input_ids.is_cpu:
+        return None
+    if positions.dim() != 1 or positions.dtype is not torch.int64 or positions.shape[0] != t:
+        return None
+    if model.model.embed_tokens.weight.dtype is not BF16 or not model.lean.unchanged():
+        return None
+    for k, v in kv_caches:  # the kernels read the caches by pointer
+        if k.dtype is not BF16 or v.dtype is not BF16 or not k.is_cpu:
+            return None
+        if not (k.is_contiguous() and v.is_contiguous()):
+            return None
+    return Step(t)
+
+
+def _hooked(modules: list[nn.Module]) -> bool:
+    """Forward hooks on any of `modules` or globally: the module path must run, for them."""
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(map(_FORWARD_HOOKS, modules)) or any(map(_FORWARD_PRE_HOOKS, modules))
+
+
+_FORWARD_HOOKS = operator.attrgetter("_forward_hooks")
+_FORWARD_PRE_HOOKS = operator.attrgetter("_forward_pre_hooks")
+
+
+def method(module: nn.Module, step: Step | None):
+    """What a layer calls for a submodule that takes no step (a linear): its forward directly on
+    a lean step (no hooks to run), else the module (nn.Module.__call__: hooks run)."""
+    return module if step is None else module.forward
+
+
+def call(module: nn.Module, step: Step | None, *args):
+    """module(*args), hooks seeing just those; on a lean step module.forward(*args, step)."""
+    return module(*args) if step is None else module.forward(*args, step)
