@@ -84,15 +84,16 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, fixed_order: bool = False, step: Step | None = None):
         """`fixed_order` (batch-invariant mode): one program a row where the Triton kernels apply
         (kernels/invariant.py); the CPU paths below are one fixed-order reduction a row anyway.
-        A lean `step` (models/step.py; x [T, hidden]): the C kernel writes into its buffer."""
+        A lean `step` (models/step.py; x [T, hidden]): see add_forward."""
+        if step is not None:
+            return self.add_forward(x, None, False, step)
         kernels, weight = self.kernels, self.scale()
         out = invariant.rms_norm(x, weight, self.eps, kernels) if fixed_order else None
         if out is not None:
             return out
         # one pass in C: PyTorch takes 5+ ops, ~20 us a row
         if kernels.native and elementwise.use_rms_norm(x, weight):
-            out = None if step is None else step.buffer("norm", x.shape[-1])
-            return elementwise.rms_norm(x, weight, self.eps, out)
+            return elementwise.rms_norm(x, weight, self.eps)
         if x.dtype == torch.float32:  # the same arithmetic, fused: about 1.2-1.5x faster on the CPU
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
         # Normalise in float32, as the reference implementations do; Llama scales in the model
@@ -107,15 +108,21 @@ class RMSNorm(nn.Module):
     def add_forward(self, x, r: torch.Tensor | None, fixed_order: bool = False, step=None):
         """x.add_(r) (inference: x is the residual stream, updated in place), then self(x); one
         pass in C where it applies (vLLM's fused_add_rms_norm). r None: self(x) alone. A lean
-        `step`: into its buffer, as `forward`."""
+        `step` (models/step.py: x and r [T, hidden] bf16, the weight checked when prepared): the C
+        kernel into its buffer, with no checks a call."""
+        if step is not None:
+            out = step.buffer("norm", x.shape[-1])
+            if r is None:
+                return elementwise.rms_norm(x, self.weight, self.eps, out)
+            r = r if r.is_contiguous() else r.contiguous()
+            return elementwise.add_rms_norm(x, r, self.weight, self.eps, out)
         if r is None:
-            return call(self, step, x, fixed_order)
+            return self(x, fixed_order)
         fused = not fixed_order and self.kernels.native
         weight = self.scale()
         if fused and elementwise.use_add_rms_norm(x, r, weight):
-            out = None if step is None else step.buffer("norm", x.shape[-1])
-            return elementwise.add_rms_norm(x, r, weight, self.eps, out)
-        return call(self, step, x.add_(r), fixed_order)
+            return elementwise.add_rms_norm(x, r, weight, self.eps)
+        return self(x.add_(r), fixed_order)
 
 
 class Attention(nn.Module):
@@ -152,14 +159,15 @@ class Attention(nn.Module):
     def _project_qkv(self, x: torch.Tensor, fixed_order: bool, step: Step | None):
         """x [..., hidden] -> q [..., q_size], k, v [..., kv_size]: one GEMM where merged."""
         m = self.merged
+        if step is not None and m is not None:  # live: the step's Watch saw it unchanged
+            return m.linear.forward(x).split(m.sizes, dim=-1)  # slices of [T, q + 2 kv]
         if (
             m is not None
             and not fixed_order
             and not torch.is_grad_enabled()
             and m.live(*self.projections())
         ):
-            y = method(m.linear, step)(x)  # [..., q + 2 kv]
-            return y.split(m.sizes, dim=-1)  # column slices
+            return m.linear(x).split(m.sizes, dim=-1)  # column slices of [..., q + 2 kv]
         kernels = self.kernels
         return tuple(project(p, x, fixed_order, kernels, step) for p in self.projections())
 
@@ -239,24 +247,25 @@ class MLP(nn.Module):
             return self._gelu(x)
         if torch.is_grad_enabled():
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        m = self.merged
+        if step is not None and m is not None:  # live and bf16: the step's Watch says so
+            y = m.linear.forward(x)  # [T, 2 intermediate]: gate | up
+            act = elementwise.silu_and_mul(y, step.buffer("act", m.sizes[0]))
+            return self.down_proj.forward(act)
         kernels = self.kernels
         if fixed_order:  # batch-invariant mode: see kernels/invariant.py
             gate = project(self.gate_proj, x, True, kernels)
             up = project(self.up_proj, x, True, kernels)
             act = invariant.silu_mul(gate, up, kernels.native)
             return project(self.down_proj, act, True, kernels)
-        m = self.merged
         if m is not None and m.live(*self.projections()):
-            y = method(m.linear, step)(x)  # [..., 2 intermediate]: gate | up
-            down = method(self.down_proj, step)
+            y = m.linear(x)  # [..., 2 intermediate]: gate | up
             if kernels.native and elementwise.use_silu_and_mul(y):
-                f = y.shape[-1] // 2
-                out = None if step is None else step.buffer("act", f)
-                return down(elementwise.silu_and_mul(y, out))
+                return self.down_proj(elementwise.silu_and_mul(y))
             gate, up = y.chunk(2, dim=-1)
-            return down(F.silu(gate).mul_(up))
+            return self.down_proj(F.silu(gate).mul_(up))
         gate, up = method(self.gate_proj, step)(x), method(self.up_proj, step)(x)
-        down = method(self.down_proj, step)
+        down = method(self.down_proj, step)  # lean without a merged gate/up: directly too
         if kernels.native and elementwise.use_silu_mul(gate, up):  # one pass in C, into gate
             return down(elementwise.silu_mul(gate, up))
         h = F.silu(gate, inplace=True)  # in place: no [T, intermediate] temporaries

@@ -24,7 +24,7 @@ from llmctl.kernels.config import KernelConfig
 from llmctl.kernels.cpu.linear import autotune, dispatch, torch_kernels
 from llmctl.models import merged as merging
 from llmctl.models import step as steps
-from llmctl.models.layers import MLP, Attention, Linear
+from llmctl.models.layers import MLP, Attention, Linear, RMSNorm
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,31 @@ def prepare_for_inference(model: nn.Module, kernels: KernelConfig, serving: Serv
         _tune(model, linears, serving, kernels.native)
     if serving.dtype == torch.float32 and not serving.batch_invariant:
         _pack_lm_head(model.lm_head)
-    if ours and kernels.decode_program and steps.applies(model, kernels):
+    if ours and kernels.decode_program and steps.applies(model, kernels) and _lean_layers(model):
         model.lean = steps.Watch(model)
+
+
+def _lean_layers(model: nn.Module) -> bool:
+    """Every decoder layer as the lean path (models/step.py) calls its kernels without checking
+    each call: norms, plain Linears (merged ones live) over contiguous bf16 weights, RoPE on
+    contiguous float32 tables, nothing else holding parameters (a quantized or sparse layer);
+    models/step.Watch tells, each step, that it still is."""
+    for m in model.model.layers.modules():
+        if isinstance(m, (Attention, MLP)) and m.merged and not m.merged.live(*m.projections()):
+            return False
+        linear = type(m) is Linear and (m.bias is None or _bf16(m.bias))
+        if not (linear or type(m) is RMSNorm) and m._parameters:
+            return False
+        if m._parameters and not _bf16(m.weight):
+            return False
+    rotary = model.model.layers[0].self_attn._rotary[0]
+    return all(t.dtype is torch.float32 and t.is_contiguous() for t in (rotary.cos, rotary.sin))
+
+
+def _bf16(t: torch.Tensor) -> bool:
+    """A plain contiguous bfloat16 CPU tensor (not quantized, not sparse)."""
+    plain = type(t.data) is torch.Tensor and t.dim() in (1, 2)
+    return plain and t.dtype is torch.bfloat16 and t.is_cpu and t.is_contiguous()
 
 
 def _adopt_linears(model: nn.Module) -> None:

@@ -62,12 +62,12 @@ class RotaryEmbedding(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...]; q [..., heads, D], k [..., kv_heads, D] with the same leading shape.
         A lean `step` (models/step.py): the C kernel writes new q and k into its buffers."""
+        if step is not None:  # bf16 [T, heads, D], contiguous heads; the tables checked once
+            out = step.buffer("q", *q.shape[1:]), step.buffer("k", *k.shape[1:])
+            return elementwise.rope(q, k, self.cos, self.sin, positions, out)
         # bf16 inference: one C call
         if self.kernels.native and elementwise.use_rope(q, k, self.cos, positions):
-            out = None  # [T, heads, D] and [T, kv_heads, D] of a lean step
-            if step is not None:
-                out = step.buffer("q", *q.shape[1:]), step.buffer("k", *k.shape[1:])
-            return elementwise.rope(q, k, self.cos, self.sin, positions, out)
+            return elementwise.rope(q, k, self.cos, self.sin, positions)
         cos = self.cos[positions].to(q.dtype).unsqueeze(-2)  # [..., 1, D]
         sin = self.sin[positions].to(q.dtype).unsqueeze(-2)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):

@@ -60,27 +60,35 @@ def applies(model: nn.Module, kernels: KernelConfig) -> bool:
 
 
 class Watch:
-    """What `begin` checks each step, by identity, so that a module replaced or hooked after
-    prepare_for_inference sends the steps back to the module path (compress and eval hook and
-    swap modules of a model an engine served): every module below the model where it was (each
-    parent's entry), the merged linears (not registered in it) still the blocks', and none of
-    them hooked. Not the model itself: the model keeps this, and a cycle would keep a dropped
-    model's weights alive until the garbage collector runs."""
+    """What `begin` checks each step, by identity, so that what models/prepare.py checked once
+    for the lean path (each layer's kernels apply: plain bf16 weights, live merged linears) still
+    holds, and no hook would be skipped: every module below the model where it was (each
+    parent's entry; compress and eval swap and hook modules of a model an engine served), every
+    parameter and buffer of theirs and of the merged linears (not registered in the model) where
+    it was and over the same memory, the merged linears still the blocks', no module hooked.
+    Not the model itself: the model keeps this, and a cycle would keep a dropped model's weights
+    alive until the garbage collector runs."""
 
     def __init__(self, model: nn.Module):
         places = []  # (the owner's dict, key, value found there)
-        for parent in model.modules():
-            places += [(parent._modules, name, child) for name, child in parent._modules.items()]
-            merged = parent.__dict__.get("merged")
-            if merged is not None:
-                places.append((parent.__dict__, "merged", merged))
+        below = [m for m in model.modules() if m is not model]
+        merged = [m.__dict__["merged"] for m in below if m.__dict__.get("merged") is not None]
+        for parent in [model, *below, *(m.linear for m in merged)]:
+            for where in (parent._modules, parent._parameters, parent._buffers):
+                places += [(where, key, value) for key, value in where.items()]
+            if parent.__dict__.get("merged") is not None:
+                places.append((parent.__dict__, "merged", parent.merged))
         self.owners, self.keys, self.values = (list(c) for c in zip(*places))
-        merged_linears = [v.linear for v in self.values if not isinstance(v, nn.Module)]
-        self.modules = [v for v in self.values if isinstance(v, nn.Module)] + merged_linears
+        self.modules = [*below, *(m.linear for m in merged)]
+        self.tensors = [v for v in self.values if isinstance(v, torch.Tensor)]
+        self.pointers = [t.data_ptr() for t in self.tensors]
 
     def unchanged(self) -> bool:
-        """Every place holds what it held, and no module is hooked (map: this runs every step)."""
+        """Every place holds what it held, every tensor its memory, no module is hooked (map:
+        this runs every step)."""
         if not all(map(operator.is_, map(dict.get, self.owners, self.keys), self.values)):
+            return False
+        if not all(map(operator.eq, map(torch.Tensor.data_ptr, self.tensors), self.pointers)):
             return False
         return not _hooked(self.modules)
 
@@ -92,6 +100,8 @@ def begin(model: nn.Module, input_ids, positions, meta, kv_caches) -> Step | Non
     if not t or meta.batch_invariant or torch.is_grad_enabled() or not input_ids.is_cpu:
         return None
     if positions.dim() != 1 or positions.dtype is not torch.int64 or positions.shape[0] != t:
+        return None
+    if not positions.is_contiguous():
         return None
     if model.model.embed_tokens.weight.dtype is not BF16 or not model.lean.unchanged():
         return None
