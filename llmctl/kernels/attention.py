@@ -315,11 +315,14 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, heads, D], k/v [T, kv_heads, D] for the packed batch; writes K/V and returns
     [T, heads, D]. `kernels`: which CPU kernels may serve (the calling layer's KernelConfig).
-    `out` [T, heads, D] contiguous: where a step of decodes alone may write (a step's buffer,
-    models/step.py; other kernels return a new tensor)."""
-    triton = _triton_kernels(q)
+    `out` [T, heads, D] contiguous: a lean step's buffer (models/step.py, which checked once for
+    every layer that the caches, slots and K/V are as the C kernels read them, and the C kernels
+    on): K/V through the C write at any row count, and a step of decodes alone into `out`."""
+    triton = None if out is not None else _triton_kernels(q)
     if triton:
         triton[0](k_cache, v_cache, k, v, meta.slot_mapping)
+    elif out is not None:
+        cpu_attention.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     else:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping, kernels.native)
     nd = meta.num_decodes

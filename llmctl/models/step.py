@@ -101,14 +101,18 @@ def begin(model: nn.Module, input_ids, positions, meta, kv_caches) -> Step | Non
         return None
     if positions.dim() != 1 or positions.dtype is not torch.int64 or positions.shape[0] != t:
         return None
-    if not positions.is_contiguous():
+    slots = meta.slot_mapping
+    if not positions.is_contiguous() or slots.dtype is not torch.int64 or slots.shape[0] != t:
+        return None
+    if not slots.is_contiguous():
         return None
     if model.model.embed_tokens.weight.dtype is not BF16 or not model.lean.unchanged():
         return None
+    shape = kv_caches[0][0].shape  # [kv_heads, slots, D]
     for k, v in kv_caches:  # the kernels read the caches by pointer
         if k.dtype is not BF16 or v.dtype is not BF16 or not k.is_cpu:
             return None
-        if not (k.is_contiguous() and v.is_contiguous()):
+        if k.shape != shape or v.shape != shape or not (k.is_contiguous() and v.is_contiguous()):
             return None
     return Step(t)
 
