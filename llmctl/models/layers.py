@@ -160,14 +160,14 @@ class Attention(nn.Module):
         """x [..., hidden] -> q [..., q_size], k, v [..., kv_size]: one GEMM where merged."""
         m = self.merged
         if step is not None and m is not None:  # live: the step's Watch saw it unchanged
-            return m.linear.forward(x).split(m.sizes, dim=-1)  # slices of [T, q + 2 kv]
+            return m.linear.forward(x).split_with_sizes(m.sizes, dim=-1)  # of [T, q + 2 kv]
         if (
             m is not None
             and not fixed_order
             and not torch.is_grad_enabled()
             and m.live(*self.projections())
         ):
-            return m.linear(x).split(m.sizes, dim=-1)  # column slices of [..., q + 2 kv]
+            return m.linear(x).split_with_sizes(m.sizes, dim=-1)  # slices of [..., q + 2 kv]
         kernels = self.kernels
         return tuple(project(p, x, fixed_order, kernels, step) for p in self.projections())
 

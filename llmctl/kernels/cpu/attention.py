@@ -144,8 +144,7 @@ def paged_decode_attention(
     kernel = decode_kernel(q.dtype, k_cache.dtype, choice)
     bf16_query = kernel in ("paged_decode_amx", "paged_decode_dpbf16")
     qf = q.contiguous() if bf16_query else q.to(torch.float32).contiguous()
-    tables = block_tables.to(torch.int64).contiguous()
-    lens = context_lens.to(torch.int64).contiguous()
+    tables, lens = _int64(block_tables), _int64(context_lens)
     if out is None or not bf16_query:
         out = torch.empty_like(qf)
     failed = getattr(load("core"), kernel)(
@@ -155,4 +154,10 @@ def paged_decode_attention(
     )  # fmt: skip
     if failed:
         raise MemoryError("paged_decode_attention: out of memory for its score buffers")
-    return out.to(q.dtype)
+    return out if out.dtype is q.dtype else out.to(q.dtype)
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous int64 (itself where it is: each tensor op costs about a microsecond, and
+    this runs per layer per step)."""
+    return t if t.dtype is torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
