@@ -6,7 +6,10 @@ Owns: each layer's forward paths and what it holds once prepared for inference
 (models/prepare.py): `kernels` (the engine's KernelConfig: which kernels may serve), a linear's
 `plan` and `packed` copies (kernels/cpu/linear), the `merged` q/k/v and gate/up linears
 (models/merged.py). Unprepared layers (calibration, eval, training) take the default
-KernelConfig and no plan. A model file (models/llama.py) composes these.
+KernelConfig and no plan. A model file (models/llama.py) composes these. The engine's forward
+methods take an optional `step` (models/step.py): on a lean step they call their sublayers'
+forward directly, skip the per-call checks prepare made once, and hand their kernels the step's
+buffers; the kernels and their order stay the same, so the results do.
 """
 
 from __future__ import annotations
@@ -81,12 +84,9 @@ class RMSNorm(nn.Module):
     def scale(self) -> torch.Tensor:
         return self.weight + 1 if self.offset else self.weight
 
-    def forward(self, x: torch.Tensor, fixed_order: bool = False, step: Step | None = None):
+    def forward(self, x: torch.Tensor, fixed_order: bool = False) -> torch.Tensor:
         """`fixed_order` (batch-invariant mode): one program a row where the Triton kernels apply
-        (kernels/invariant.py); the CPU paths below are one fixed-order reduction a row anyway.
-        A lean `step` (models/step.py; x [T, hidden]): see add_forward."""
-        if step is not None:
-            return self.add_forward(x, None, False, step)
+        (kernels/invariant.py); the CPU paths below are one fixed-order reduction a row anyway."""
         kernels, weight = self.kernels, self.scale()
         out = invariant.rms_norm(x, weight, self.eps, kernels) if fixed_order else None
         if out is not None:
