@@ -1,16 +1,17 @@
 """An engine step's lean path through the one forward implementation (models/llama.py, layers.py).
 
 Owns: `applies` (which prepared models may take it: dense llama-family bf16 on the CPU with the C
-kernels; models/prepare.py asks once, where `KernelConfig.decode_program` allows), `begin` (whether
-one step may: no gradients, not batch-invariant, the inputs and caches as the kernels read them,
-no forward hook anywhere) and `Step`, what such a step shares between its layers: the buffers
-[T, width] each layer writes its norms, RoPE, attention and activation into (one allocation a
-step, not one a call). On the lean path each layer's `forward` is called as a method, not through
-nn.Module.__call__ (with no hook anywhere, the call does nothing else), and the layers hand their
-kernels the step's buffers; every other step calls the same methods through the modules, with
-fresh outputs. The kernels and their order are the same, so the hidden states are equal bit for
-bit (tests/test_decode_program.py). Decode steps gain the most: at small batches the fixed cost
-per layer and step is most of their time.
+kernels; models/prepare.py asks once, where `KernelConfig.decode_program` allows, and checks each
+layer's weights), `Watch` (what prepare saw, checked each step), `begin` (whether one step may: no
+gradients, not batch-invariant, the inputs and caches as the kernels read them, no forward hook
+anywhere, the model as prepared) and `Step`, what such a step shares between its layers: the
+buffers [T, width] each layer writes its norms, RoPE, attention and activation into (one
+allocation a step, not one a call). On the lean path each layer's `forward` is called as a
+method, not through nn.Module.__call__ (with no hook anywhere, the call does nothing else), skips
+the per-call checks prepare made once, and hands its kernels the step's buffers; every other step
+calls the same methods through the modules, with fresh outputs. The kernels and their order are
+the same, so the hidden states are equal bit for bit (tests/test_decode_program.py). Decode steps
+gain the most: at small batches the fixed cost per layer and step is most of their time.
 """
 
 from __future__ import annotations
