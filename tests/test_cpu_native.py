@@ -101,7 +101,6 @@ def _count_c_kernel_use(monkeypatch) -> list[str]:
     llmctl module's own reference to `library.load`, the linear kernels' libraries and the
     tensor-level wrappers of the C kernels is replaced by a counting one."""
     import llmctl.engine.llm_engine  # noqa: F401  (everything an engine imports, so patched too)
-    import llmctl.models.decode_program  # noqa: F401
     import llmctl.models.prepare  # noqa: F401
 
     used: list[str] = []

@@ -62,7 +62,7 @@ def test_copying_outputs_one_at_a_time_rank_the_tpot_trials(shakespeare_model, t
     record, gains = _advise(shakespeare_model, workload, tmp_path / "r.json", *args)
     noise = record["noise"]
     # Measured on an AMD EPYC Zen 5 (2026-12-03), against the checkpoint's float32: bf16 2.6-4.0x
-    # in a fresh process (its decode steps run as models/decode_program.py) but 1.25x late in the
+    # in a fresh process (its decode steps then ran as a flat decode program) but 1.25x late in the
     # full suite, n-gram speculation 0.93-1.32x: which leads depends on the machine and the
     # process, so this asserts that advise advises what it measured, not which trial wins.
     chosen = record["recommended"]

@@ -243,6 +243,7 @@ def _decode(
     scale: float,
     triton,
     kernels: KernelConfig = DEFAULT_KERNELS,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     fixed = invariant.triton_kernels(q, kernels) if meta.batch_invariant else None
     if fixed is not None:  # keys in tiles of a fixed size, whatever the block size
@@ -262,7 +263,7 @@ def _decode(
     if meta.decode_max_len and kernels.native and cpu_attention.supports(q, k_cache):
         return cpu_attention.paged_decode_attention(  # reads blocks in place
             q, k_cache, v_cache, tables, lens, scale, bs, meta.decode_max_len,
-            kernels.decode_attention,
+            kernels.decode_attention, out,
         )  # fmt: skip
     if meta.batch_invariant:
         return _decode_per_row(q, k_cache, v_cache, tables, lens, scale, bs)
@@ -310,17 +311,23 @@ def paged_attention(
     meta: PagedAttentionMetadata,
     scale: float,
     kernels: KernelConfig = DEFAULT_KERNELS,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, heads, D], k/v [T, kv_heads, D] for the packed batch; writes K/V and returns
-    [T, heads, D]. `kernels`: which CPU kernels may serve (the calling layer's KernelConfig)."""
-    triton = _triton_kernels(q)
+    [T, heads, D]. `kernels`: which CPU kernels may serve (the calling layer's KernelConfig).
+    `out` [T, heads, D] contiguous: a lean step's buffer (models/step.py, which checked once for
+    every layer that the caches, slots and K/V are as the C kernels read them, and the C kernels
+    on): K/V through the C write at any row count, and a step of decodes alone into `out`."""
+    triton = None if out is not None else _triton_kernels(q)
     if triton:
         triton[0](k_cache, v_cache, k, v, meta.slot_mapping)
+    elif out is not None:
+        cpu_attention.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     else:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping, kernels.native)
     nd = meta.num_decodes
     if nd == q.shape[0]:
-        return _decode(q, k_cache, v_cache, meta, scale, triton, kernels)
+        return _decode(q, k_cache, v_cache, meta, scale, triton, kernels, out)
     out = torch.empty_like(q)
     if nd:
         out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale, triton, kernels)

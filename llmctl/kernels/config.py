@@ -32,7 +32,8 @@ class KernelConfig:
     autotune: bool = True
     # q/k/v and gate/up as one linear each at inference (models/merged.py).
     merge_linears: bool = True
-    # bf16 CPU steps as a flat run of kernel calls (models/decode_program.py).
+    # bf16 CPU steps on the lean path: the layers' forward methods called directly, without
+    # nn.Module dispatch, on buffers shared by the step's layers (models/step.py).
     decode_program: bool = True
     # bf16 decode attention on the CPU: auto (AMX tiles where they run, else AVX512-BF16 where
     # it runs, else the generic kernel), dpbf16 (never AMX) or generic.

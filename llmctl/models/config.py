@@ -100,7 +100,7 @@ class ModelConfig:
     @property
     def attention_features(self) -> bool:
         """Some layer's attention has a window or soft-capping (kernels/attention_features.py):
-        no batch-invariant runs, no flat decode program, no CUDA graphs."""
+        no batch-invariant runs, no lean steps (models/step.py), no CUDA graphs."""
         return bool(self.attn_softcap) or any(self.layer_windows)
 
     @classmethod

@@ -6,7 +6,10 @@ Owns: each layer's forward paths and what it holds once prepared for inference
 (models/prepare.py): `kernels` (the engine's KernelConfig: which kernels may serve), a linear's
 `plan` and `packed` copies (kernels/cpu/linear), the `merged` q/k/v and gate/up linears
 (models/merged.py). Unprepared layers (calibration, eval, training) take the default
-KernelConfig and no plan. A model file (models/llama.py) composes these.
+KernelConfig and no plan. A model file (models/llama.py) composes these. The engine's forward
+methods take an optional `step` (models/step.py): on a lean step they call their sublayers'
+forward directly, skip the per-call checks prepare made once, and hand their kernels the step's
+buffers; the kernels and their order stay the same, so the results do.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from llmctl.kernels.cpu.linear import dispatch
 from llmctl.models import merged as merging
 from llmctl.models.config import ModelConfig
 from llmctl.models.rope import RotaryEmbedding
+from llmctl.models.step import Step, call, method
 
 DEFAULT_KERNELS = KernelConfig()
 
@@ -50,12 +54,17 @@ class Linear(nn.Linear):
 
 
 def project(
-    layer: nn.Module, x: torch.Tensor, fixed_order: bool, kernels: KernelConfig = DEFAULT_KERNELS
+    layer: nn.Module,
+    x: torch.Tensor,
+    fixed_order: bool,
+    kernels: KernelConfig = DEFAULT_KERNELS,
+    step: Step | None = None,
 ) -> torch.Tensor:
-    """layer(x); with `fixed_order` (batch-invariant mode) through kernels/invariant.py, whose
-    rows do not depend on each other's presence. Any linear module (dense, quantized, sparse)."""
+    """layer(x) (its forward called directly on a lean `step`, models/step.py); with
+    `fixed_order` (batch-invariant mode) through kernels/invariant.py, whose rows do not depend on
+    each other's presence. Any linear module (dense, quantized, sparse)."""
     if not fixed_order:
-        return layer(x)
+        return method(layer, step)(x)
     if type(layer) is not Linear:  # quantized and other modules: one row a call
         return invariant.linear(x, None, None, layer, kernels)
     return invariant.linear(x, layer.weight, layer.bias, layer, kernels)
@@ -96,9 +105,17 @@ class RMSNorm(nn.Module):
             return (xf * weight.float()).to(dtype)
         return weight * xf.to(dtype)
 
-    def add_forward(self, x: torch.Tensor, r: torch.Tensor | None, fixed_order: bool = False):
+    def add_forward(self, x, r: torch.Tensor | None, fixed_order: bool = False, step=None):
         """x.add_(r) (inference: x is the residual stream, updated in place), then self(x); one
-        pass in C where it applies (vLLM's fused_add_rms_norm). r None: self(x) alone."""
+        pass in C where it applies (vLLM's fused_add_rms_norm). r None: self(x) alone. A lean
+        `step` (models/step.py: x and r [T, hidden] bf16, the weight checked when prepared): the C
+        kernel into its buffer, with no checks a call."""
+        if step is not None:
+            out = step.buffer("norm", x.shape[-1])
+            if r is None:
+                return elementwise.rms_norm(x, self.weight, self.eps, out)
+            r = r if r.is_contiguous() else r.contiguous()
+            return elementwise.add_rms_norm(x, r, self.weight, self.eps, out)
         if r is None:
             return self(x, fixed_order)
         fused = not fixed_order and self.kernels.native
@@ -139,24 +156,27 @@ class Attention(nn.Module):
         """The linears reading x, in the merged weight's row order [q_size + 2 kv_size]."""
         return self.q_proj, self.k_proj, self.v_proj
 
-    def _project_qkv(self, x: torch.Tensor, fixed_order: bool):
+    def _project_qkv(self, x: torch.Tensor, fixed_order: bool, step: Step | None):
         """x [..., hidden] -> q [..., q_size], k, v [..., kv_size]: one GEMM where merged."""
         m = self.merged
+        if step is not None and m is not None:  # live: the step's Watch saw it unchanged
+            return m.linear.forward(x).split_with_sizes(m.sizes, dim=-1)  # of [T, q + 2 kv]
         if (
             m is not None
             and not fixed_order
             and not torch.is_grad_enabled()
             and m.live(*self.projections())
         ):
-            return m.linear(x).split(m.sizes, dim=-1)  # column slices of [..., q + 2 kv]
-        return tuple(project(p, x, fixed_order, self.kernels) for p in self.projections())
+            return m.linear(x).split_with_sizes(m.sizes, dim=-1)  # slices of [..., q + 2 kv]
+        kernels = self.kernels
+        return tuple(project(p, x, fixed_order, kernels, step) for p in self.projections())
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor, fixed_order: bool = False):
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, fixed_order=False, step=None):
         """x [..., hidden] -> q [..., heads, D], k and v [..., kv_heads, D], RoPE applied; q and
-        k contiguous, v possibly a column slice of the merged projection (read through its
-        strides)."""
+        k contiguous (on a lean `step`, models/step.py, in its buffers), v possibly a column slice
+        of the merged projection (read through its strides)."""
         lead = x.shape[:-1]
-        q, k, v = self._project_qkv(x, fixed_order)
+        q, k, v = self._project_qkv(x, fixed_order, step)
         q = q.view(*lead, self.num_heads, self.head_dim)
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
@@ -165,18 +185,20 @@ class Attention(nn.Module):
             k = self.k_norm(k.contiguous(), fixed_order)
         # The bf16 RoPE kernel reads merged slices and writes new contiguous q and k (no copies
         # first); elsewhere the rotation runs in place and the copies follow.
-        q, k = self._rotary[0](positions, q, k)
+        q, k = call(self._rotary[0], step, positions, q, k)
         return q.contiguous(), k.contiguous(), v
 
-    def forward(self, x, positions, meta: PagedAttentionMetadata, kv_cache) -> torch.Tensor:
-        fixed = meta.batch_invariant
-        q, k, v = self.qkv(x, positions, fixed)  # [T, heads, D], [T, kv_heads, D]
+    def forward(self, x, positions, meta: PagedAttentionMetadata, kv_cache, step=None):
+        """x [T, hidden] -> [T, hidden]; K/V written to `kv_cache`. A lean `step`: see qkv."""
+        fixed, kernels = meta.batch_invariant, self.kernels
+        q, k, v = self.qkv(x, positions, fixed, step)  # [T, heads, D], [T, kv_heads, D]
         kc, vc, f = kv_cache[0], kv_cache[1], self.features
         if f is None:
-            out = paged_attention(q, k, v, kc, vc, meta, self.scale, self.kernels)
+            out = None if step is None else step.buffer("attn", self.num_heads, self.head_dim)
+            out = paged_attention(q, k, v, kc, vc, meta, self.scale, kernels, out)
         else:
-            out = paged_attention_with(q, k, v.contiguous(), kc, vc, meta, f, self.kernels)
-        return project(self.o_proj, out.reshape(x.shape[0], -1), fixed, self.kernels)
+            out = paged_attention_with(q, k, v.contiguous(), kc, vc, meta, f, kernels)
+        return project(self.o_proj, out.reshape(x.shape[0], -1), fixed, kernels, step)
 
     def forward_dense(self, x: torch.Tensor, positions: torch.Tensor, past=None):
         """Causal attention without the paged cache: x [B, S, hidden] at `positions` [S], after
@@ -218,29 +240,36 @@ class MLP(nn.Module):
         """The linears reading x, in the merged weight's row order [2 intermediate]."""
         return self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor, fixed_order: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fixed_order: bool = False, step: Step | None = None):
+        """x [..., hidden] -> [..., hidden]. A lean `step` (models/step.py): the merged gate/up's
+        activation into its buffer."""
         if self.gelu:
             return self._gelu(x)
         if torch.is_grad_enabled():
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        m = self.merged
+        if step is not None and m is not None:  # live and bf16: the step's Watch says so
+            y = m.linear.forward(x)  # [T, 2 intermediate]: gate | up
+            act = elementwise.silu_and_mul(y, step.buffer("act", m.sizes[0]))
+            return self.down_proj.forward(act)
         kernels = self.kernels
         if fixed_order:  # batch-invariant mode: see kernels/invariant.py
             gate = project(self.gate_proj, x, True, kernels)
             up = project(self.up_proj, x, True, kernels)
             act = invariant.silu_mul(gate, up, kernels.native)
             return project(self.down_proj, act, True, kernels)
-        m = self.merged
         if m is not None and m.live(*self.projections()):
             y = m.linear(x)  # [..., 2 intermediate]: gate | up
             if kernels.native and elementwise.use_silu_and_mul(y):
                 return self.down_proj(elementwise.silu_and_mul(y))
             gate, up = y.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate).mul_(up))
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = method(self.gate_proj, step)(x), method(self.up_proj, step)(x)
+        down = method(self.down_proj, step)  # lean without a merged gate/up: directly too
         if kernels.native and elementwise.use_silu_mul(gate, up):  # one pass in C, into gate
-            return self.down_proj(elementwise.silu_mul(gate, up))
+            return down(elementwise.silu_mul(gate, up))
         h = F.silu(gate, inplace=True)  # in place: no [T, intermediate] temporaries
-        return self.down_proj(h.mul_(up))
+        return down(h.mul_(up))
 
     def _gelu(self, x: torch.Tensor) -> torch.Tensor:
         """Gemma's MLP: down(gelu_tanh(gate) * up), through the merged gate/up where live."""

@@ -13,8 +13,8 @@ over the same weights:
   dense per-request cache (the speculative draft).
 Parameter names equal Hugging Face's, so checkpoints load (and save) one to one. Before an engine
 serves it, models/prepare.py prepares the model for inference (merged projections, kernel
-choices, and on the CPU in bf16 `decode_program`, the engine's steps as a flat run of the same
-kernels, where it applies).
+choices, and on the CPU in bf16 `lean`: whether `forward`'s steps may take models/step.py's lean
+path, the same layer methods called directly on shared buffers).
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ import torch
 from torch import nn
 
 from llmctl.kernels.attention import PagedAttentionMetadata
+from llmctl.models import step as steps
 from llmctl.models.config import ModelConfig
 from llmctl.models.layers import MLP, Attention, Linear, RMSNorm, project
 from llmctl.models.moe import SparseMoE
 from llmctl.models.rope import RotaryEmbedding
+from llmctl.models.step import call
 
 
 class DecoderLayer(nn.Module):
@@ -54,18 +56,20 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(h, eps, gemma)
             self.post_feedforward_layernorm = RMSNorm(h, eps, gemma)
 
-    def forward(self, x, positions, meta, kv_cache, delta=None):
+    def forward(self, x, positions, meta, kv_cache, delta=None, step=None):
         """The engine's path (inference only): x [T, hidden] the residual stream, updated in
         place; `delta` [T, hidden] the previous layer's output not yet added to it (None: none).
         Returns (x, this layer's MLP output): the next layer (or the final norm) adds it, fused
-        with its RMSNorm, as each residual add here is."""
+        with its RMSNorm, as each residual add here is. A lean `step` (models/step.py; never
+        with post-norms or experts): the same calls, directly, on its buffers."""
         fixed = meta.batch_invariant
-        h = self.input_layernorm.add_forward(x, delta, fixed)
-        a = self.self_attn(h, positions, meta, kv_cache)
+        h = self.input_layernorm.add_forward(x, delta, fixed, step)
+        a = call(self.self_attn, step, h, positions, meta, kv_cache)
         if self.post_norms:
             h = self.pre_feedforward_layernorm.add_forward(x, self.post_attention_layernorm(a))
             return x, self.post_feedforward_layernorm(self.ffn(h, fixed))
-        return x, self.ffn(self.post_attention_layernorm.add_forward(x, a, fixed), fixed)
+        h = self.post_attention_layernorm.add_forward(x, a, fixed, step)
+        return x, call(self.ffn, step, h, fixed)
 
     def forward_dense(self, x: torch.Tensor, positions: torch.Tensor, past=None):
         """x [B, S, hidden] at positions [S] (after `past`, a dense cache, where given) ->
@@ -112,8 +116,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # models/decode_program.DecodeProgram, built by models/prepare.py where it applies
-        self.decode_program: Any = None
+        # models/step.Watch where the engine's steps may take the lean path (models/prepare.py)
+        self.lean: Any = None
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -131,13 +135,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Packed tokens [T] -> final hidden states [T, hidden] (normed); K/V written to the
         caches."""
-        program = self.decode_program
-        if program is not None and program.serves(input_ids, positions, meta, kv_caches):
-            return program.run(input_ids, positions, meta, kv_caches)
+        step = None
+        if self.lean is not None:  # None: not lean (models/step.py)
+            step = steps.begin(self, input_ids, positions, meta, kv_caches)
         x, delta = self.embed(input_ids), None
         for layer, kv in zip(self.model.layers, kv_caches):
-            x, delta = layer(x, positions, meta, kv, delta)
-        return self.model.norm.add_forward(x, delta, meta.batch_invariant)
+            x, delta = call(layer, step, x, positions, meta, kv, delta)
+        return self.model.norm.add_forward(x, delta, meta.batch_invariant, step)
 
     def compute_logits(
         self, hidden: torch.Tensor, fixed_order: bool = False, float32: bool = True

@@ -5,9 +5,10 @@ hands every layer the engine's KernelConfig (which kernels may serve), merges ea
 q/k/v and gate/up into one linear each (models/merged.py), chooses each plain CPU linear's kernel
 per row count by measurement (kernels/cpu/linear/autotune.py: decoder linears see at most the
 token budget, the vocabulary projection at most `logit_rows`), keeps a oneDNN-packed copy of the
-float32 vocabulary projection for batched logits, and builds the flat decode program
-(models/decode_program.py) over the result where it applies. Each is undone or redone on a
-second call (a new engine over the same model). A model of transformers' code (the
+float32 vocabulary projection for batched logits, and says whether the engine's steps may take
+the lean path (models/step.py: the same layer methods called directly, on buffers shared by the
+step's layers) where it applies. Each is undone or redone on a second call (a new engine over
+the same model). A model of transformers' code (the
 transformers path) has no layers of ours to merge: its plain `nn.Linear` modules become our
 `Linear` (the same parameters; only the class changes), so they take the same tuned kernels.
 """
@@ -22,8 +23,8 @@ from torch import nn
 from llmctl.kernels.config import KernelConfig
 from llmctl.kernels.cpu.linear import autotune, dispatch, torch_kernels
 from llmctl.models import merged as merging
-from llmctl.models.decode_program import DecodeProgram
-from llmctl.models.layers import MLP, Attention, Linear
+from llmctl.models import step as steps
+from llmctl.models.layers import MLP, Attention, Linear, RMSNorm
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ def prepare_for_inference(model: nn.Module, kernels: KernelConfig, serving: Serv
     for m in (*model.modules(), *merged):
         if hasattr(type(m), "kernels"):
             m.kernels = kernels
+    if ours:
+        model.lean = None
     if not cpu:
         return
     linears = _tunable(model, merged, parts)
@@ -60,9 +63,31 @@ def prepare_for_inference(model: nn.Module, kernels: KernelConfig, serving: Serv
         _tune(model, linears, serving, kernels.native)
     if serving.dtype == torch.float32 and not serving.batch_invariant:
         _pack_lm_head(model.lm_head)
-    if ours:
-        program = kernels.decode_program and DecodeProgram.build(model, kernels)
-        model.decode_program = program or None
+    if ours and kernels.decode_program and steps.applies(model, kernels) and _lean_layers(model):
+        model.lean = steps.Watch(model)
+
+
+def _lean_layers(model: nn.Module) -> bool:
+    """Every decoder layer as the lean path (models/step.py) calls its kernels without checking
+    each call: norms, plain Linears (merged ones live) over contiguous bf16 weights, RoPE on
+    contiguous float32 tables, nothing else holding parameters (a quantized or sparse layer);
+    models/step.Watch tells, each step, that it still is."""
+    for m in model.model.layers.modules():
+        if isinstance(m, (Attention, MLP)) and m.merged and not m.merged.live(*m.projections()):
+            return False
+        linear = type(m) is Linear and (m.bias is None or _bf16(m.bias))
+        if not (linear or type(m) is RMSNorm) and m._parameters:
+            return False
+        if m._parameters and not _bf16(m.weight):
+            return False
+    rotary = model.model.layers[0].self_attn._rotary[0]
+    return all(t.dtype is torch.float32 and t.is_contiguous() for t in (rotary.cos, rotary.sin))
+
+
+def _bf16(t: torch.Tensor) -> bool:
+    """A plain contiguous bfloat16 CPU tensor (not quantized, not sparse)."""
+    plain = type(t.data) is torch.Tensor and t.dim() in (1, 2)
+    return plain and t.dtype is torch.bfloat16 and t.is_cpu and t.is_contiguous()
 
 
 def _adopt_linears(model: nn.Module) -> None:

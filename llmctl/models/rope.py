@@ -108,9 +108,13 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, step=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [...]; q [..., heads, D], k [..., kv_heads, D] with the same leading shape."""
+        """positions [...]; q [..., heads, D], k [..., kv_heads, D] with the same leading shape.
+        A lean `step` (models/step.py): the C kernel writes new q and k into its buffers."""
+        if step is not None:  # bf16 [T, heads, D], contiguous heads; the tables checked once
+            out = step.buffer("q", *q.shape[1:]), step.buffer("k", *k.shape[1:])
+            return elementwise.rope(q, k, self.cos, self.sin, positions, out)
         # bf16 inference: one C call
         if self.kernels.native and elementwise.use_rope(q, k, self.cos, positions):
             return elementwise.rope(q, k, self.cos, self.sin, positions)

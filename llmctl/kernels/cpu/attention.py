@@ -131,9 +131,11 @@ def paged_decode_attention(
     block_size: int,
     max_len: int,  # max(context_lens), known to the caller without a tensor read
     choice: str = "auto",  # KernelConfig.decode_attention
+    out: torch.Tensor | None = None,  # [B, heads, D] contiguous, q's dtype: written where used
 ) -> torch.Tensor:
     """The same contract as attention.decode_attention, without gathering K/V; returns [B, heads, D]
-    in q's dtype. Call only where `supports(q, k_cache)`."""
+    in q's dtype (`out` where given and the kernel reads q as it is). Call only where
+    `supports(q, k_cache)`."""
     b, heads, d = q.shape
     kvh, slots, _ = k_cache.shape
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype):
@@ -142,9 +144,9 @@ def paged_decode_attention(
     kernel = decode_kernel(q.dtype, k_cache.dtype, choice)
     bf16_query = kernel in ("paged_decode_amx", "paged_decode_dpbf16")
     qf = q.contiguous() if bf16_query else q.to(torch.float32).contiguous()
-    tables = block_tables.to(torch.int64).contiguous()
-    lens = context_lens.to(torch.int64).contiguous()
-    out = torch.empty_like(qf)
+    tables, lens = _int64(block_tables), _int64(context_lens)
+    if out is None or not bf16_query:
+        out = torch.empty_like(qf)
     failed = getattr(load("core"), kernel)(
         qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(), b, heads, kvh, d, slots, tables.shape[1], block_size, scale, max_len,
@@ -152,4 +154,10 @@ def paged_decode_attention(
     )  # fmt: skip
     if failed:
         raise MemoryError("paged_decode_attention: out of memory for its score buffers")
-    return out.to(q.dtype)
+    return out if out.dtype is q.dtype else out.to(q.dtype)
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous int64 (itself where it is: each tensor op costs about a microsecond, and
+    this runs per layer per step)."""
+    return t if t.dtype is torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()

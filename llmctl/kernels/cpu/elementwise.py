@@ -42,13 +42,14 @@ def use_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _no_grad(x, weight) and load("core") is not None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out=None) -> torch.Tensor:
     """RMSNorm of x [..., K] with weight [K], float32 or bfloat16 (Hugging Face's arithmetic, see
-    cpu_norm.c). Call only where `use_rms_norm(x, weight)`."""
+    cpu_norm.c), into `out` where given (contiguous, x's shape and dtype: a step's buffer, see
+    models/step.py). Call only where `use_rms_norm(x, weight)`."""
     k = x.shape[-1]
     xc = x if x.is_contiguous() else x.contiguous()
     w = weight if weight.is_contiguous() else weight.contiguous()
-    out = torch.empty_like(xc)
+    out = torch.empty_like(xc) if out is None else out
     rows = xc.numel() // k if k else 0
     if rows:
         bf16 = int(x.dtype == torch.bfloat16)
@@ -71,12 +72,13 @@ def use_add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor) -> 
 
 
 def add_rms_norm(
-    x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, out=None
 ) -> torch.Tensor:
     """x.add_(r) (in place), then RMSNorm(x) with `weight` [K] (Hugging Face's arithmetic, see
-    cpu_norm.c); returns the norm's output. Call only where `use_add_rms_norm(x, r, weight)`."""
+    cpu_norm.c); returns the norm's output (into `out` where given, as for `rms_norm`). Call only
+    where `use_add_rms_norm(x, r, weight)`."""
     k = x.shape[-1]
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if out is None else out
     rows = x.numel() // k
     if rows:
         load("core").add_rms_norm(
@@ -115,11 +117,12 @@ def use_silu_and_mul(x: torch.Tensor) -> bool:
     return x.is_contiguous() and _no_grad(x) and load("core") is not None
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, out=None) -> torch.Tensor:
     """x [..., 2F] (gate in the first F columns, up in the last F) -> silu(gate) * up [..., F] in
-    x's dtype. Call only where `use_silu_and_mul(x)`."""
+    x's dtype (into `out` where given: contiguous, that shape). Call only where
+    `use_silu_and_mul(x)`."""
     f = x.shape[-1] // 2
-    out = torch.empty(*x.shape[:-1], f, dtype=x.dtype)
+    out = torch.empty(*x.shape[:-1], f, dtype=x.dtype) if out is None else out
     rows = out.numel() // f if f else 0
     if rows:
         load("core").silu_and_mul(
@@ -145,14 +148,18 @@ def use_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, positions: tor
     return _no_grad(q, k) and load("rope") is not None
 
 
-def rope(q, k, cos, sin, positions) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(q, k, cos, sin, positions, out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k rotated by the table rows at `positions` (every position < the table's length: the
     caller's contract, as for the indexing it replaces): in place where contiguous, else into new
-    contiguous tensors (q and k may be column slices of the merged q/k/v output); returns them.
-    Bit-identical to models/rope.py's in-place bf16 path. Call only where `use_rope(...)`."""
+    contiguous tensors, or `out` (q's and k's shapes, contiguous) where given (q and k may be
+    column slices of the merged q/k/v output); returns them. Bit-identical to models/rope.py's
+    in-place bf16 path. Call only where `use_rope(...)`."""
     positions = positions if positions.is_contiguous() else positions.contiguous()
-    q_out = q if q.is_contiguous() else torch.empty(q.shape, dtype=q.dtype)
-    k_out = k if k.is_contiguous() else torch.empty(k.shape, dtype=k.dtype)
+    q_out, k_out = out or (None, None)
+    if q.is_contiguous() or q_out is None:
+        q_out = q if q.is_contiguous() else torch.empty(q.shape, dtype=q.dtype)
+    if k.is_contiguous() or k_out is None:
+        k_out = k if k.is_contiguous() else torch.empty(k.shape, dtype=k.dtype)
     load("rope").rope_bf16(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), q_out.data_ptr(), k_out.data_ptr(),
         q.shape[0], q.shape[1], k.shape[1], q.shape[2], cos.data_ptr(), sin.data_ptr(),
