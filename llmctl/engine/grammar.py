@@ -4,9 +4,10 @@ sequence, and what each engine step does with them.
 Owns: `Grammars`: llguidance's view of the tokenizer (built once), the grammars compiled per
 distinct constraint (an LRU cache: rows sharing a schema compile it once), `start` (a request's
 matcher, or its error), `mask` (each constrained row's disallowed tokens set to -inf on the
-step's logits; a row with speculative drafts gets one mask per draft position, computed by
-advancing its matcher over the drafts the grammar allows and rolling it back, so a draft the
-grammar rejects has probability 0 and is never accepted), `advance` (a sampled token consumed:
+step's logits, the rows' masks computed on the library's threads; a row with speculative
+drafts gets one mask per draft position, computed by advancing its matcher over the drafts the
+grammar allows and rolling it back, so a draft the grammar rejects has probability 0 and is
+never accepted), `advance` (a sampled token consumed:
 whether the grammar has ended) and `status` (at the end: valid, incomplete or invalid).
 Built by the runtime from the tokenizer (runtime/loader.py) and given to the engine.
 
@@ -38,6 +39,7 @@ class Grammars:
         self.vocab_size, self.native = vocab_size, native
         self._grammars: OrderedDict[str, str] = OrderedDict()
         self.compiled = 0  # distinct constraints compiled so far
+        self._pool = None  # llguidance.LLExecutor, made on first use
 
     @property
     def tokenizer(self):
@@ -96,22 +98,37 @@ class Grammars:
         with every constrained row's disallowed tokens at -inf: in place, or in a copy with
         `copy` (the caller reports logprobs of the model's own distribution)."""
         bits = torch.full((logits.shape[0], (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
-        row = 0
+        row, plain = 0, []  # plain: (matcher, row) of the rows without drafts
         for seq in seqs:
             if seq.params.structured_outputs is not None:
-                self._fill(seq, bits, row)
+                if seq.matcher is None:
+                    self.start(seq)
+                if seq.spec_token_ids:
+                    self._fill(seq, bits, row)
+                else:
+                    plain.append((seq.matcher, row))
             row += 1 + len(seq.spec_token_ids)
+        if plain:  # the library's threads, without the GIL: 20-30 us a row (BENCHMARKS.md)
+            from llguidance.torch import fill_next_token_bitmask_par
+
+            fill_next_token_bitmask_par(self._executor(), plain, bits)
         out = logits.clone() if copy else logits
         if self.native and elementwise.use_mask_rows(out, bits):
             return elementwise.mask_rows(out, bits)
         return mask_rows_reference(out, bits)
 
+    def _executor(self):
+        """llguidance's thread pool for masks, as many threads as torch uses (made once)."""
+        if self._pool is None:
+            from llguidance import LLExecutor
+
+            self._pool = LLExecutor(max(1, torch.get_num_threads()))
+        return self._pool
+
     def _fill(self, seq: Sequence, bits: torch.Tensor, row: int) -> None:
         """The masks of seq's rows from `row`: now, and after each draft the grammar allows."""
         from llguidance.torch import fill_next_token_bitmask
 
-        if seq.matcher is None:
-            self.start(seq)
         matcher = seq.matcher
         fill_next_token_bitmask(matcher, bits, row)
         consumed = 0
