@@ -15,7 +15,6 @@ from typing import Any, Callable
 from llmctl.batch.options import lora_engine_fields
 from llmctl.engine.config import EngineConfig, format_bytes
 from llmctl.errors import UsageError
-from llmctl.runtime.lora import load_adapter
 
 BACKENDS = ("llmctl", "vllm")
 DEFAULT_BACKEND = "llmctl"
@@ -82,6 +81,8 @@ def load_engine(
 ) -> tuple[Any, Any]:
     """(runtime, engine) of `opts.backend` for `opts` (a `BatchOptions`), the engine started with
     `engine_config` and warmed up; what the settings came to is said through `ui.info`."""
+    from llmctl.runtime.lora import load_adapter  # torch: not for `llmctl --help`
+
     runtime = _backend_runtime(opts, load_runtime)
     modules = getattr(opts, "lora_modules", {})
     on_vllm = getattr(opts, "backend", DEFAULT_BACKEND) == "vllm"  # it reads the folders itself

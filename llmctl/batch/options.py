@@ -18,7 +18,6 @@ from llmctl.batch.uris import input_size, is_uri
 from llmctl.engine.params import SamplingParams
 from llmctl.engine.structured import StructuredOutputsParams, grammar_of
 from llmctl.errors import RequestError, UsageError
-from llmctl.runtime.lora import lora_digests
 
 # Where run-batch's sampling defaults differ from SamplingParams' (vLLM's): greedy, so that batch
 # jobs are reproducible, and longer outputs. Every other sampling default is SamplingParams'.
@@ -155,6 +154,8 @@ def constraint_of(text: str | None, flag: str) -> StructuredOutputsParams | None
 
 def fingerprint(opts: BatchOptions, source_format: str, defaults: SamplingParams) -> dict:
     """The settings a resumed job must share with the session that started it."""
+    from llmctl.runtime.lora import lora_digests  # torch: not for `llmctl --help`
+
     inp = opts.input
     size = None
     if is_uri(inp):
