@@ -98,7 +98,10 @@ def test_config_spellings_of_rope():
     assert old.rope_theta == new.rope_theta == 5e5
     assert old.rope_scaling["factor"] == new.rope_scaling["factor"] == 8.0
     yarn = ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
-    assert not yarn.native and "RoPE scaling 'yarn' is not native" in yarn.not_native
+    assert yarn.native and yarn.rope_scaling["rope_type"] == "yarn"
+    dynamic = {**base, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}
+    dynamic = ModelConfig.from_dict(dynamic)
+    assert not dynamic.native and "RoPE scaling 'dynamic' is not native" in dynamic.not_native
 
 
 def test_weights_are_owned_aligned_copies_not_views_of_the_file(tmp_path):

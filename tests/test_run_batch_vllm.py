@@ -127,7 +127,7 @@ def test_a_rows_sampling_params_object_is_honoured(tmp_path, engines):
         {"prompt": "b", "max_tokens": 3, "sampling_params": {"max_tokens": 3, "top_p": 0.5}},
         {"prompt": "c", "max_tokens": 2, "sampling_params": {"max_tokens": 3}},
         {"prompt": "d", "sampling_params": {"n": 2, "logprobs": 1, "prompt_logprobs": 0}},
-        {"prompt": "e", "sampling_params": {"guided_decoding": {"json": {}}}},
+        {"prompt": "e", "sampling_params": {"bad_words": ["x"]}},
         {"prompt": "f", "sampling_params": {"top_p": "x"}},
         {"prompt": "g", "sampling_params": [1]},
     ]

@@ -47,9 +47,18 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 def _yarn_factor(config: ModelConfig) -> float:
     """YaRN's context-extension factor: given, or the ratio of the context lengths."""
-    scaling = config.rope_scaling
-    original = float(scaling["original_max_position_embeddings"])
-    return float(scaling.get("factor") or config.max_position_embeddings / original)
+    return float(
+        config.rope_scaling.get("factor") or config.max_position_embeddings / _original(config)
+    )
+
+
+def _original(config: ModelConfig) -> float:
+    """The context YaRN extends: `original_max_position_embeddings`, else (as transformers
+    fills it in) the model's own."""
+    return float(
+        config.rope_scaling.get("original_max_position_embeddings")
+        or config.max_position_embeddings
+    )
 
 
 def _yarn(config: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -58,7 +67,7 @@ def _yarn(config: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
     rotating more than `beta_fast` times kept, a linear ramp between. inv_freq [D/2] float32."""
     scaling, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
     fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
-    original = float(scaling["original_max_position_embeddings"])
+    original = _original(config)
 
     def dimension(rotations: float) -> float:  # the dimension that turns `rotations` times
         return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
