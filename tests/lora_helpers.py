@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_engine_exactness import model_greedy
+
 # two adapters on different projections; the second with rsLoRA scaling
 ADAPTERS = {
     "attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"]),
@@ -49,19 +51,7 @@ def merged_greedy(
         from peft import PeftModel
 
         hf = PeftModel.from_pretrained(hf, str(adapter)).merge_and_unload()
-    hf.generation_config.eos_token_id = None
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        outs.append(gen[0, len(p) :].tolist())
-    return outs
+    return model_greedy(hf, prompts, max_new)
 
 
 @pytest.fixture(scope="module")

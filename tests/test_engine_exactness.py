@@ -20,6 +20,11 @@ def hf_greedy(path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model_greedy(hf, prompts, max_new)
+
+
+def model_greedy(hf, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """A transformers model's greedy tokens after each prompt, past any EOS."""
     hf.generation_config.eos_token_id = None
     outs = []
     for p in prompts:  # one at a time: no padding in the reference
