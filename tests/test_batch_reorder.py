@@ -11,6 +11,7 @@ from llmctl.batch.rows import InputRow
 from llmctl.batch.summary import BatchStats
 from llmctl.engine.prefix_order import prefix_order
 from tests.fakes import FakeEngine
+from tests.test_batch_loop import Interrupting as LoopInterrupting
 from tests.test_batch_loop import MemorySink, make_job
 
 PREFIXES = [
@@ -118,15 +119,8 @@ def test_rows_that_fail_before_the_engine_are_written_in_their_place():
     assert got[0]["error"]["code"] == "empty_prompt" and got[1]["error"] is None
 
 
-class Interrupting(Recording):
-    def __init__(self, at: int, **kw):
-        super().__init__(**kw)
-        self.at = at
-
-    def step(self):
-        if self.steps == self.at:
-            raise KeyboardInterrupt
-        return super().step()
+class Interrupting(LoopInterrupting, Recording):
+    """test_batch_loop's Ctrl-C at step `at`, over an engine that records its admissions."""
 
 
 @pytest.mark.parametrize("ordered", [True, False])
