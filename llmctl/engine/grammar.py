@@ -23,7 +23,12 @@ from typing import Iterable
 import torch
 
 from llmctl.engine.sequence import Sequence
-from llmctl.engine.structured import StructuredOutputsParams, check_output, grammar_of
+from llmctl.engine.structured import (
+    StructuredOutputsParams,
+    check_output,
+    constraint_error,
+    grammar_of,
+)
 from llmctl.errors import RequestError
 from llmctl.kernels.cpu import elementwise
 
@@ -86,9 +91,7 @@ class Grammars:
         matcher = LLMatcher(self.tokenizer, self.grammar(params), log_level=0)
         if matcher.is_error():
             message = matcher.get_error().strip().splitlines()[0][:300]
-            raise RequestError(
-                "unsupported_parameter", f"{params.source}: {message}", param=params.source
-            )
+            raise constraint_error(params.source, message, "unsupported_parameter")
         if seq.num_output_tokens:
             matcher.consume_tokens(seq.output_token_ids)
         seq.matcher = matcher
@@ -142,10 +145,8 @@ class Grammars:
 
     def advance(self, seq: Sequence, token: int) -> bool:
         """Consume a token seq has just appended; True where the grammar has ended (complete and
-        accepting nothing more, or the token refused): the sequence stops there."""
-        if seq.matcher is None:
-            self.start(seq)
-            return seq.matcher.is_stopped()
+        accepting nothing more, or the token refused): the sequence stops there. Its matcher
+        exists: add_request or `mask` started it before the token was sampled."""
         return not seq.matcher.consume_token(token) or seq.matcher.is_stopped()
 
     def status(self, seq: Sequence, text: str) -> tuple[str, str | None]:

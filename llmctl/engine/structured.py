@@ -2,8 +2,9 @@
 check of a finished output against it.
 
 Owns: `StructuredOutputsParams` (vLLM's: exactly one of `json` (a JSON schema), `json_object`,
-`regex`, `choice`, `grammar` (Lark, or GBNF/EBNF with `::=`)), `grammar_of` (the grammar engine's
-grammar for a constraint, or the request's error: a schema, pattern or grammar that is wrong is
+`regex`, `choice`, `grammar` (Lark, or GBNF/EBNF with `::=`)), `constraint_error` (a request
+error naming the constraint's field), `grammar_of` (the grammar engine's grammar for a
+constraint, or the request's error: a schema, pattern or grammar that is wrong is
 `invalid_parameter` naming the field, a schema feature the engine cannot compile is
 `unsupported_parameter`) and `check_output` (after decoding: the JSON parses and validates
 against the schema, the text is one of the choices, the pattern matches). Pure functions of the
@@ -33,7 +34,7 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 MAX_CHOICES = 4096
 
 
-def _bad(source: str, message: str, code: str = "invalid_parameter") -> RequestError:
+def constraint_error(source: str, message: str, code: str = "invalid_parameter") -> RequestError:
     """The request's error; `param` (OpenAI's) is the request field holding the constraint."""
     parts = source.split(".")
     param = parts[1] if parts[0] in ("body", "sampling_params") and len(parts) > 1 else parts[0]
@@ -56,27 +57,29 @@ class StructuredOutputsParams:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             what = "none" if not given else " and ".join(given)
-            raise _bad(self.source, f"give exactly one of {', '.join(KINDS)} (got {what})")
+            raise constraint_error(
+                self.source, f"give exactly one of {', '.join(KINDS)} (got {what})"
+            )
         if isinstance(self.json, str):  # vLLM takes the schema as JSON text too
             try:
                 object.__setattr__(self, "json", json.loads(self.json))
             except ValueError as e:
-                raise _bad(f"{self.source}.json", f"not JSON: {e}") from None
+                raise constraint_error(f"{self.source}.json", f"not JSON: {e}") from None
         self._check_types()
 
     def _check_types(self) -> None:
         kind, value, at = self.kind, self.value, f"{self.source}.{self.kind}"
         if kind == "json" and not isinstance(value, (dict, bool)):
-            raise _bad(at, f"a JSON schema must be an object, got {json_type(value)}")
+            raise constraint_error(at, f"a JSON schema must be an object, got {json_type(value)}")
         if kind == "json_object" and value is not True:
-            raise _bad(at, f"must be true, got {show(value)}")
+            raise constraint_error(at, f"must be true, got {show(value)}")
         if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
-            raise _bad(at, f"must be a non-empty string, got {show(value)}")
+            raise constraint_error(at, f"must be a non-empty string, got {show(value)}")
         if kind == "choice":
             if not isinstance(value, list) or not value or len(value) > MAX_CHOICES:
-                raise _bad(at, f"must be a list of 1 to {MAX_CHOICES} strings")
+                raise constraint_error(at, f"must be a list of 1 to {MAX_CHOICES} strings")
             if not all(isinstance(c, str) and c for c in value):
-                raise _bad(at, "every choice must be a non-empty string")
+                raise constraint_error(at, "every choice must be a non-empty string")
 
     @classmethod
     def of(cls, value: Any, source: str = "structured_outputs") -> StructuredOutputsParams:
@@ -84,13 +87,13 @@ class StructuredOutputsParams:
         if isinstance(value, cls):
             return value
         if not isinstance(value, dict):
-            raise _bad(source, f"must be an object, got {json_type(value)}")
+            raise constraint_error(source, f"must be an object, got {json_type(value)}")
         if isinstance(value.get("source"), str):  # dataclasses.asdict of one (Ray's rows)
             value = dict(value)
             source = value.pop("source")
         unknown = sorted(set(value) - set(KINDS))
         if unknown:
-            raise _bad(
+            raise constraint_error(
                 source, f"unknown field {unknown[0]!r}; use one of {', '.join(KINDS)}",
                 "unsupported_parameter",
             )  # fmt: skip
@@ -128,7 +131,7 @@ def grammar_of(params: StructuredOutputsParams) -> str:
         try:
             re.compile(value)
         except re.error as e:
-            raise _bad(at, f"not a valid pattern: {e}") from None
+            raise constraint_error(at, f"not a valid pattern: {e}") from None
         grammar, code = LLMatcher.grammar_from_regex(value), "unsupported_parameter"
     elif kind == "choice":
         lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
@@ -140,7 +143,7 @@ def grammar_of(params: StructuredOutputsParams) -> str:
         first = error.strip().splitlines()[0][:300]
         if code == "unsupported_parameter":
             first = f"the grammar engine cannot compile it: {first}"
-        raise _bad(at, first, code)
+        raise constraint_error(at, first, code)
     return grammar
 
 
@@ -153,7 +156,9 @@ def _check_schema(schema: Any, at: str) -> None:
         cls.check_schema(schema)
     except jsonschema.SchemaError as e:
         where = "/".join(map(str, e.path)) or "the root"
-        raise _bad(at, f"not a valid JSON schema at {where}: {e.message[:200]}") from None
+        raise constraint_error(
+            at, f"not a valid JSON schema at {where}: {e.message[:200]}"
+        ) from None
 
 
 def _grammar_text(text: str, at: str) -> str:
@@ -165,7 +170,7 @@ def _grammar_text(text: str, at: str) -> str:
     try:
         lark = any_to_lark(text)
     except Exception as e:  # noqa: BLE001 - any conversion failure is the grammar's fault
-        raise _bad(at, f"not a valid grammar: {e}") from None
+        raise constraint_error(at, f"not a valid grammar: {e}") from None
     return LLMatcher.grammar_from_lark(lark)
 
 
