@@ -58,7 +58,7 @@ def engine_fields(
 
 class LLM:
     """A loaded model with its engine. Engine keywords: see `EngineConfig` (block_size,
-    kv_cache_memory, batch_invariant, ...), and vLLM's: `max_model_len`, `seed`,
+    kv_cache_memory, kv_cache_dtype, batch_invariant, ...), and vLLM's: `max_model_len`, `seed`,
     `model_impl` (auto, llmctl or transformers: whose model code runs it), `enable_lora`,
     `max_loras`, `max_lora_rank` (LoRA adapters, given per prompt to `generate`),
     `enforce_eager` (no CUDA graphs), `gpu_memory_utilization` (CUDA: the KV cache fills the

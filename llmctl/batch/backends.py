@@ -20,7 +20,13 @@ BACKENDS = ("llmctl", "vllm")
 DEFAULT_BACKEND = "llmctl"
 
 # EngineConfig fields with the same meaning in vLLM's EngineArgs, under the same name.
-_SAME_NAME = ("block_size", "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs")
+_SAME_NAME = (
+    "block_size",
+    "enable_prefix_caching",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "kv_cache_dtype",
+)
 
 # EngineConfig fields only llmctl's engine has, by the flag a user typed to set them.
 _OWN_ENGINE_ONLY = {

@@ -1,7 +1,7 @@
 """run-batch's vLLM spellings and its progress and logging flags: the option record `VllmFlags`.
 
 Owns: the options a `vllm run-batch` command line brings (`-i/--input-file`,
-`--kv-cache-memory-bytes`, `--gpu-memory-utilization`, `--speculative-config`,
+`--kv-cache-memory-bytes`, `--kv-cache-dtype`, `--gpu-memory-utilization`, `--speculative-config`,
 `--served-model-name`, `--generation-config`; `--output-file` and `--enable-prefix-caching` are
 second names of `_batch_options`' own), `--progress`, `--log-interval`, `--log-level`/`-v`, and
 their mapping to `BatchOptions` and `EngineConfig` fields (vllm_fields, kv_cache_memory,
@@ -62,6 +62,16 @@ class VllmFlags:
             "--kv-cache-memory-bytes",
             help="vLLM's spelling of --kv-cache-memory, read as vLLM reads it: 4G = 4 GiB, "
             "4g = 4e9.",
+        ),
+    ] = None
+    kv_cache_dtype: Annotated[
+        Optional[str],
+        _opt(
+            "--kv-cache-dtype",
+            help="The KV cache's dtype, as vLLM's: auto (the model's, the default), bfloat16, "
+            "float16, float32, fp8 (= fp8_e4m3) or fp8_e5m2. fp8 stores one byte per value, so "
+            "the same --kv-cache-memory holds twice the tokens of bf16 and decode attention reads "
+            "half the bytes; no scales (vLLM's default), values saturate at the format's largest.",
         ),
     ] = None
     gpu_memory_utilization: Annotated[
@@ -183,8 +193,11 @@ def speculative_fields(
 
 
 def vllm_engine_fields(a: VllmFlags) -> dict[str, Any]:
-    """EngineConfig fields of --gpu-memory-utilization and --log-interval, when set."""
+    """EngineConfig fields of --kv-cache-dtype, --gpu-memory-utilization and --log-interval,
+    when set."""
     fields = {}
+    if a.kv_cache_dtype is not None:
+        fields["kv_cache_dtype"] = a.kv_cache_dtype
     if a.gpu_memory_utilization is not None:
         fields["gpu_memory_utilization"] = a.gpu_memory_utilization
     if a.log_interval is not None:

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from llmctl.errors import UsageError
-from llmctl.kernels.config import KernelConfig
+from llmctl.kernels.config import KV_CACHE_DTYPES, KernelConfig
 from llmctl.kernels.config import from_env as kernels_from_env
 
 _UNITS = {
@@ -91,6 +91,9 @@ class EngineConfig:
     # Bytes for K and V of all layers; None: what max_num_seqs full-length sequences need, at most
     # 2 GiB.
     kv_cache_memory: int | None = None
+    # The caches' dtype, vLLM's --kv-cache-dtype (kernels/kv_dtype.py): "auto" is the model's;
+    # fp8 (e4m3) and fp8_e5m2 store one byte per value, so the same memory holds twice the tokens.
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decodes)
     max_num_seqs: int = 256
@@ -148,6 +151,10 @@ class EngineConfig:
             )
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise UsageError("--kv-cache-memory must be positive")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise UsageError(
+                f"--kv-cache-dtype {self.kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)}"
+            )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise UsageError(
                 f"n-gram lookup needs 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "

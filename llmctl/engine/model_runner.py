@@ -29,6 +29,7 @@ from llmctl.kernels.attention import (
     PrefillChunk,
     length_groups,
 )
+from llmctl.kernels.kv_dtype import cache_dtype
 from llmctl.models.config import ModelConfig
 from llmctl.models.prepare import Serving, prepare_for_inference
 
@@ -133,7 +134,9 @@ class ModelRunner:
         )
         prepare_for_inference(model, self.kernels, serving)
         self.block_size = engine_config.block_size
-        self.bytes_per_block = kv_bytes_per_token(config, dtype) * self.block_size
+        # [kv_heads, slots, D] per layer, K and V, in --kv-cache-dtype (kernels/kv_dtype.py)
+        self.cache_dtype = cache_dtype(engine_config.kv_cache_dtype, dtype)
+        self.bytes_per_block = kv_bytes_per_token(config, self.cache_dtype) * self.block_size
         budget = _kv_budget(config, engine_config, device, self.bytes_per_block)
         self.num_blocks = budget // self.bytes_per_block
         # One block more than the block manager hands out: padded rows of a captured decode step
@@ -146,8 +149,8 @@ class ModelRunner:
         )  # head-major
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=self.cache_dtype, device=device),
+                torch.zeros(shape, dtype=self.cache_dtype, device=device),
             )
             for _ in range(config.num_layers)
         ]

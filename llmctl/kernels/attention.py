@@ -20,6 +20,7 @@ from llmctl.kernels import invariant
 from llmctl.kernels.config import KernelConfig
 from llmctl.kernels.cpu import attention as cpu_attention
 from llmctl.kernels.cpu import prefill as cpu_prefill
+from llmctl.kernels.kv_dtype import to_cache, widen, write_rows
 
 DEFAULT_KERNELS = KernelConfig()
 
@@ -32,12 +33,13 @@ def write_kv(
     slots: torch.Tensor,
     native: bool = True,
 ) -> None:
-    """k, v [T, kv_heads, D] into the flat slots [T] of the caches (in one C call where `native`
-    and it applies)."""
+    """k, v [T, kv_heads, D] into the flat slots [T] of the caches, in the caches' dtype (in one C
+    call where `native` and it applies)."""
+    k, v = to_cache(k, k_cache.dtype), to_cache(v, v_cache.dtype)
     if native and cpu_attention.use_write_kv(k_cache, v_cache, k, v, slots):
         return cpu_attention.write_kv(k_cache, v_cache, k, v, slots)
-    k_cache.index_copy_(1, slots, k.transpose(0, 1))
-    v_cache.index_copy_(1, slots, v.transpose(0, 1))
+    write_rows(k_cache, slots, k)
+    write_rows(v_cache, slots, v)
 
 
 class GatherWorkspace:
@@ -94,8 +96,8 @@ def decode_attention(
         k, v = workspace.get(kvh * flat.numel() * block_size * d, k_cache)
         torch.index_select(kb, 1, flat, out=k.view(kvh, flat.numel(), block_size * d))
         torch.index_select(vb, 1, flat, out=v.view(kvh, flat.numel(), block_size * d))
-    k = k.view(kvh * b, length, d)  # [kv_heads * B, L, D]
-    v = v.view(kvh * b, length, d)
+    k = widen(k.view(kvh * b, length, d), q.dtype)  # [kv_heads * B, L, D]
+    v = widen(v.view(kvh * b, length, d), q.dtype)
     qg = q.view(b, kvh, heads // kvh, d).transpose(0, 1).reshape(kvh * b, heads // kvh, d)
     scores = torch.bmm(qg, k.transpose(1, 2)).float() * scale  # [kv_heads * B, group, L]
     valid = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]  # [B, L]
@@ -140,12 +142,16 @@ def chunk_attention(
     CPU with AMX goes to kernels/cpu/prefill.py (1.5-2x SDPA's CPU flash kernel there), as
     `kernels` (native, prefill_attention) allows."""
     tq = q.shape[0]
+    # An fp8 cache: the chunk's own K/V as the cache holds them too (paged_attention passes them
+    # so), so a prompt's outputs do not depend on how it was chunked or what the prefix cache hit.
+    k_new, v_new = widen(k_new, q.dtype), widen(v_new, q.dtype)
     mode = kernels.prefill_attention
     if kernels.native and cpu_prefill.supports(q, k_new, mode):
         if num_computed == 0:
             return cpu_prefill.prefill_attention(q, k_new, v_new, 0, scale, mode)
         k = k_cache.index_select(1, slots[: num_computed + tq]).transpose(0, 1)  # [total, kvh, D]
         v = v_cache.index_select(1, slots[: num_computed + tq]).transpose(0, 1)
+        k, v = widen(k, q.dtype), widen(v, q.dtype)  # an fp8 cache: the gathered rows only
         return cpu_prefill.prefill_attention(q, k, v, num_computed, scale, mode)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, Tq, D]
     if num_computed == 0:  # nothing cached before: plain causal attention on the new K/V
@@ -154,8 +160,8 @@ def chunk_attention(
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
     total = num_computed + tq
-    k = k_cache.index_select(1, slots[:total]).unsqueeze(0)  # [1, kv_heads, total, D]
-    v = v_cache.index_select(1, slots[:total]).unsqueeze(0)
+    k = widen(k_cache.index_select(1, slots[:total]).unsqueeze(0), q.dtype)  # [1, kvh, total, D]
+    v = widen(v_cache.index_select(1, slots[:total]).unsqueeze(0), q.dtype)
     if q.is_cuda if lower_right is None else lower_right:
         group = q.shape[1] // k.shape[1]
         if group > 1:  # CausalBias's flash route takes equal head counts only
@@ -294,7 +300,8 @@ def _decode_per_row(q, k_cache, v_cache, tables, lens, scale: float, bs: int) ->
     for i, n in enumerate(lens.tolist()):
         blocks = tables[i, : -(-n // bs)]
         slots = (blocks[:, None] * bs + offsets).reshape(-1)[:n]  # [n]
-        k, v = k_cache.index_select(1, slots), v_cache.index_select(1, slots)  # [kv_heads, n, D]
+        k = widen(k_cache.index_select(1, slots), q.dtype)  # [kv_heads, n, D]
+        v = widen(v_cache.index_select(1, slots), q.dtype)
         qg = q[i].view(kvh, heads // kvh, d)
         scores = torch.bmm(qg, k.transpose(1, 2)).float() * scale  # [kv_heads, group, n]
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
@@ -319,6 +326,7 @@ def paged_attention(
     every layer that the caches, slots and K/V are as the C kernels read them, and the C kernels
     on): K/V through the C write at any row count, and a step of decodes alone into `out`."""
     triton = None if out is not None else _triton_kernels(q)
+    k, v = to_cache(k, k_cache.dtype), to_cache(v, v_cache.dtype)  # see chunk_attention
     if triton:
         triton[0](k_cache, v_cache, k, v, meta.slot_mapping)
     elif out is not None:

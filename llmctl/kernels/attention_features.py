@@ -30,6 +30,7 @@ from llmctl.kernels.attention import (
     write_kv,
 )
 from llmctl.kernels.config import KernelConfig
+from llmctl.kernels.kv_dtype import to_cache, widen
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ def paged_attention_with(
     """As kernels/attention.paged_attention (q [T, H, D], k/v [T, KVH, D] of the packed batch,
     K/V written to their slots first; the decode rows first), with `f`'s features. Returns
     [T, H, D]."""
+    k, v = to_cache(k, k_cache.dtype), to_cache(v, v_cache.dtype)  # as kernels/attention.py
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping, kernels.native)
     out = torch.empty_like(q)
     nd = meta.num_decodes
@@ -193,7 +195,8 @@ def _windowed_chunk(q, k, v, k_cache, v_cache, chunk, f: Features, kernels) -> t
     k_pos = torch.arange(first, done + n, device=q.device)
     seen = (k_pos[None] <= q_pos[:, None]) & (k_pos[None] > q_pos[:, None] - window)
     rest = F.scaled_dot_product_attention(
-        q[split:].transpose(0, 1)[None], k_cache[:, slots][None], v_cache[:, slots][None],
+        q[split:].transpose(0, 1)[None], widen(k_cache[:, slots][None], q.dtype),
+        widen(v_cache[:, slots][None], q.dtype),
         attn_mask=seen, scale=f.scale, enable_gqa=True,
     )  # fmt: skip
     out[split:] = rest[0].transpose(0, 1)

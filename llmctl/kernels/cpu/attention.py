@@ -20,7 +20,18 @@ from llmctl.kernels.cpu.library import load
 # Fewer tokens than this: two index_copy_ calls cost no more than the C call's fixed overhead
 # (8 against 10 us at 1 token; 25 against 11 us at 64, 369 against 58 at 2048; bf16, 2 threads).
 WRITE_KV_MIN_ROWS = 16
-_GENERIC = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+_GENERIC = {
+    torch.float32: "paged_decode_f32",
+    torch.bfloat16: "paged_decode_bf16",
+    torch.float8_e4m3fn: "paged_decode_e4m3",  # an fp8 cache (kernels/kv_dtype.py), read as bytes
+    torch.float8_e5m2: "paged_decode_e5m2",
+}
+# bf16 query over an fp8 cache on `vdpbf16ps`: tiles widened to bf16 in scratch on the way
+_DPBF16_FP8 = {
+    torch.float8_e4m3fn: "paged_decode_dpbf16_e4m3",
+    torch.float8_e5m2: "paged_decode_dpbf16_e5m2",
+}
+_BF16_QUERY = ("paged_decode_amx", "paged_decode_dpbf16", *_DPBF16_FP8.values())
 
 
 def _rows_of_heads(x: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -89,7 +100,12 @@ def decode_kernel(q_dtype: torch.dtype, cache_dtype: torch.dtype, choice: str = 
     AMX runs and the choice is auto (it takes the `vdpbf16ps` items itself for shapes its tiles
     do not fit), else "paged_decode_dpbf16" where AVX512-BF16 runs and the choice is not
     generic; otherwise the generic kernel of the cache's dtype (a float32 query keeps
-    paged_decode_bf16, which does not round it to bf16)."""
+    paged_decode_bf16, which does not round it to bf16). An fp8 cache: its `vdpbf16ps` kernel
+    for a bf16 query where that runs and the choice is not generic (AMX has no fp8 variant),
+    else its generic kernel."""
+    if cache_dtype in _DPBF16_FP8:
+        fast = q_dtype is torch.bfloat16 and choice != "generic" and dpbf16_available()
+        return _DPBF16_FP8[cache_dtype] if fast else _GENERIC[cache_dtype]
     if q_dtype is torch.bfloat16 and cache_dtype is torch.bfloat16 and choice != "generic":
         if choice == "auto" and amx_available():
             return "paged_decode_amx"
@@ -99,7 +115,7 @@ def decode_kernel(q_dtype: torch.dtype, cache_dtype: torch.dtype, choice: str = 
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether paged_decode_attention can serve these tensors: CPU, fp32/bf16 cache,
+    """Whether paged_decode_attention can serve these tensors: CPU, an fp32, bf16 or fp8 cache,
     D % 16 == 0."""
     return (
         q.device.type == "cpu"
@@ -123,7 +139,7 @@ def check_decode_shapes(
 
 def paged_decode_attention(
     q: torch.Tensor,  # [B, heads, D]
-    k_cache: torch.Tensor,  # [kv_heads, slots, D], float32 or bfloat16, contiguous
+    k_cache: torch.Tensor,  # [kv_heads, slots, D], float32, bfloat16 or fp8, contiguous
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, max_blocks] int64
     context_lens: torch.Tensor,  # [B] int64, 1 <= len <= max_blocks * block_size
@@ -142,7 +158,7 @@ def paged_decode_attention(
         raise ValueError("paged_decode_attention needs contiguous K/V caches of one dtype")
     check_decode_shapes(heads, d, kvh, block_tables.shape[1], block_size, max_len)
     kernel = decode_kernel(q.dtype, k_cache.dtype, choice)
-    bf16_query = kernel in ("paged_decode_amx", "paged_decode_dpbf16")
+    bf16_query = kernel in _BF16_QUERY
     qf = q.contiguous() if bf16_query else q.to(torch.float32).contiguous()
     tables, lens = _int64(block_tables), _int64(context_lens)
     if out is None or not bf16_query:

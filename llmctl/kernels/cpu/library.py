@@ -51,6 +51,10 @@ def _signatures() -> dict[str, dict[str, tuple[list, object]]]:
             "paged_decode_bf16": _DECODE,
             "paged_decode_dpbf16": _DECODE,
             "paged_decode_amx": _DECODE,
+            "paged_decode_e4m3": _DECODE,
+            "paged_decode_e5m2": _DECODE,
+            "paged_decode_dpbf16_e4m3": _DECODE,
+            "paged_decode_dpbf16_e5m2": _DECODE,
             "paged_decode_dpbf16_built": ([], INT),
             "paged_decode_amx_available": ([], INT),
             # (x, ldx, w, bias, out, M, N, K, w_bf16, threads)

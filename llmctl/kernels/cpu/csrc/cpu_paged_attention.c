@@ -4,7 +4,8 @@
  *
  * Layouts (all contiguous):
  *   q            [B, H, D]            float32
- *   k/v cache    [KVH, slots, D]      float32, or bfloat16 passed as its uint16 bits
+ *   k/v cache    [KVH, slots, D]      float32, bfloat16 passed as its uint16 bits, or fp8
+ *                                     (e4m3fn or e5m2) passed as its bytes
  *   block_tables [B, max_blocks]      int64, slot = block * bs + offset
  *   context_lens [B]                  int64, tokens in cache including the new one
  *   out          [B, H, D]            float32
@@ -22,8 +23,6 @@
 
 #include "cpu_vec.h"
 
-static inline size_t elem(const int bf16) { return bf16 ? 2 : 4; }
-
 /* Blocks sit anywhere in the cache and the hardware prefetchers stop at page boundaries (an fp32
  * block of 16 x 64 is exactly one page), so each token row fetches the same row of the next
  * block. */
@@ -36,8 +35,8 @@ static inline void prefetch_row(const char *p, size_t row) {
  * registers. */
 static inline __attribute__((always_inline)) void item(
     const float *q, const char *k, const char *v, const int64_t *table, int64_t len, float *out,
-    int G, const int D, int bs, float scale, float *s, int64_t stride, const int bf16) {
-    const size_t row = elem(bf16) * (size_t)D;
+    int G, const int D, int bs, float scale, float *s, int64_t stride, const int kind) {
+    const size_t row = kind_size(kind) * (size_t)D;
     for (int64_t start = 0; start < len; start += bs) {
         const int64_t n = len - start < bs ? len - start : bs;
         const char *kb = k + (size_t)table[start / bs] * bs * row;
@@ -50,8 +49,8 @@ static inline __attribute__((always_inline)) void item(
                 /* two chains: the FMA latency, not the loads, bounds one */
                 v8f a0 = {0}, a1 = {0};
                 for (int d = 0; d < D; d += 16) {
-                    a0 += *(const v8f *)(qg + d) * load8(kr, d, bf16);
-                    a1 += *(const v8f *)(qg + d + 8) * load8(kr, d + 8, bf16);
+                    a0 += *(const v8f *)(qg + d) * load8(kr, d, kind);
+                    a1 += *(const v8f *)(qg + d + 8) * load8(kr, d + 8, kind);
                 }
                 s[(int64_t)g * stride + start + t] = hsum(a0 + a1) * scale;
             }
@@ -76,14 +75,14 @@ static inline __attribute__((always_inline)) void item(
             v8f acc[8] = {{0}};
             for (int64_t start = 0; start < len; start += bs) {
                 const int64_t n = len - start < bs ? len - start : bs;
-                const char *vb = v + (size_t)table[start / bs] * bs * row + elem(bf16) * c;
+                const char *vb = v + (size_t)table[start / bs] * bs * row + kind_size(kind) * c;
                 const int more = g == 0 && start + bs < len;
                 const char *next = more ? v + (size_t)table[start / bs + 1] * bs * row : NULL;
                 for (int64_t t = 0; t < n; ++t) {
                     if (next && c == 0) prefetch_row(next + t * row, row);
                     const float p = pg[start + t];
                     const void *vr = vb + t * row;
-                    for (int j = 0; j < w / 8; ++j) acc[j] += p * load8(vr, 8 * j, bf16);
+                    for (int j = 0; j < w / 8; ++j) acc[j] += p * load8(vr, 8 * j, kind);
                 }
             }
             for (int j = 0; j < w / 8; ++j) *(v8f *)(og + c + 8 * j) = acc[j];
@@ -95,7 +94,7 @@ static inline __attribute__((always_inline)) void item(
 static int run(
     const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
     float *out, int B, int H, int KVH, int D, int64_t slots, int max_blocks, int bs, float scale,
-    int64_t max_len, int threads, const int bf16) {
+    int64_t max_len, int threads, const int kind) {
     const int G = H / KVH;
     /* Rows of the score buffer start 64-byte aligned, whatever max_len and the allocator give:
      * the vectorised softmax sum then splits a row the same way in every call (batch-invariant
@@ -113,7 +112,7 @@ static int run(
                 continue;
             }
             const int64_t b = it / KVH, h = it % KVH, r = (b * H + h * G) * D;
-            const size_t head = (size_t)h * slots * D * elem(bf16);
+            const size_t head = (size_t)h * slots * D * kind_size(kind);
             const char *k = (const char *)kc + head, *v = (const char *)vc + head;
             /* Every specialisation is chosen here, inside the loop: GCC outlines the parallel
              * region before inlining, so a constant passed into run() would reach item() as a
@@ -122,12 +121,20 @@ static int run(
             const float *qr = q + r;
             float *o = out + r;
             const int64_t n = lens[b];
-            if (bf16 && D == 64) item(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, 1);
-            else if (bf16 && D == 128) item(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, 1);
-            else if (bf16) item(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, 1);
-            else if (D == 64) item(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, 0);
-            else if (D == 128) item(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, 0);
-            else item(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, 0);
+            if (kind == KIND_BF16 && D == 64)
+                item(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, KIND_BF16);
+            else if (kind == KIND_BF16 && D == 128)
+                item(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, KIND_BF16);
+            else if (kind == KIND_BF16) item(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, 1);
+            else if (kind == KIND_E4M3 && D == 64)
+                item(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, KIND_E4M3);
+            else if (kind == KIND_E4M3) item(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, 2);
+            else if (kind == KIND_E5M2 && D == 64)
+                item(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, KIND_E5M2);
+            else if (kind == KIND_E5M2) item(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, 3);
+            else if (D == 64) item(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, KIND_F32);
+            else if (D == 128) item(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, KIND_F32);
+            else item(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, KIND_F32);
         }
         free(s);
     }
@@ -145,7 +152,23 @@ int paged_decode_bf16(const float *q, const void *kc, const void *vc, const int6
                       const int64_t *lens, float *out, int B, int H, int KVH, int D, int64_t slots,
                       int max_blocks, int bs, float scale, int64_t max_len, int threads) {
     return run(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale, max_len,
-               threads, 1);
+               threads, KIND_BF16);
+}
+
+/* float32 query over an fp8 cache (e4m3fn, e5m2): the fallback where vdpbf16ps is missing, and
+ * the kernel of float32 models. */
+int paged_decode_e4m3(const float *q, const void *kc, const void *vc, const int64_t *tables,
+                      const int64_t *lens, float *out, int B, int H, int KVH, int D, int64_t slots,
+                      int max_blocks, int bs, float scale, int64_t max_len, int threads) {
+    return run(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale, max_len,
+               threads, KIND_E4M3);
+}
+
+int paged_decode_e5m2(const float *q, const void *kc, const void *vc, const int64_t *tables,
+                      const int64_t *lens, float *out, int B, int H, int KVH, int D, int64_t slots,
+                      int max_blocks, int bs, float scale, int64_t max_len, int threads) {
+    return run(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale, max_len,
+               threads, KIND_E5M2);
 }
 
 /* The K and V rows of T new tokens into their cache slots, one call for both caches (two

@@ -21,6 +21,8 @@
  *   P V     each pair of V rows (t, t + 1) is interleaved once and multiplied by the broadcast
  *           pair (P[g][t], P[g][t + 1]) for up to 8 query heads, so V is read once per 32 or 64
  *           columns for all G heads, not once per head; out = acc / sum.
+ * An fp8 cache (e4m3fn or e5m2 bytes) takes `paged_decode_dpbf16_e4m3/_e5m2`: the same items over
+ * tiles widened to bf16 on the way (below).
  * Every score, exp and output element is computed by the same operations in the same order
  * whatever the token's block, the block size, the batch or the thread count (the reduction tree
  * treats the 16 lanes alike; sums run from token 0), which batch-invariant mode relies on.
@@ -219,6 +221,131 @@ INLINE void item(const uint16_t *q, const uint16_t *k, const uint16_t *v, const 
         for (int c = 0; c < D; c += 32)
             pv(v, off, len, p + g * stride, stride, G - g < 8 ? G - g : 8, D, c, 1, inv + g,
                out + g * D);
+}
+
+/* fp8 caches (--kv-cache-dtype fp8: e4m3fn, or e5m2), read as bytes and widened tile by tile
+ * into bf16 (exact: 3 or 2 mantissa bits fit bf16's 7) in L1/L2 scratch, never a widened copy
+ * of the cache: K 16 rows at a time into kt [16, D], V into vb [len, D] while its K tile is
+ * scored, then the bf16 items' softmax and P V over vb. The cache traffic is half of bf16's. */
+
+/* n * D fp8 values from src into bf16 dst, 16 at a time (D % 16 == 0). e5m2 is the top byte of
+ * a float16; e4m3's sign, exponent and mantissa laid into a float16 read as value * 2^-8. */
+INLINE void fp8_rows(const uint8_t *src, int64_t count, const int e5m2, uint16_t *dst) {
+    const __m256i sign = _mm256_set1_epi16(0x80), rest = _mm256_set1_epi16(0x7f);
+    const __m512 up = _mm512_set1_ps(256.f);
+    for (int64_t i = 0; i < count; i += 16) {
+        const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + i)));
+        __m512 f;
+        if (e5m2) {
+            f = _mm512_cvtph_ps(_mm256_slli_epi16(x, 8));
+        } else {
+            const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, sign), 8),
+                                              _mm256_slli_epi16(_mm256_and_si256(x, rest), 7));
+            f = _mm512_mul_ps(_mm512_cvtph_ps(h), up);
+        }
+        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(f));
+    }
+}
+
+INLINE void prefetch8(const uint8_t *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T1);
+}
+
+/* Scores of one item over an fp8 cache (as score_pass), V widened into vb [len, D] on the way,
+ * off[t] = t * D into vb. */
+INLINE void score_pass_fp8(const uint16_t *q, const uint8_t *k, const uint8_t *v,
+                           const int64_t *table, int64_t len, int G, const int D, int bs,
+                           float *s, int64_t stride, int64_t *off, uint16_t *kt, uint16_t *vb,
+                           const int e5m2) {
+    for (int64_t j = 0; j < AHEAD && j * bs < len; ++j)
+        prefetch8(k + table[j] * bs * D, (len - j * bs < bs ? len - j * bs : bs) * D);
+    for (int64_t start = 0, j = 0; start < len; start += bs, ++j) {
+        const int64_t nb = len - start < bs ? len - start : bs;
+        if (start + AHEAD * bs < len) prefetch8(k + table[j + AHEAD] * bs * D, bs * D);
+        prefetch8(v + table[j] * bs * D, nb * D);
+        for (int64_t o = 0; o < nb; o += 16) {
+            const int n = nb - o < 16 ? (int)(nb - o) : 16;
+            const int64_t base = table[j] * bs * D + o * D, t0 = start + o;
+            fp8_rows(k + base, (int64_t)n * D, e5m2, kt);
+            fp8_rows(v + base, (int64_t)n * D, e5m2, vb + t0 * D);
+            for (int i = 0; i < n; ++i) off[t0 + i] = (t0 + i) * D;
+            if (n == 16) scores16(q, kt, 16, 1, G, D, s + t0, stride);
+            else scores16(q, kt, n, 0, G, D, s + t0, stride);
+        }
+    }
+}
+
+/* item's contract over an fp8 cache; kt [16, D] and vb [stride, D] bf16 scratch. */
+INLINE void item_fp8(const uint16_t *q, const uint8_t *k, const uint8_t *v, const int64_t *table,
+                     int64_t len, uint16_t *out, int G, const int D, int bs, float scale, float *s,
+                     uint16_t *p, int64_t *off, int64_t stride, uint16_t *kt, uint16_t *vb,
+                     const int e5m2) {
+    float inv[G];
+    score_pass_fp8(q, k, v, table, len, G, D, bs, s, stride, off, kt, vb, e5m2);
+    softmax(s, p, len, G, scale, stride, inv);
+    if (G <= 4) {
+        for (int c = 0; c < D; c += 64) pv(vb, off, len, p, stride, G, D, c, 2, inv, out);
+        return;
+    }
+    for (int g = 0; g < G; g += 8)
+        for (int c = 0; c < D; c += 32)
+            pv(vb, off, len, p + g * stride, stride, G - g < 8 ? G - g : 8, D, c, 1, inv + g,
+               out + g * D);
+}
+
+/* paged_decode_dpbf16's contract over an fp8 cache (bytes). */
+static int decode_fp8(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
+                      const int64_t *tables, const int64_t *lens, uint16_t *out, int B, int H,
+                      int KVH, int D, int64_t slots, int max_blocks, int bs, float scale,
+                      int64_t max_len, int threads, const int e5m2) {
+    const int G = H / KVH;
+    const int64_t stride = ((max_len > 0 ? max_len : 1) + 31) & ~(int64_t)31;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *s = aligned_alloc(64, sizeof(float) * (size_t)G * (size_t)stride);
+        uint16_t *p = aligned_alloc(64, sizeof(uint16_t) * (size_t)G * (size_t)stride);
+        int64_t *off = aligned_alloc(64, sizeof(int64_t) * (size_t)stride);
+        uint16_t *kt = aligned_alloc(64, sizeof(uint16_t) * 16 * (size_t)D);
+        uint16_t *vb = aligned_alloc(64, sizeof(uint16_t) * (size_t)stride * (size_t)D);
+        const int ok = s && p && off && kt && vb;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < (int64_t)B * KVH; ++it) {
+            if (!ok) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            const int64_t b = it / KVH, h = it % KVH, r = (b * H + h * G) * D;
+            const uint8_t *k = kc + h * slots * D, *v = vc + h * slots * D;
+            const int64_t *tb = tables + b * max_blocks, n = lens[b];
+            const uint16_t *qr = q + r;
+            uint16_t *o = out + r;
+            if (D == 64 && e5m2) item_fp8(qr, k, v, tb, n, o, G, 64, bs, scale, s, p, off, stride,
+                                          kt, vb, 1);
+            else if (D == 64) item_fp8(qr, k, v, tb, n, o, G, 64, bs, scale, s, p, off, stride, kt,
+                                       vb, 0);
+            else item_fp8(qr, k, v, tb, n, o, G, D, bs, scale, s, p, off, stride, kt, vb, e5m2);
+        }
+        free(s), free(p), free(off), free(kt), free(vb);
+    }
+    return failed;
+}
+
+int paged_decode_dpbf16_e4m3(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
+                             const int64_t *tables, const int64_t *lens, uint16_t *out, int B,
+                             int H, int KVH, int D, int64_t slots, int max_blocks, int bs,
+                             float scale, int64_t max_len, int threads) {
+    return decode_fp8(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale,
+                      max_len, threads, 0);
+}
+
+int paged_decode_dpbf16_e5m2(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
+                             const int64_t *tables, const int64_t *lens, uint16_t *out, int B,
+                             int H, int KVH, int D, int64_t slots, int max_blocks, int bs,
+                             float scale, int64_t max_len, int threads) {
+    return decode_fp8(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale,
+                      max_len, threads, 1);
 }
 
 int paged_decode_dpbf16_built(void) { return 1; }
@@ -463,6 +590,24 @@ int paged_decode_amx(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
 
 #else /* no AVX512-BF16 on this CPU or compiler: the caller keeps paged_decode_bf16 */
 int paged_decode_dpbf16_built(void) { return 0; }
+
+/* Stubs: never called where paged_decode_dpbf16_built() is 0. */
+int paged_decode_dpbf16_e4m3(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
+                             const int64_t *tables, const int64_t *lens, uint16_t *out, int B,
+                             int H, int KVH, int D, int64_t slots, int max_blocks, int bs,
+                             float scale, int64_t max_len, int threads) {
+    (void)q, (void)kc, (void)vc, (void)tables, (void)lens, (void)out, (void)B, (void)H, (void)KVH;
+    (void)D, (void)slots, (void)max_blocks, (void)bs, (void)scale, (void)max_len, (void)threads;
+    return 1;
+}
+
+int paged_decode_dpbf16_e5m2(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
+                             const int64_t *tables, const int64_t *lens, uint16_t *out, int B,
+                             int H, int KVH, int D, int64_t slots, int max_blocks, int bs,
+                             float scale, int64_t max_len, int threads) {
+    return paged_decode_dpbf16_e4m3(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks,
+                                    bs, scale, max_len, threads);
+}
 
 int paged_decode_dpbf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
                         const int64_t *tables, const int64_t *lens, uint16_t *out, int B, int H,
