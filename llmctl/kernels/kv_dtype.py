@@ -38,9 +38,7 @@ def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     if name == "auto":
         return model_dtype
     if name not in _NAMED:
-        raise ValueError(
-            f"kv_cache_dtype {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
-        )
+        raise ValueError(f"kv_cache_dtype {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
     return _NAMED[name]
 
 
