@@ -40,8 +40,11 @@ from common import (
 )
 
 
-def run_vllm(python: str, folder: Path, prompts, outs, threads: int, dtype: str) -> dict:
+def run_vllm(
+    python: str, folder: Path, prompts, outs, threads: int, dtype: str, kv_cache_dtype: str = "auto"
+) -> dict:
     spec = {
+        "kv_cache_dtype": None if kv_cache_dtype == "auto" else kv_cache_dtype,
         "model": str(folder),
         "prompts": prompts,
         "outputs": outs,
@@ -63,7 +66,9 @@ def run_vllm(python: str, folder: Path, prompts, outs, threads: int, dtype: str)
     raise RuntimeError(f"vLLM run failed:\n{res.stderr[-3000:]}")
 
 
-def run_llmctl_cli(folder: Path, prompts, outs, dtype: str, threads: int) -> dict:
+def run_llmctl_cli(
+    folder: Path, prompts, outs, dtype: str, threads: int, kv_cache_dtype: str = "auto"
+) -> dict:
     """The same workload through the `llmctl run-batch` command itself (JSONL in and out,
     detokenized), in its own process as a user runs it: the time includes starting Python and
     loading the model."""
@@ -101,6 +106,8 @@ def run_llmctl_cli(folder: Path, prompts, outs, dtype: str, threads: int) -> dic
                 "-q",
                 "--report-json",
                 str(summary),
+                "--kv-cache-dtype",
+                kv_cache_dtype,
             ],
             env=env,
             capture_output=True,
@@ -216,6 +223,11 @@ def main() -> None:
     ap.add_argument(
         "--batch1-only", action="store_true", help="only the batch-1 decode and its MBU (no peers)"
     )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="both engines' KV cache dtype (vLLM's values: auto, fp8, fp8_e5m2, ...)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -235,12 +247,15 @@ def main() -> None:
         "prompt_tokens": sum(map(len, prompts)),
         "output_len": args.output_len,
         "output_tokens": sum(outs),
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     if args.batch1_only:
         report["llmctl_batch1"] = batch1_decode(folder, args.dtype, vocab)
         return emit(report, args.json)
     if args.cli_only:
-        report["llmctl_run_batch"] = run_llmctl_cli(folder, prompts, outs, args.dtype, args.threads)
+        report["llmctl_run_batch"] = run_llmctl_cli(
+            folder, prompts, outs, args.dtype, args.threads, args.kv_cache_dtype
+        )
         return emit(report, args.json)
     python = os.environ.get("VLLM_PYTHON", "/work/venvs/vllm/bin/python")
     # Repeats alternate the engines (vLLM, llmctl, vLLM, llmctl, ...): on a VM whose speed drifts
@@ -249,13 +264,18 @@ def main() -> None:
     if not args.skip_cli:
         runs["llmctl_run_batch"] = []
     for _ in range(args.repeats):
-        runs["vllm_cpu"].append(run_vllm(python, folder, prompts, outs, args.threads, args.dtype))
+        kv = args.kv_cache_dtype
+        runs["vllm_cpu"].append(
+            run_vllm(python, folder, prompts, outs, args.threads, args.dtype, kv)
+        )
         print(json.dumps({"vllm_cpu": runs["vllm_cpu"][-1]}), flush=True)
-        runs["llmctl"].append(run_llmctl(folder, prompts, outs, dtype=args.dtype, max_num_seqs=256))
+        runs["llmctl"].append(
+            run_llmctl(folder, prompts, outs, dtype=args.dtype, max_num_seqs=256, kv_cache_dtype=kv)
+        )
         print(json.dumps({"llmctl": runs["llmctl"][-1]}), flush=True)
         if args.skip_cli:
             continue
-        cli = run_llmctl_cli(folder, prompts, outs, args.dtype, args.threads)
+        cli = run_llmctl_cli(folder, prompts, outs, args.dtype, args.threads, kv)
         runs["llmctl_run_batch"].append(dict(cli, seconds=cli["job_seconds"]))
         print(json.dumps({"llmctl_run_batch": cli}), flush=True)
     flops = workload_flops(folder, prompts, outs)

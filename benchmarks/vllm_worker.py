@@ -25,6 +25,7 @@ if __name__ == "__main__":  # vLLM starts worker processes: everything under the
         max_model_len=spec["max_model_len"],
         max_num_seqs=spec.get("max_num_seqs", 256),
         enable_prefix_caching=False,
+        **({"kv_cache_dtype": spec["kv_cache_dtype"]} if spec.get("kv_cache_dtype") else {}),
     )
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     params = [

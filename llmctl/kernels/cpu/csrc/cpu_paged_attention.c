@@ -128,9 +128,13 @@ static int run(
             else if (kind == KIND_BF16) item(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, 1);
             else if (kind == KIND_E4M3 && D == 64)
                 item(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, KIND_E4M3);
+            else if (kind == KIND_E4M3 && D == 128)
+                item(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, KIND_E4M3);
             else if (kind == KIND_E4M3) item(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, 2);
             else if (kind == KIND_E5M2 && D == 64)
                 item(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, KIND_E5M2);
+            else if (kind == KIND_E5M2 && D == 128)
+                item(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, KIND_E5M2);
             else if (kind == KIND_E5M2) item(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, 3);
             else if (D == 64) item(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, KIND_F32);
             else if (D == 128) item(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, KIND_F32);

@@ -325,6 +325,10 @@ static int decode_fp8(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
                                           kt, vb, 1);
             else if (D == 64) item_fp8(qr, k, v, tb, n, o, G, 64, bs, scale, s, p, off, stride, kt,
                                        vb, 0);
+            else if (D == 128 && e5m2) item_fp8(qr, k, v, tb, n, o, G, 128, bs, scale, s, p, off,
+                                                 stride, kt, vb, 1);
+            else if (D == 128) item_fp8(qr, k, v, tb, n, o, G, 128, bs, scale, s, p, off, stride,
+                                        kt, vb, 0);
             else item_fp8(qr, k, v, tb, n, o, G, D, bs, scale, s, p, off, stride, kt, vb, e5m2);
         }
         free(s), free(p), free(off), free(kt), free(vb);
