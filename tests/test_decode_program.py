@@ -66,8 +66,8 @@ def _checked(model, monkeypatch) -> list[int]:
             model.lean = lean
         out = forward(model, input_ids, positions, meta, kv_caches)
         assert torch.equal(out, ref)
-        for (k, v), (rk, rv) in zip(kv_caches, caches):
-            assert torch.equal(k, rk) and torch.equal(v, rv)
+        for (k, v), (rk, rv) in zip(kv_caches, caches):  # as bytes: fp8 has no torch.equal
+            assert torch.equal(_bytes(k), _bytes(rk)) and torch.equal(_bytes(v), _bytes(rv))
         return out
 
     monkeypatch.setattr(model, "forward", both)
@@ -108,6 +108,22 @@ def test_lean_steps_equal_the_module_path(tiny, kernel, attention, monkeypatch):
         prompts = [[int(t) for t in torch.randint(3, 150, (4 + i % 9,))] for i in range(n)]
         llm.generate(prompts, GREEDY)
         assert n in seen  # steps of this batch took the lean path
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+@pytest.mark.parametrize("cache", ["fp8", "fp8_e5m2"])
+def test_lean_steps_on_an_fp8_cache_equal_the_module_path(tiny, cache, monkeypatch):
+    """--kv-cache-dtype fp8: the lean step converts K/V on write and its decode kernel reads the
+    bytes, as the module path does."""
+    llm = _engine(tiny, kv_cache_dtype=cache)
+    seen = _checked(llm.runtime.model, monkeypatch)
+    for n in (1, 5, 70):
+        prompts = [[int(t) for t in torch.randint(3, 150, (4 + i % 9,))] for i in range(n)]
+        llm.generate(prompts, GREEDY)
+        assert n in seen
 
 
 def test_separate_projections_equal_the_module_path(tiny, monkeypatch):

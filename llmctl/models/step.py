@@ -26,6 +26,8 @@ from llmctl.kernels.config import KernelConfig
 from llmctl.kernels.cpu.library import load
 
 BF16 = torch.bfloat16
+# the caches the lean step's kernels read (an fp8 cache is converted on write, read as bytes)
+CACHE_DTYPES = (BF16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class Step:
@@ -110,8 +112,8 @@ def begin(model: nn.Module, input_ids, positions, meta, kv_caches) -> Step | Non
     if model.model.embed_tokens.weight.dtype is not BF16 or not model.lean.unchanged():
         return None
     shape = kv_caches[0][0].shape  # [kv_heads, slots, D]
-    for k, v in kv_caches:  # the kernels read the caches by pointer
-        if k.dtype is not BF16 or v.dtype is not BF16 or not k.is_cpu:
+    for k, v in kv_caches:  # the kernels read the caches by pointer: bf16, or fp8 bytes
+        if k.dtype not in CACHE_DTYPES or v.dtype is not k.dtype or not k.is_cpu:
             return None
         if k.shape != shape or v.shape != shape or not (k.is_contiguous() and v.is_contiguous()):
             return None
