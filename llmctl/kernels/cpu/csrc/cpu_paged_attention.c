@@ -30,6 +30,38 @@ static inline void prefetch_row(const char *p, size_t row) {
     for (size_t o = 0; o < row; o += 64) __builtin_prefetch(p + o, 0, 0);
 }
 
+/* The scores of G query heads q [G, D] against one K row kr (of element kind `kind`) into
+ * s[g * stride]. */
+static inline __attribute__((always_inline)) void score_row(
+    const float *q, const void *kr, int G, const int D, float scale, float *s, int64_t stride,
+    const int kind) {
+    for (int g = 0; g < G; ++g) {
+        const float *qg = q + (int64_t)g * D;
+        /* two chains: the FMA latency, not the loads, bounds one */
+        v8f a0 = {0}, a1 = {0};
+        for (int d = 0; d < D; d += 16) {
+            a0 += *(const v8f *)(qg + d) * load8(kr, d, kind);
+            a1 += *(const v8f *)(qg + d + 8) * load8(kr, d + 8, kind);
+        }
+        s[(int64_t)g * stride] = hsum(a0 + a1) * scale;
+    }
+}
+
+/* Softmax of each of the G rows of s [G, stride] (len entries, all finite) in place. */
+static inline void softmax_rows(float *s, int64_t len, int G, int64_t stride) {
+    for (int g = 0; g < G; ++g) {
+        float *sg = s + (int64_t)g * stride, m = sg[0], sum = 0.f;
+        for (int64_t t = 1; t < len; ++t) m = sg[t] > m ? sg[t] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+            sg[t] = expf(sg[t] - m);
+            sum += sg[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+    }
+}
+
 /* One (sequence, KV head). q, out: its G query rows [G, D]; k, v: this KV head's slot 0.
  * Inlined with D a constant for the common head sizes, so the loops over D unroll into
  * registers. */
@@ -44,29 +76,10 @@ static inline __attribute__((always_inline)) void item(
         for (int64_t t = 0; t < n; ++t) {
             const void *kr = kb + t * row;
             if (next) prefetch_row(next + t * row, row);
-            for (int g = 0; g < G; ++g) {
-                const float *qg = q + (int64_t)g * D;
-                /* two chains: the FMA latency, not the loads, bounds one */
-                v8f a0 = {0}, a1 = {0};
-                for (int d = 0; d < D; d += 16) {
-                    a0 += *(const v8f *)(qg + d) * load8(kr, d, kind);
-                    a1 += *(const v8f *)(qg + d + 8) * load8(kr, d + 8, kind);
-                }
-                s[(int64_t)g * stride + start + t] = hsum(a0 + a1) * scale;
-            }
+            score_row(q, kr, G, D, scale, s + start + t, stride, kind);
         }
     }
-    for (int g = 0; g < G; ++g) {  /* softmax of row g in place; its entries are all finite */
-        float *sg = s + (int64_t)g * stride, m = sg[0], sum = 0.f;
-        for (int64_t t = 1; t < len; ++t) m = sg[t] > m ? sg[t] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-            sg[t] = expf(sg[t] - m);
-            sum += sg[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-    }
+    softmax_rows(s, len, G, stride);
     for (int g = 0; g < G; ++g) {
         float *og = out + (int64_t)g * D;
         const float *pg = s + (int64_t)g * stride;
@@ -90,6 +103,27 @@ static inline __attribute__((always_inline)) void item(
     }
 }
 
+
+/* item's contract over an fp8 cache: the item's K and V rows widened once each (not once per
+ * query head) into float32 scratch kf, vf [len, D], laid out as consecutive blocks of `ident`
+ * (ident[i] = i), then item itself over them: the results equal item's over the cache widened
+ * to float32, bit for bit. */
+static inline __attribute__((always_inline)) void item_fp8(
+    const float *q, const char *k, const char *v, const int64_t *table, int64_t len, float *out,
+    int G, const int D, int bs, float scale, float *s, int64_t stride, float *kf, float *vf,
+    const int64_t *ident, const int kind) {
+    for (int64_t start = 0; start < len; start += bs) {
+        const int64_t n = len - start < bs ? len - start : bs;
+        const size_t base = (size_t)table[start / bs] * bs * D;
+        for (int64_t i = 0; i < n * D; i += 8) {
+            *(v8f *)(kf + start * D + i) = load8(k + base, i, kind);
+            *(v8f *)(vf + start * D + i) = load8(v + base, i, kind);
+        }
+    }
+    item(q, (const char *)kf, (const char *)vf, ident, len, out, G, D, bs, scale, s, stride,
+         KIND_F32);
+}
+
 /* Returns 0, or 1 when a scratch buffer could not be allocated (out is then incomplete). */
 static int run(
     const float *q, const void *kc, const void *vc, const int64_t *tables, const int64_t *lens,
@@ -104,9 +138,19 @@ static int run(
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         float *s = (float *)aligned_alloc(64, sizeof(float) * (size_t)G * (size_t)stride);
+        /* fp8: an item's K and V rows widened to float32, [stride + bs, D] each, and the block
+         * table of those scratch rows */
+        const int fp8 = kind >= KIND_E4M3;
+        const size_t rows = (size_t)(stride + bs) * (size_t)D * sizeof(float);
+        float *kf = fp8 ? (float *)aligned_alloc(64, rows) : NULL;
+        float *vf = fp8 ? (float *)aligned_alloc(64, rows) : NULL;
+        int64_t *ident = fp8 ? (int64_t *)malloc(sizeof(int64_t) * (size_t)(max_blocks + 1)) : NULL;
+        const int ok = s != NULL && (!fp8 || (kf != NULL && vf != NULL && ident != NULL));
+        if (ok && fp8)
+            for (int64_t i = 0; i <= max_blocks; ++i) ident[i] = i;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < (int64_t)B * KVH; ++it) {
-            if (s == NULL) {
+            if (!ok) {
 #pragma omp atomic write
                 failed = 1;
                 continue;
@@ -127,20 +171,22 @@ static int run(
                 item(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, KIND_BF16);
             else if (kind == KIND_BF16) item(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, 1);
             else if (kind == KIND_E4M3 && D == 64)
-                item(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, KIND_E4M3);
+                item_fp8(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, kf, vf, ident, KIND_E4M3);
             else if (kind == KIND_E4M3 && D == 128)
-                item(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, KIND_E4M3);
-            else if (kind == KIND_E4M3) item(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, 2);
+                item_fp8(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, kf, vf, ident, KIND_E4M3);
+            else if (kind == KIND_E4M3)
+                item_fp8(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, kf, vf, ident, KIND_E4M3);
             else if (kind == KIND_E5M2 && D == 64)
-                item(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, KIND_E5M2);
+                item_fp8(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, kf, vf, ident, KIND_E5M2);
             else if (kind == KIND_E5M2 && D == 128)
-                item(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, KIND_E5M2);
-            else if (kind == KIND_E5M2) item(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, 3);
+                item_fp8(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, kf, vf, ident, KIND_E5M2);
+            else if (kind == KIND_E5M2)
+                item_fp8(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, kf, vf, ident, KIND_E5M2);
             else if (D == 64) item(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, KIND_F32);
             else if (D == 128) item(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, KIND_F32);
             else item(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, KIND_F32);
         }
-        free(s);
+        free(s), free(kf), free(vf), free(ident);
     }
     return failed;
 }

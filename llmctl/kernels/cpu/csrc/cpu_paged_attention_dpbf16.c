@@ -224,25 +224,33 @@ INLINE void item(const uint16_t *q, const uint16_t *k, const uint16_t *v, const 
 }
 
 /* fp8 caches (--kv-cache-dtype fp8: e4m3fn, or e5m2), read as bytes and widened tile by tile
- * into bf16 (exact: 3 or 2 mantissa bits fit bf16's 7) in L1/L2 scratch, never a widened copy
+ * into bf16 (exact: 3 or 2 mantissa bits fit bf16's 7; e4m3 times 2^-8) in L1/L2 scratch, never a widened copy
  * of the cache: K 16 rows at a time into kt [16, D], V into vb [len, D] while its K tile is
  * scored, then the bf16 items' softmax and P V over vb. The cache traffic is half of bf16's. */
 
-/* n * D fp8 values from src into bf16 dst, 16 at a time (D % 16 == 0). e5m2 is the top byte of
- * a float16; e4m3's sign, exponent and mantissa laid into a float16 read as value * 2^-8. */
+/* 16 fp8 bytes as float16 bits (16-bit lanes). e5m2 is the top byte of a float16. e4m3,
+ * sign-extended to 16 bits and shifted left by 7, has its sign at bit 15 and a copy at bit 14
+ * (cleared), its 4 exponent bits at 10-13 and 3 mantissa bits at 7-9: a float16 worth exactly the
+ * value times 2^-8, subnormals included; the caller folds the 256 into its scales. */
+INLINE __m256i fp8_half16(__m128i b, const int e5m2) {
+    if (e5m2) return _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
+    const __m256i x = _mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7);
+    return _mm256_and_si256(x, _mm256_set1_epi16((short)0xBFFF));
+}
+
+/* count (a multiple of 16) fp8 values from src into bf16 dst, exactly (e4m3: times 2^-8). */
 INLINE void fp8_rows(const uint8_t *src, int64_t count, const int e5m2, uint16_t *dst) {
-    const __m256i sign = _mm256_set1_epi16(0x80), rest = _mm256_set1_epi16(0x7f);
-    const __m512 up = _mm512_set1_ps(256.f);
-    for (int64_t i = 0; i < count; i += 16) {
-        const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + i)));
-        __m512 f;
-        if (e5m2) {
-            f = _mm512_cvtph_ps(_mm256_slli_epi16(x, 8));
-        } else {
-            const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, sign), 8),
-                                              _mm256_slli_epi16(_mm256_and_si256(x, rest), 7));
-            f = _mm512_mul_ps(_mm512_cvtph_ps(h), up);
-        }
+    int64_t i = 0;
+    for (; i + 32 <= count; i += 32) {
+        const __m512 lo = _mm512_cvtph_ps(fp8_half16(_mm_loadu_si128((const __m128i *)(src + i)),
+                                                     e5m2));
+        const __m512 hi = _mm512_cvtph_ps(
+            fp8_half16(_mm_loadu_si128((const __m128i *)(src + i + 16)), e5m2));
+        _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+    if (i < count) {
+        const __m512 f = _mm512_cvtph_ps(fp8_half16(_mm_loadu_si128((const __m128i *)(src + i)),
+                                                    e5m2));
         _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(f));
     }
 }
@@ -282,7 +290,11 @@ INLINE void item_fp8(const uint16_t *q, const uint8_t *k, const uint8_t *v, cons
                      const int e5m2) {
     float inv[G];
     score_pass_fp8(q, k, v, table, len, G, D, bs, s, stride, off, kt, vb, e5m2);
-    softmax(s, p, len, G, scale, stride, inv);
+    /* e4m3 tiles hold K and V times 2^-8: scale and 1 / sum take the 256 (powers of two: the
+     * results equal the bf16 items' over the widened cache, bit for bit) */
+    softmax(s, p, len, G, e5m2 ? scale : scale * 256.f, stride, inv);
+    if (!e5m2)
+        for (int g = 0; g < G; ++g) inv[g] *= 256.f;
     if (G <= 4) {
         for (int c = 0; c < D; c += 64) pv(vb, off, len, p, stride, G, D, c, 2, inv, out);
         return;
