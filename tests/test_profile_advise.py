@@ -54,6 +54,7 @@ FAKE = {
     "dtype_bfloat16": (_m(tps=102.0), 0.001),
     "dtype_float32": (_m(tps=102.0), 0.001),
     "kv_half": (_m(tps=99.0, mem=900), None),
+    "kv_fp8": (_m(tps=160.0, mem=900), None),  # fast, but its agreement is unknown: not advised
     "combined": (_m(ttft=0.015, tpot=0.002, tps=400.0, mem=500), None),
 }
 
@@ -148,6 +149,24 @@ def test_ranked_by_objective_and_max_kl_refuses_int4(tmp_path, fake_trials, obje
     assert "int4" not in record["recommended"]  # KL 0.2 > --max-kl 0.05
     skipped = {tr["key"]: tr["skipped"] for tr in record["trials"] if tr["skipped"]}
     assert "batch already large" in skipped["ngram"]
+
+
+def test_an_fp8_kv_cache_is_advised_only_where_greedy_tokens_agree(tmp_path, fake_trials):
+    from dataclasses import replace
+
+    from llmctl.profiling.advise import agreement
+
+    base = replace(_m(), tokens=[[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+    close = replace(_m(tps=160.0), tokens=[[1, 2, 3, 4, 5], [6, 7, 8, 9, 11]])
+    far = replace(_m(tps=160.0), tokens=[[1, 2, 3, 4, 0], [6, 7, 8, 0, 0]])
+    assert agreement(base, close) == 0.9 and agreement(base, far) == 0.7
+    trial = next(tr for tr in t.candidate_trials(None, None, "bfloat16", None) if tr.key == "kv_fp8")
+    assert trial.engine == {"kv_cache_dtype": "fp8"}
+    for m, advised in ((close, True), (far, False)):
+        r = t.TrialResult(trial, m, agreement=agreement(base, m))
+        assert (t.recommended([r], "throughput", base, 0.02, 0.05) == [r]) is advised
+    rc, record = _advise(tmp_path, "--objective", "throughput")
+    assert rc == 0 and "kv_fp8" in fake_trials and "kv_fp8" not in record["recommended"]
 
 
 def test_max_kl_raised_lets_int4_in_and_commands_apply_it(tmp_path, fake_trials):

@@ -200,9 +200,11 @@ class EstimateFlags:
         Optional[str],
         _opt(
             "--kv-dtype",
+            "--kv-cache-dtype",
             panel=ESTIMATE,
-            help="KV element type: bfloat16, float16, float32, fp8, int8 (default: the weights' "
-            "float dtype).",
+            help="KV element type, as run-batch's --kv-cache-dtype: bfloat16, float16, float32, "
+            "fp8 (= fp8_e4m3), fp8_e5m2, or int8 (estimate only) (default: the weights' float "
+            "dtype).",
         ),
     ] = None
     seq_len: Annotated[

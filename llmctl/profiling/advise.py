@@ -173,9 +173,22 @@ class Measurement:
     wall_s: float
     passes: int = 1
     preemptions: int = 0  # sequences the engine preempted (KV cache full), most in one pass
+    # the first pass's greedy output tokens per request (sample order): what `agreement` compares
+    tokens: list[list[int]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "tokens"}
+
+
+def agreement(base: Measurement, other: Measurement) -> float | None:
+    """The share of `base`'s greedy output tokens that `other` matches position by position
+    (outputs have the same lengths: the sample ignores EOS): 1.0 for a change that alters no
+    token, lower for one that changes the numbers (a quantized KV cache)."""
+    if base.tokens is None or other.tokens is None:
+        return None
+    total = sum(map(len, base.tokens))
+    same = sum(x == y for a, b in zip(base.tokens, other.tokens) for x, y in zip(a, b))
+    return same / total if total else None
 
 
 def _drive(engine: Any, work: Workload, concurrency: int) -> tuple[list[RequestOutput], float]:
@@ -237,7 +250,7 @@ def measure(
     errors."""
     ttft: dict[str, list] = {}
     tpot: dict[str, list] = {}
-    rates, peaks, walls, preempted = [], [], [], [0]
+    rates, peaks, walls, preempted, tokens = [], [], [], [0], None
     for _ in range(repeats):
         engine = start_engine()
         warm_up(engine, work, 0)
@@ -249,6 +262,9 @@ def measure(
         for o in outputs:
             ttft.setdefault(o.request_id, []).append(o.ttft)
             tpot.setdefault(o.request_id, []).append(o.tpot)
+        if tokens is None:
+            order = sorted(outputs, key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
+            tokens = [list(o.output_token_ids) for o in order]
         n_out = sum(len(o.output_token_ids) for o in outputs)
         preempted.append(engine.scheduler.num_preemptions)
         rates.append(n_out / wall if wall > 0 else None)
@@ -263,4 +279,5 @@ def measure(
         wall_s=sum(walls),
         passes=repeats,
         preemptions=max(preempted),
+        tokens=tokens,
     )

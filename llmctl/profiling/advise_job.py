@@ -22,6 +22,7 @@ from llmctl.profiling import advise_trials as t
 from llmctl.profiling.advise import (
     AdviseRequest,
     AdviseTools,
+    agreement,
     parse_duration,
     prime,
     read_rows,
@@ -109,6 +110,8 @@ def run_advise(
         estimate_s = max(walls) + 0.5 * req.repeats  # + each pass's engine start and warm-up
 
         def done(result: t.TrialResult) -> None:
+            if result.measurement is not None:
+                result.agreement = agreement(state.baseline.measurement, result.measurement)
             state.results.append(result)
             progress(f"{result.trial.name}: " + (result.skipped or "measured"))
 

@@ -101,6 +101,10 @@ def _row(rank: str, name: str, objective: str, base: Any, r: Any, max_kl: float)
     g = t.gain(objective, base, m)
     kl = "-" if r.kl is None else f"{r.kl:.4f}"
     note = f"KL above --max-kl {max_kl}: not advised" if r.kl is not None and r.kl > max_kl else ""
+    if r.trial.group == "kv_dtype" and r.agreement is not None:  # its quality cost
+        low = r.agreement < t.MIN_AGREEMENT
+        said = f"greedy tokens {r.agreement:.1%} the baseline's" + (": not advised" * low)
+        note = "; ".join(x for x in (note, said) if x)
     if m.preemptions:  # the KV cache ran full: sequences were recomputed
         note = "; ".join(x for x in (note, f"{m.preemptions} preemption(s)") if x)
     mem = "-" if m.peak_memory_bytes is None else format_bytes(m.peak_memory_bytes)
@@ -220,6 +224,8 @@ def run_batch_args(state: AdviseState, trial: t.Trial, workload: str, model: str
         args += ["--max-num-batched-tokens", str(engine["max_num_batched_tokens"])]
     if "kv_cache_memory" in engine:
         args += ["--kv-cache-memory", str(engine["kv_cache_memory"])]
+    if "kv_cache_dtype" in engine:
+        args += ["--kv-cache-dtype", engine["kv_cache_dtype"]]
     if trial.reorder:
         args += ["--reorder", "prefix"]
     return args

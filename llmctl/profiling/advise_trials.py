@@ -32,6 +32,9 @@ NOISE_FLOOR = 0.02  # two measurements never agree better than this: a smaller g
 # Below this share of the prompt tokens a prefix cache has too little to reuse to pay.
 MIN_PREFIX_SHARE = 0.05
 HALF_SEQS, DOUBLE_SEQS = DEFAULT.max_num_seqs // 2, DEFAULT.max_num_seqs * 2
+# A trial that changes the numbers without a KL (the fp8 KV cache) is advised only where at least
+# this share of the baseline's greedy tokens stays the same.
+MIN_AGREEMENT = 0.9
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class TrialResult:
     measurement: Measurement | None = None
     kl: float | None = None
     skipped: str | None = None  # why the trial did not run
+    agreement: float | None = None  # greedy tokens equal to the baseline's (see advise.agreement)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -67,6 +71,7 @@ class TrialResult:
             "reorder": "prefix" if self.trial.reorder else None,
             "measurement": None if self.measurement is None else self.measurement.to_dict(),
             "mean_kl": self.kl,
+            "greedy_agreement": self.agreement,
             "skipped": self.skipped,
         }
 
@@ -114,6 +119,9 @@ def candidate_trials(
     if kv_bytes:
         half = {"kv_cache_memory": kv_bytes // 2}
         trials.append(Trial("kv_half", "KV cache halved", "kv", half))
+    # half the bytes per cached token (twice the tokens in the same memory); its quality cost is
+    # the greedy agreement with the baseline
+    trials.append(Trial("kv_fp8", "fp8 KV cache", "kv_dtype", {"kv_cache_dtype": "fp8"}))
     return trials
 
 
@@ -260,11 +268,14 @@ def recommended(
     results: list[TrialResult], objective: str, base: Measurement, noise: float, max_kl: float
 ) -> list[TrialResult]:
     """The best trial of each group whose gain beats the noise (and, for quantization, whose KL
-    is within --max-kl); grouping rows by prefix only where it beats plain prefix caching by more
+    is within --max-kl; for the KV cache's dtype, whose greedy agreement is at least
+    MIN_AGREEMENT); grouping rows by prefix only where it beats plain prefix caching by more
     than the noise too (the same cache hits otherwise: no reason to change the order)."""
     best: dict[str, tuple[float, TrialResult]] = {}
     for r in results:
         if r.measurement is None or (r.kl is not None and r.kl > max_kl):
+            continue
+        if r.trial.group == "kv_dtype" and (r.agreement or 0.0) < MIN_AGREEMENT:
             continue
         g = gain(objective, base, r.measurement)
         if g is None or g <= 1 + noise:

@@ -48,7 +48,16 @@ from llmctl.profiling.dtypes import canonical_dtype
 # Weight storage formats and their bits per element.
 WEIGHT_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4}
 # KV-cache element formats and their bytes per element.
-KV_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
+# run-batch's --kv-cache-dtype values (fp8 = fp8_e4m3) and int8 (an estimate only)
+KV_BYTES = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "int8": 1,
+}
 SCALE_BYTES = 2  # one 16-bit scale per group
 
 
