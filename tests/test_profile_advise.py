@@ -160,7 +160,8 @@ def test_an_fp8_kv_cache_is_advised_only_where_greedy_tokens_agree(tmp_path, fak
     close = replace(_m(tps=160.0), tokens=[[1, 2, 3, 4, 5], [6, 7, 8, 9, 11]])
     far = replace(_m(tps=160.0), tokens=[[1, 2, 3, 4, 0], [6, 7, 8, 0, 0]])
     assert agreement(base, close) == 0.9 and agreement(base, far) == 0.7
-    trial = next(tr for tr in t.candidate_trials(None, None, "bfloat16", None) if tr.key == "kv_fp8")
+    trials = t.candidate_trials(None, None, "bfloat16", None)
+    trial = next(tr for tr in trials if tr.key == "kv_fp8")
     assert trial.engine == {"kv_cache_dtype": "fp8"}
     for m, advised in ((close, True), (far, False)):
         r = t.TrialResult(trial, m, agreement=agreement(base, m))
