@@ -29,6 +29,24 @@ def test_greedy_tokens_equal_transformers_generate(tmp_path, arch):
     assert _generate(llm) == expected
 
 
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_olmoe_routing_with_and_without_renormalisation_is_native(tmp_path, norm_topk_prob):
+    """OLMoE's router as each config sets it (its q/k norms span the whole projection)."""
+    folder, expected = save_clear_model(tmp_path, "olmoe", norm_topk_prob=norm_topk_prob)
+    llm = LLM(str(folder), dtype="float32", device="cpu")
+    assert llm.runtime.model.config.moe.norm_topk_prob is norm_topk_prob
+    assert type(llm.runtime.model).__name__ == "LlamaForCausalLM"
+    assert _generate(llm) == expected
+
+
+def test_olmoe_with_clip_qkv_takes_the_transformers_path(tmp_path):
+    """clip_qkv (q, k and v clamped) is not in our layers: transformers' code serves it."""
+    clipped, expected = save_clear_model(tmp_path / "clip", "olmoe", clip_qkv=0.5)
+    llm = LLM(str(clipped), dtype="float32", device="cpu")
+    assert type(llm.runtime.model).__name__ == "TransformersCausalLM"
+    assert _generate(llm) == expected
+
+
 FEATURES = ["gemma2", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen2_moe", "phi3"]
 
 

@@ -1,7 +1,7 @@
 """The model architecture facts llmctl needs, read from a Hugging Face `config.json`.
 
-Owns: parsing and validating config dicts: those of the Llama family (llama, mistral, qwen2,
-qwen3), which our own model code runs (`native`), including both spellings of RoPE settings
+Owns: parsing and validating config dicts: those of the families our own model code runs
+(`native`: SUPPORTED_ARCHITECTURES), including both spellings of RoPE settings
 (`rope_theta`/`rope_scaling` and `rope_parameters`); and any other decoder-only architecture
 transformers knows, read through transformers' own config class (its attribute names differ by
 family: `n_embd`, `n_layer`...), for the transformers path (models/transformers_backend.py).
@@ -17,7 +17,7 @@ from typing import Any
 
 from llmctl.errors import ModelLoadError
 
-MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3_text")
 SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_ARCHITECTURES, *GEMMA_ARCHITECTURES,
@@ -59,6 +59,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (qwen2)
     qk_norm: bool = False  # RMSNorm on q and k per head before RoPE (qwen3)
+    qk_norm_whole: bool = False  # ... over the whole q / k projection instead (olmoe)
     rope_scaling: dict[str, Any] | None = None
     sliding_window: int | None = None
     bos_token_id: int | None = None
@@ -125,7 +126,9 @@ class ModelConfig:
             rope_theta, rope_scaling = _rope_settings(d)
             eos = d.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            qk_norm = model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+            qk_norm = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmoe")
+            if d.get("clip_qkv") is not None:  # olmoe's option
+                raise _NotNative(f"{model_type} with clip_qkv is not native")
             bias = d.get("qkv_bias", True) if model_type == "qwen2_moe" else d.get("attention_bias")
             window = d.get("sliding_window")
             if not d.get("use_sliding_window", model_type in WINDOWED):
@@ -149,6 +152,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=bool(model_type == "qwen2" if bias is None else bias),
                 qk_norm=qk_norm,
+                qk_norm_whole=model_type == "olmoe",
                 rope_scaling=rope_scaling,
                 sliding_window=window,
                 moe=_moe(d) if model_type in MOE_ARCHITECTURES else None,
@@ -184,7 +188,7 @@ class ModelConfig:
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
-            attn += 2 * self.head_dim
+            attn += self.q_size + self.kv_size if self.qk_norm_whole else 2 * self.head_dim
         mlps = [3 * h * f] * self.num_layers
         if self.moe is not None:
             m = self.moe
@@ -260,6 +264,10 @@ def _moe(d: dict[str, Any]) -> MoeConfig:
     from transformers import CONFIG_MAPPING
 
     t = CONFIG_MAPPING[d["model_type"]].from_dict(dict(d))
+    if d["model_type"] == "olmoe":  # every layer sparse, the experts `intermediate_size` wide
+        return MoeConfig(
+            t.num_experts, t.num_experts_per_tok, t.intermediate_size, bool(t.norm_topk_prob), False
+        )
     if d["model_type"] == "mixtral":
         names = ("w1", "w3", "w2")
         return MoeConfig(
