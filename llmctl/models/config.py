@@ -40,7 +40,7 @@ class MoeConfig:
     block_name: str = "mlp"  # the block's name in the checkpoint (mixtral: block_sparse_moe)
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,9 @@ class ModelConfig:
             window = d.get("sliding_window")
             if not d.get("use_sliding_window", model_type in WINDOWED):
                 window = None
-            context = int(d.get("max_position_embeddings", 2048))
+            rope_scaling, context = _extended(
+                rope_scaling, int(d.get("max_position_embeddings", 2048))
+            )
             if window and model_type not in WINDOWED:  # qwen's per-layer rules
                 raise _NotNative(f"{model_type} with a sliding window is not native")
             every = (window if window and window < context else None,) * int(d["num_hidden_layers"])
@@ -217,6 +219,9 @@ def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         theta = float(d.get("rope_theta", 10000.0))
     if scaling:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type in ("longrope", "su", "dynamic") or d.get("model_type") == "phi3":
+            scaling = _standard_rope(d)  # phi3 reads "su" and "yarn" as longrope
+            rope_type = scaling["rope_type"]
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise _NotNative(
                 f"RoPE scaling {rope_type!r} is not native (llmctl's own model code has "
@@ -226,6 +231,24 @@ def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             return theta, None
         return theta, {**scaling, "rope_type": rope_type}
     return theta, None
+
+
+def _standard_rope(d: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters as transformers' config class for the model type standardises them
+    (LongRoPE's `original_max_position_embeddings` filled in from wherever the family keeps it)."""
+    from transformers import CONFIG_MAPPING
+
+    params = CONFIG_MAPPING[d["model_type"]].from_dict(dict(d)).rope_parameters
+    return dict(params.get("full_attention", params))
+
+
+def _extended(scaling: dict[str, Any] | None, context: int) -> tuple[dict | None, int]:
+    """(scaling, context): dynamic NTK serves `factor` times the trained context (vLLM's rule);
+    the trained one stays in the scaling as its `original_max_position_embeddings`."""
+    if not scaling or scaling["rope_type"] != "dynamic":
+        return scaling, context
+    scaling = {**scaling, "original_max_position_embeddings": context}
+    return scaling, int(context * float(scaling["factor"]))
 
 
 def _attention_fields(d: dict[str, Any], windows: tuple) -> dict[str, Any]:
