@@ -22,7 +22,9 @@ GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3_text")
 SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_ARCHITECTURES, *GEMMA_ARCHITECTURES,
 )  # fmt: skip
-WINDOWED = ("mistral", "mixtral", "phi3")  # one sliding window for every layer, where set
+# one sliding window for every layer, where set; qwen's own rule for which layers slide
+WINDOWED = ("mistral", "mixtral", "phi3", "qwen3_moe")
+LAYER_WINDOWED = ("qwen2", "qwen3", "qwen2_moe")
 
 
 @dataclass(frozen=True)
@@ -130,15 +132,10 @@ class ModelConfig:
             if d.get("clip_qkv") is not None:  # olmoe's option
                 raise _NotNative(f"{model_type} with clip_qkv is not native")
             bias = d.get("qkv_bias", True) if model_type == "qwen2_moe" else d.get("attention_bias")
-            window = d.get("sliding_window")
-            if not d.get("use_sliding_window", model_type in WINDOWED):
-                window = None
             rope_scaling, context = _extended(
                 rope_scaling, int(d.get("max_position_embeddings", 2048))
             )
-            if window and model_type not in WINDOWED:  # qwen's per-layer rules
-                raise _NotNative(f"{model_type} with a sliding window is not native")
-            every = (window if window and window < context else None,) * int(d["num_hidden_layers"])
+            window, every = _windows(d, context)
             return cls(
                 model_type=model_type,
                 vocab_size=int(d["vocab_size"]),
@@ -249,6 +246,25 @@ def _extended(scaling: dict[str, Any] | None, context: int) -> tuple[dict | None
         return scaling, context
     scaling = {**scaling, "original_max_position_embeddings": context}
     return scaling, int(context * float(scaling["factor"]))
+
+
+def _windows(d: dict[str, Any], context: int) -> tuple[int | None, tuple]:
+    """(the sliding window, each layer's: None where it attends globally) as transformers'
+    modeling code applies them: read through its config class, which nulls a window that
+    `use_sliding_window` turns off and picks the sliding layers (`layer_types`; by default
+    qwen2/qwen3 the layers from `max_window_layers` on, qwen2_moe the even ones below it). A
+    window as long as the context is no window."""
+    model_type, n = d["model_type"], int(d["num_hidden_layers"])
+    if model_type not in WINDOWED + LAYER_WINDOWED or not d.get("sliding_window"):
+        return None, (None,) * n
+    from transformers import CONFIG_MAPPING
+
+    t = CONFIG_MAPPING[model_type].from_dict(dict(d))
+    window = getattr(t, "sliding_window", None) or None
+    types = getattr(t, "layer_types", None) if model_type in LAYER_WINDOWED else None
+    types = types or ["sliding_attention"] * n
+    short = window if window and window < context else None
+    return window, tuple(short if kind == "sliding_attention" else None for kind in types)
 
 
 def _attention_fields(d: dict[str, Any], windows: tuple) -> dict[str, Any]:
