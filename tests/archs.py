@@ -63,8 +63,8 @@ EXTRA = {
     "starcoder2": dict(sliding_window=None),
 }
 NATIVE = (
-    "llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma",
-    "gemma2", "gemma3_text",
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe",
+    "gemma", "gemma2", "gemma3_text",
 )  # fmt: skip
 MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3")
 ARCHS = (

@@ -1,5 +1,5 @@
 """`llmctl distill` beyond the Llama family (issue 36): mixture-of-experts teachers and students
-taken from their layers (Qwen3-MoE on our own model code, OLMoE on transformers'), and a fresh
+taken from their layers (Qwen3-MoE on our own model code, GPT-OSS on transformers'), and a fresh
 GPT-2 student from a config; every output loads in run-batch."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def generates(folder: Path, path: str = "TransformersCausalLM") -> bool:
 
 
 @pytest.mark.parametrize(
-    "arch, path", [("qwen3_moe", "LlamaForCausalLM"), ("olmoe", "TransformersCausalLM")]
+    "arch, path", [("qwen3_moe", "LlamaForCausalLM"), ("gpt_oss", "TransformersCausalLM")]
 )
 def test_moe_student_from_the_teacher_layers(tmp_path, capsys, arch, path):
     """A native MoE family and one served by transformers' code."""

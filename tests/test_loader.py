@@ -100,8 +100,12 @@ def test_config_spellings_of_rope():
     yarn = ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     assert yarn.native and yarn.rope_scaling["rope_type"] == "yarn"
     dynamic = {**base, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}
-    dynamic = ModelConfig.from_dict(dynamic)
-    assert not dynamic.native and "RoPE scaling 'dynamic' is not native" in dynamic.not_native
+    dynamic = ModelConfig.from_dict(dynamic)  # native, serving 4x the trained context
+    assert dynamic.native and dynamic.max_position_embeddings == 4 * 2048
+    assert dynamic.rope_scaling["original_max_position_embeddings"] == 2048
+    other = {**base, "rope_scaling": {"rope_type": "proportional", "factor": 4.0}}
+    other = ModelConfig.from_dict(other)
+    assert not other.native and "RoPE scaling 'proportional' is not native" in other.not_native
 
 
 def test_weights_are_owned_aligned_copies_not_views_of_the_file(tmp_path):

@@ -29,6 +29,24 @@ def test_greedy_tokens_equal_transformers_generate(tmp_path, arch):
     assert _generate(llm) == expected
 
 
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_olmoe_routing_with_and_without_renormalisation_is_native(tmp_path, norm_topk_prob):
+    """OLMoE's router as each config sets it (its q/k norms span the whole projection)."""
+    folder, expected = save_clear_model(tmp_path, "olmoe", norm_topk_prob=norm_topk_prob)
+    llm = LLM(str(folder), dtype="float32", device="cpu")
+    assert llm.runtime.model.config.moe.norm_topk_prob is norm_topk_prob
+    assert type(llm.runtime.model).__name__ == "LlamaForCausalLM"
+    assert _generate(llm) == expected
+
+
+def test_olmoe_with_clip_qkv_takes_the_transformers_path(tmp_path):
+    """clip_qkv (q, k and v clamped) is not in our layers: transformers' code serves it."""
+    clipped, expected = save_clear_model(tmp_path / "clip", "olmoe", clip_qkv=0.5)
+    llm = LLM(str(clipped), dtype="float32", device="cpu")
+    assert type(llm.runtime.model).__name__ == "TransformersCausalLM"
+    assert _generate(llm) == expected
+
+
 FEATURES = ["gemma2", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen2_moe", "phi3"]
 
 
@@ -53,6 +71,38 @@ def test_engine_features_hold_beyond_the_llama_family(tmp_path, arch):
     )
     assert _generate(llm, prompts, params) == expected
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+WINDOWS = {  # per architecture: its window settings, and the layers that slide (transformers')
+    "qwen2": (dict(use_sliding_window=True, max_window_layers=1), (None, 8)),
+    "qwen3": (dict(use_sliding_window=True, layer_types=["sliding_attention", "full_attention"]),
+              (8, None)),
+    "qwen2_moe": (dict(use_sliding_window=True, max_window_layers=2), (8, None)),  # even layers
+    "qwen3_moe": (dict(use_sliding_window=True), (8, 8)),  # every layer
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", WINDOWS)
+def test_qwen_sliding_window_layers_are_native(tmp_path, arch):
+    """Qwen's rules for which layers slide (`use_sliding_window`, `max_window_layers`,
+    `layer_types`), on our own code: prompts and generations longer than the window of 8, with
+    chunked prefill and prefix caching, give transformers' greedy tokens; with
+    use_sliding_window off, no layer slides."""
+    settings, windows = WINDOWS[arch]
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 5, 6, 7], [5, 6, 7, 8, 9, 20, 21]]
+    folder, expected = save_clear_model(
+        tmp_path, arch, prompts, max_new_tokens=12, sliding_window=8, **settings
+    )
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    llm = LLM(str(folder), dtype="float32", device="cpu", max_num_batched_tokens=8, block_size=4)
+    assert type(llm.runtime.model).__name__ == "LlamaForCausalLM"
+    assert llm.runtime.model.config.layer_windows == windows
+    assert _generate(llm, prompts, params) == expected
+    # (transformers itself fails on explicit sliding `layer_types` without a window)
+    off = {k: v for k, v in settings.items() if k != "layer_types"}
+    off["use_sliding_window"] = False
+    folder, _ = save_clear_model(tmp_path / "off", arch, sliding_window=8, **off)
+    assert not LLM(str(folder), device="cpu").runtime.model.config.layer_windows
 
 
 def test_model_impl_transformers_serves_a_native_family_too(tmp_path):

@@ -131,6 +131,7 @@ class ModelRunner:
             engine_config.max_num_batched_tokens,
             engine_config.max_num_seqs,
             self.batch_invariant,
+            engine_config.max_model_len,
         )
         prepare_for_inference(model, self.kernels, serving)
         self.block_size = engine_config.block_size

@@ -1,7 +1,7 @@
 """The model architecture facts llmctl needs, read from a Hugging Face `config.json`.
 
-Owns: parsing and validating config dicts: those of the Llama family (llama, mistral, qwen2,
-qwen3), which our own model code runs (`native`), including both spellings of RoPE settings
+Owns: parsing and validating config dicts: those of the families our own model code runs
+(`native`: SUPPORTED_ARCHITECTURES), including both spellings of RoPE settings
 (`rope_theta`/`rope_scaling` and `rope_parameters`); and any other decoder-only architecture
 transformers knows, read through transformers' own config class (its attribute names differ by
 family: `n_embd`, `n_layer`...), for the transformers path (models/transformers_backend.py).
@@ -17,12 +17,14 @@ from typing import Any
 
 from llmctl.errors import ModelLoadError
 
-MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3_text")
 SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_ARCHITECTURES, *GEMMA_ARCHITECTURES,
 )  # fmt: skip
-WINDOWED = ("mistral", "mixtral", "phi3")  # one sliding window for every layer, where set
+# one sliding window for every layer, where set; qwen's own rule for which layers slide
+WINDOWED = ("mistral", "mixtral", "phi3", "qwen3_moe")
+LAYER_WINDOWED = ("qwen2", "qwen3", "qwen2_moe")
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class MoeConfig:
     block_name: str = "mlp"  # the block's name in the checkpoint (mixtral: block_sparse_moe)
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (qwen2)
     qk_norm: bool = False  # RMSNorm on q and k per head before RoPE (qwen3)
+    qk_norm_whole: bool = False  # ... over the whole q / k projection instead (olmoe)
     rope_scaling: dict[str, Any] | None = None
     sliding_window: int | None = None
     bos_token_id: int | None = None
@@ -125,15 +128,14 @@ class ModelConfig:
             rope_theta, rope_scaling = _rope_settings(d)
             eos = d.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            qk_norm = model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+            qk_norm = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmoe")
+            if d.get("clip_qkv") is not None:  # olmoe's option
+                raise _NotNative(f"{model_type} with clip_qkv is not native")
             bias = d.get("qkv_bias", True) if model_type == "qwen2_moe" else d.get("attention_bias")
-            window = d.get("sliding_window")
-            if not d.get("use_sliding_window", model_type in WINDOWED):
-                window = None
-            context = int(d.get("max_position_embeddings", 2048))
-            if window and model_type not in WINDOWED:  # qwen's per-layer rules
-                raise _NotNative(f"{model_type} with a sliding window is not native")
-            every = (window if window and window < context else None,) * int(d["num_hidden_layers"])
+            rope_scaling, context = _extended(
+                rope_scaling, int(d.get("max_position_embeddings", 2048))
+            )
+            window, every = _windows(d, context)
             return cls(
                 model_type=model_type,
                 vocab_size=int(d["vocab_size"]),
@@ -149,6 +151,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=bool(model_type == "qwen2" if bias is None else bias),
                 qk_norm=qk_norm,
+                qk_norm_whole=model_type == "olmoe",
                 rope_scaling=rope_scaling,
                 sliding_window=window,
                 moe=_moe(d) if model_type in MOE_ARCHITECTURES else None,
@@ -184,7 +187,7 @@ class ModelConfig:
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
-            attn += 2 * self.head_dim
+            attn += self.q_size + self.kv_size if self.qk_norm_whole else 2 * self.head_dim
         mlps = [3 * h * f] * self.num_layers
         if self.moe is not None:
             m = self.moe
@@ -213,6 +216,9 @@ def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         theta = float(d.get("rope_theta", 10000.0))
     if scaling:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type in ("longrope", "su", "dynamic") or d.get("model_type") == "phi3":
+            scaling = _standard_rope(d)  # phi3 reads "su" and "yarn" as longrope
+            rope_type = scaling["rope_type"]
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise _NotNative(
                 f"RoPE scaling {rope_type!r} is not native (llmctl's own model code has "
@@ -222,6 +228,43 @@ def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             return theta, None
         return theta, {**scaling, "rope_type": rope_type}
     return theta, None
+
+
+def _standard_rope(d: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters as transformers' config class for the model type standardises them
+    (LongRoPE's `original_max_position_embeddings` filled in from wherever the family keeps it)."""
+    from transformers import CONFIG_MAPPING
+
+    params = CONFIG_MAPPING[d["model_type"]].from_dict(dict(d)).rope_parameters
+    return dict(params.get("full_attention", params))
+
+
+def _extended(scaling: dict[str, Any] | None, context: int) -> tuple[dict | None, int]:
+    """(scaling, context): dynamic NTK serves `factor` times the trained context (vLLM's rule);
+    the trained one stays in the scaling as its `original_max_position_embeddings`."""
+    if not scaling or scaling["rope_type"] != "dynamic":
+        return scaling, context
+    scaling = {**scaling, "original_max_position_embeddings": context}
+    return scaling, int(context * float(scaling["factor"]))
+
+
+def _windows(d: dict[str, Any], context: int) -> tuple[int | None, tuple]:
+    """(the sliding window, each layer's: None where it attends globally) as transformers'
+    modeling code applies them: read through its config class, which nulls a window that
+    `use_sliding_window` turns off and picks the sliding layers (`layer_types`; by default
+    qwen2/qwen3 the layers from `max_window_layers` on, qwen2_moe the even ones below it). A
+    window as long as the context is no window."""
+    model_type, n = d["model_type"], int(d["num_hidden_layers"])
+    if model_type not in WINDOWED + LAYER_WINDOWED or not d.get("sliding_window"):
+        return None, (None,) * n
+    from transformers import CONFIG_MAPPING
+
+    t = CONFIG_MAPPING[model_type].from_dict(dict(d))
+    window = getattr(t, "sliding_window", None) or None
+    types = getattr(t, "layer_types", None) if model_type in LAYER_WINDOWED else None
+    types = types or ["sliding_attention"] * n
+    short = window if window and window < context else None
+    return window, tuple(short if kind == "sliding_attention" else None for kind in types)
 
 
 def _attention_fields(d: dict[str, Any], windows: tuple) -> dict[str, Any]:
@@ -260,6 +303,10 @@ def _moe(d: dict[str, Any]) -> MoeConfig:
     from transformers import CONFIG_MAPPING
 
     t = CONFIG_MAPPING[d["model_type"]].from_dict(dict(d))
+    if d["model_type"] == "olmoe":  # every layer sparse, the experts `intermediate_size` wide
+        return MoeConfig(
+            t.num_experts, t.num_experts_per_tok, t.intermediate_size, bool(t.norm_topk_prob), False
+        )
     if d["model_type"] == "mixtral":
         names = ("w1", "w3", "w2")
         return MoeConfig(

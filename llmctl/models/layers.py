@@ -144,9 +144,11 @@ class Attention(nn.Module):
         # on o_proj too.
         o_bias = bias and not config.model_type.startswith("qwen2")
         self.o_proj = Linear(config.q_size, h, bias=o_bias)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps, config.gemma)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps, config.gemma)
+        self.norm_whole = config.qk_norm_whole
+        if config.qk_norm:  # per head, or (olmoe: `norm_whole`) over the whole projection
+            q_dim, k_dim = (config.q_size, config.kv_size) if self.norm_whole else (d, d)
+            self.q_norm = RMSNorm(q_dim, config.rms_norm_eps, config.gemma)
+            self.k_norm = RMSNorm(k_dim, config.rms_norm_eps, config.gemma)
         else:
             self.q_norm = self.k_norm = None
         self._rotary = [rotary]  # a list, so the shared table is not registered once per layer
@@ -177,10 +179,14 @@ class Attention(nn.Module):
         of the merged projection (read through its strides)."""
         lead = x.shape[:-1]
         q, k, v = self._project_qkv(x, fixed_order, step)
+        # olmoe: [..., q_size] and [..., kv_size] rows normed (the kernels read contiguous rows)
+        if whole := self.q_norm is not None and self.norm_whole:
+            q = self.q_norm(q.contiguous(), fixed_order)
+            k = self.k_norm(k.contiguous(), fixed_order)
         q = q.view(*lead, self.num_heads, self.head_dim)
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # the norm kernels read contiguous rows
+        if self.q_norm is not None and not whole:  # the norm kernels read contiguous rows
             q = self.q_norm(q.contiguous(), fixed_order)
             k = self.k_norm(k.contiguous(), fixed_order)
         # The bf16 RoPE kernel reads merged slices and writes new contiguous q and k (no copies

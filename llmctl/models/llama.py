@@ -1,7 +1,7 @@
 """Our model code for the Llama family: llama, mistral, qwen2 (q/k/v bias), qwen3 (q/k RMSNorm) and
 phi3 (its checkpoint's fused projections split at load: `checkpoint_tensors`), Gemma's,
-and their mixture-of-experts forms qwen2_moe, qwen3_moe and mixtral (models/moe.py in place of
-the MLP).
+and their mixture-of-experts forms qwen2_moe, qwen3_moe, mixtral and olmoe (q/k norms over the
+whole projection) (models/moe.py in place of the MLP).
 
 Owns: the decoder layer and model, composed of models/layers.py's layers, and three forward paths
 over the same weights:

@@ -1,4 +1,5 @@
-"""Mixture-of-experts MLPs of the native MoE families (qwen2_moe, qwen3_moe, mixtral).
+"""Mixture-of-experts MLPs of the native MoE families (qwen2_moe, qwen3_moe, mixtral,
+olmoe).
 
 Owns: `SparseMoE`, the block that replaces a decoder layer's MLP: a router (`gate`, a linear to
 one logit per expert; never quantized), softmax over experts in float32, the top-k, renormalised

@@ -1,7 +1,8 @@
 """Preparing a model for inference: the one step between loading a model and serving it.
 
 Owns: `prepare_for_inference(model, kernels, ...)`, called by the engine's model runner only. It
-hands every layer the engine's KernelConfig (which kernels may serve), merges each decoder layer's
+hands every layer the engine's KernelConfig (which kernels may serve), fits the RoPE tables to
+the engine's context (LongRoPE's factors: models/rope.py), merges each decoder layer's
 q/k/v and gate/up into one linear each (models/merged.py), chooses each plain CPU linear's kernel
 per row count by measurement (kernels/cpu/linear/autotune.py: decoder linears see at most the
 token budget, the vocabulary projection at most `logit_rows`), keeps a oneDNN-packed copy of the
@@ -25,6 +26,7 @@ from llmctl.kernels.cpu.linear import autotune, dispatch, torch_kernels
 from llmctl.models import merged as merging
 from llmctl.models import step as steps
 from llmctl.models.layers import MLP, Attention, Linear, RMSNorm
+from llmctl.models.rope import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class Serving:
     max_rows: int
     logit_rows: int
     batch_invariant: bool = False
+    context: int | None = None  # the longest sequence it serves (None: the model's context)
 
 
 def prepare_for_inference(model: nn.Module, kernels: KernelConfig, serving: Serving) -> None:
@@ -54,6 +57,13 @@ def prepare_for_inference(model: nn.Module, kernels: KernelConfig, serving: Serv
             m.kernels = kernels
     if ours:
         model.lean = None
+        context = min(
+            serving.context or model.config.max_position_embeddings,
+            model.config.max_position_embeddings,
+        )
+        for m in model.modules():  # LongRoPE's factors for this context (models/rope.py)
+            if isinstance(m, RotaryEmbedding):
+                m.fit(context)
     if not cpu:
         return
     linears = _tunable(model, merged, parts)

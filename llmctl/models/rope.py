@@ -1,8 +1,20 @@
-"""Rotary position embeddings: inverse frequencies (default, linear, llama3 and YaRN scaling) and a
-cos/sin table (YaRN's scaled by its attention factor).
+"""Rotary position embeddings: inverse frequencies (default, linear, llama3, YaRN, LongRoPE and
+dynamic NTK scaling) and a cos/sin table (YaRN's and LongRoPE's scaled by their attention factor).
 
 Owns: the RoPE math shared by every attention layer. Matches Hugging Face's float32 computation so
-greedy outputs agree token for token.
+greedy outputs agree token for token. Two scalings depend on the sequence, as transformers
+computes them:
+- LongRoPE (Phi-3): the short factors for a sequence up to `original_max_position_embeddings`
+  tokens, the long ones past it (transformers' Phi-3 re-prefills the whole sequence when it
+  crosses). Our KV cache is never re-rotated, so the choice is the engine's: long where its
+  context (`--max-model-len`, by default the model's) exceeds the original, as vLLM decides
+  (`RotaryEmbedding.fit`); then every sequence equals transformers' once longer than the
+  original, and a context capped at the original equals it throughout.
+- dynamic NTK: a forward over positions up to n uses the base grown for a sequence of n tokens
+  once n exceeds the original context. The table's row p holds position p turned by the base for
+  a sequence ending at p, which is what transformers' decode step computes for it (a prompt
+  longer than the original is turned by its own length there, all positions at once: here each
+  by its own).
 """
 
 from __future__ import annotations
@@ -16,19 +28,26 @@ from llmctl.kernels.cpu import elementwise
 from llmctl.models.config import ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies, after any scaling."""
+def _default(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def inverse_frequencies(config: ModelConfig, long: bool = False) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, after any scaling (LongRoPE: its `long`
+    factors, else its short ones; dynamic: those of the original context, see `_dynamic`)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    )
+    inv_freq = _default(config.rope_theta, dim)
     scaling = config.rope_scaling
-    if not scaling:
+    if not scaling or scaling["rope_type"] == "dynamic":
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / float(scaling["factor"])
     if scaling["rope_type"] == "yarn":
         return _yarn(config, inv_freq)
+    if scaling["rope_type"] == "longrope":  # each frequency divided by its own factor
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"])
+        shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        return 1.0 / (factors.float() * config.rope_theta**shape)
     # llama3: low frequencies divided by `factor`, high kept, a smooth ramp in between.
     factor = float(scaling["factor"])
     low, high = (
@@ -83,19 +102,64 @@ def _yarn(config: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
 
 
 def attention_factor(config: ModelConfig) -> float:
-    """What cos and sin are scaled by: 1 but for YaRN (its `attention_factor`, by default from
-    the factor and `mscale` / `mscale_all_dim`)."""
+    """What cos and sin are scaled by: 1 but for YaRN and LongRoPE (their `attention_factor`; by
+    default YaRN's from the factor and `mscale` / `mscale_all_dim`, LongRoPE's from the factor,
+    itself by default the ratio of the context to the original)."""
     scaling = config.rope_scaling
-    if not scaling or scaling["rope_type"] != "yarn":
+    if not scaling or scaling["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if scaling["rope_type"] == "longrope":
+        original = scaling["original_max_position_embeddings"]
+        factor = scaling.get("factor") or config.max_position_embeddings / original
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
     factor, m, m_all = _yarn_factor(config), scaling.get("mscale"), scaling.get("mscale_all_dim")
     return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+
+def long_factors(config: ModelConfig, context: int) -> bool:
+    """LongRoPE's choice for an engine of `context` tokens: the long factors where it exceeds the
+    original context (see the module docstring). False for every other scaling."""
+    scaling = config.rope_scaling
+    if not scaling or scaling["rope_type"] != "longrope":
+        return False
+    return context > scaling["original_max_position_embeddings"]
+
+
+def _dynamic(config: ModelConfig, n: int) -> torch.Tensor:
+    """Dynamic NTK: [n, head_dim // 2] angles, row p turned by the base transformers grows for a
+    sequence of p + 1 tokens (`_compute_dynamic_ntk_parameters`, in float32 as it computes it);
+    rows within the original context by the plain base."""
+    scaling, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
+    original = int(scaling["original_max_position_embeddings"])
+    factor = float(scaling["factor"])
+    inv_freq = _default(base, dim)
+    angles = torch.outer(torch.arange(n, dtype=torch.float32), inv_freq)  # [n, D/2]
+    if n <= original:
+        return angles
+    seq = torch.arange(original + 1, n + 1)  # the sequence lengths of rows original..n-1
+    grown = base * ((factor * seq / original) - (factor - 1)) ** (dim / (dim - 2))  # [rows]
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv = 1.0 / (grown[:, None] ** shape)  # [rows, D/2]
+    angles[original:] = (seq - 1).float()[:, None] * inv
+    return angles
+
+
+def _tables(config: ModelConfig, n: int, long: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [n, head_dim] float32, each row's two halves equal."""
+    scaling = config.rope_scaling
+    if scaling and scaling["rope_type"] == "dynamic":
+        freqs = _dynamic(config, n)
+    else:
+        freqs = torch.outer(torch.arange(n, dtype=torch.float32), inverse_frequencies(config, long))
+    emb = torch.cat((freqs, freqs), dim=-1)  # [n, head_dim]
+    scale = attention_factor(config)
+    return (emb.cos(), emb.sin()) if scale == 1.0 else (emb.cos() * scale, emb.sin() * scale)
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -107,14 +171,19 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         self.config, self.max_positions = config, max_positions  # to rebuild it (`rebuilt`)
         n = max_positions or config.max_position_embeddings
-        freqs = torch.outer(torch.arange(n, dtype=torch.float32), inverse_frequencies(config))
-        emb = torch.cat((freqs, freqs), dim=-1)  # [n, head_dim]
-        scale = attention_factor(config)
-        cos, sin = (
-            (emb.cos(), emb.sin()) if scale == 1.0 else (emb.cos() * scale, emb.sin() * scale)
-        )
+        self.long = long_factors(config, config.max_position_embeddings)
+        cos, sin = _tables(config, n, self.long)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+
+    def fit(self, context: int) -> None:
+        """The tables for an engine of `context` tokens (LongRoPE's factors: `long_factors`);
+        rebuilt in place of the old ones where the choice changes."""
+        long = long_factors(self.config, context)
+        if long != self.long:
+            n = self.cos.shape[0]
+            self.cos, self.sin = (t.to(self.cos.device) for t in _tables(self.config, n, long))
+            self.long = long
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, step=None
