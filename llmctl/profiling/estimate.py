@@ -49,15 +49,9 @@ from llmctl.profiling.dtypes import canonical_dtype
 WEIGHT_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4}
 # KV-cache element formats and their bytes per element.
 # run-batch's --kv-cache-dtype values (fp8 = fp8_e4m3) and int8 (an estimate only)
-KV_BYTES = {
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-    "int8": 1,
-}
+KV_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1} | dict.fromkeys(
+    ("fp8", "fp8_e4m3", "fp8_e5m2"), 1
+)
 SCALE_BYTES = 2  # one 16-bit scale per group
 
 
