@@ -114,8 +114,8 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-@pytest.mark.parametrize("cache", ["fp8", "fp8_e5m2"])
-def test_lean_steps_on_an_fp8_cache_equal_the_module_path(tiny, cache, monkeypatch):
+@pytest.mark.parametrize("cache", ["fp8", "fp8_e5m2", "int8"])
+def test_lean_steps_on_a_quantized_cache_equal_the_module_path(tiny, cache, monkeypatch):
     """--kv-cache-dtype fp8: the lean step converts K/V on write and its decode kernel reads the
     bytes, as the module path does."""
     llm = _engine(tiny, kv_cache_dtype=cache)

@@ -24,13 +24,14 @@ from llmctl.kernels.cpu import attention as cpu_attention
 from tests.conftest import make_random_model
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+QUANTIZED = [*FP8, torch.int8]
 
 
 def _filled_caches(dtype, kvh=2, d=64, bs=16, nblocks=40, lens=(1, 17, 100, 250, 37), seed=0):
     """Caches [kvh, nblocks * bs, d] of `dtype` holding random K (std 3) and V for sequences of
     `lens` on shuffled blocks: (k_cache, v_cache, tables [B, 16], lens [B])."""
     g = torch.Generator().manual_seed(seed)
-    kc = torch.zeros(kvh, nblocks * bs, d, dtype=dtype)
+    kc = torch.zeros(kvh, nblocks * bs, kv.row_width(d, dtype), dtype=dtype)
     vc = torch.zeros_like(kc)
     tables = torch.stack([torch.randperm(nblocks, generator=g)[:16] for _ in lens])
     for b, n in enumerate(lens):
@@ -45,6 +46,8 @@ def test_cache_dtype_names_follow_vllm():
     assert kv.cache_dtype("fp8", torch.bfloat16) is torch.float8_e4m3fn
     assert kv.cache_dtype("fp8_e4m3", torch.float32) is torch.float8_e4m3fn
     assert kv.cache_dtype("fp8_e5m2", torch.float32) is torch.float8_e5m2
+    assert kv.cache_dtype("int8", torch.float32) is torch.int8
+    assert kv.row_width(64, torch.int8) == 68 and kv.row_width(64, torch.float8_e5m2) == 64
     with pytest.raises(ValueError, match="fp8_e5m2"):
         kv.cache_dtype("int4", torch.float32)
     with pytest.raises(UsageError, match="--kv-cache-dtype 'fp9'"):
@@ -73,17 +76,40 @@ def test_writes_saturate_and_the_c_write_equals_torchs(dtype):
     assert torch.equal(c_k[:, slots].transpose(0, 1).float(), expect)
 
 
-@pytest.mark.parametrize("dtype", FP8)
+def test_int8_rows_carry_their_scale_and_the_c_write_equals_torchs():
+    """int8: each (token, head) row is D values over amax / 127 then the scale's 4 bytes; the C
+    write (16 rows or more) and index_copy_ store the same bytes; widen gives the values back
+    within half a step."""
+    x = torch.randn(20, 2, 16) * 3
+    x[0, 0] = 0.0  # an all-zero row: no division by zero
+    slots = torch.randperm(64)[:20]
+    c_k, c_v = torch.zeros(2, 64, 20, dtype=torch.int8), torch.zeros(2, 64, 20, dtype=torch.int8)
+    write_kv(c_k, c_v, x, -x, slots)
+    t_k, t_v = torch.zeros_like(c_k), torch.zeros_like(c_v)
+    for i in range(0, 20, 5):
+        write_kv(t_k, t_v, x[i : i + 5], -x[i : i + 5], slots[i : i + 5])
+    assert torch.equal(c_k, t_k) and torch.equal(c_v, t_v)
+    rows = c_k[:, slots].transpose(0, 1)  # [20, 2, 20]
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127
+    assert torch.equal(rows[..., 16:].contiguous().view(torch.float32), scale)
+    back = kv.widen(rows, torch.float32)
+    assert back.shape == x.shape and (back - x).abs().le(scale / 2 + 1e-6).all()
+    assert rows[0, 0, :16].eq(0).all() and rows[..., :16].abs().max() == 127
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
 @pytest.mark.parametrize("d, group", [(64, 3), (128, 8), (48, 1), (64, 12)])
-def test_fp8_decode_kernels_equal_the_widened_cache_bit_for_bit(dtype, d, group):
-    """fp8 -> bf16 and fp8 -> float32 are exact, so the fp8 kernels must give exactly what the
-    bf16 kernels give over the cache widened to bf16 (the vdpbf16ps kernel, bf16 query) and the
-    float32 kernel over it widened to float32 (float32 query); and both near the reference."""
+def test_quantized_decode_kernels_equal_the_widened_cache_bit_for_bit(dtype, d, group):
+    """The kernels widen rows as kv_dtype.widen does (fp8 exactly; int8 times its row's scale,
+    rounded once), so they must give exactly what the bf16 kernels give over the cache widened
+    to bf16 (the vdpbf16ps kernel, bf16 query) and the float32 kernel over it widened to float32
+    (float32 query); and both near the reference."""
     kc, vc, tables, lens = _filled_caches(dtype, d=d)
     q = torch.randn(len(lens), 2 * group, d)
     args = (tables, lens, 0.125, 16, int(lens.max()))
     out = cpu_attention.paged_decode_attention(q, kc, vc, *args, "generic")
-    wide = cpu_attention.paged_decode_attention(q, kc.float(), vc.float(), *args, "generic")
+    kf, vf = kv.widen(kc, torch.float32), kv.widen(vc, torch.float32)
+    wide = cpu_attention.paged_decode_attention(q, kf, vf, *args, "generic")
     assert cpu_attention.decode_kernel(torch.float32, dtype) == f"paged_decode_{_fmt(dtype)}"
     assert torch.equal(out, wide)
     ref = decode_attention(q, kc, vc, tables, lens, 0.125, 16)  # the PyTorch reference
@@ -93,12 +119,13 @@ def test_fp8_decode_kernels_equal_the_widened_cache_bit_for_bit(dtype, d, group)
     qb = q.bfloat16()
     assert cpu_attention.decode_kernel(torch.bfloat16, dtype).startswith("paged_decode_dpbf16_")
     fast = cpu_attention.paged_decode_attention(qb, kc, vc, *args)
-    slow = cpu_attention.paged_decode_attention(qb, kc.bfloat16(), vc.bfloat16(), *args, "dpbf16")
+    kb, vb = kv.widen(kc, torch.bfloat16), kv.widen(vc, torch.bfloat16)
+    slow = cpu_attention.paged_decode_attention(qb, kb, vb, *args, "dpbf16")
     assert torch.equal(fast, slow)
 
 
 def _fmt(dtype) -> str:
-    return "e4m3" if dtype is torch.float8_e4m3fn else "e5m2"
+    return {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2", torch.int8: "i8"}[dtype]
 
 
 def test_the_same_memory_holds_twice_the_tokens():
@@ -107,6 +134,10 @@ def test_the_same_memory_holds_twice_the_tokens():
     fp8 = LLM("llmctl/data/demo-model", dtype="bfloat16", kv_cache_dtype="fp8", **cfg).engine.runner
     assert 2 * fp8.bytes_per_block == bf16.bytes_per_block
     assert fp8.num_blocks == (1 << 20) // fp8.bytes_per_block >= 2 * bf16.num_blocks
+    i8 = LLM("llmctl/data/demo-model", dtype="bfloat16", kv_cache_dtype="int8", **cfg).engine.runner
+    d = bf16.kv_caches[0][0].shape[-1]
+    assert i8.kv_caches[0][0].shape[-1] == d + 4  # each row's scale
+    assert i8.bytes_per_block * 2 * d == bf16.bytes_per_block * (d + 4)
     assert fp8.kv_caches[0][0].dtype is torch.float8_e4m3fn
     assert fp8.kv_cache_bytes <= 1 << 20
 
@@ -136,7 +167,9 @@ def _rounded(dtype):
     real = kv.to_cache
 
     def to_cache(x, cache_dtype):
-        return real(x, dtype).float() if cache_dtype is torch.float32 else real(x, cache_dtype)
+        if cache_dtype is torch.float32:
+            return kv.widen(real(x, dtype), torch.float32)
+        return real(x, cache_dtype)
 
     return to_cache
 
@@ -151,6 +184,8 @@ def gemma2(tmp_path_factory):  # a window of 8, attention and final-logit soft-c
     [
         ("qwen3", "fp8", "auto"),
         ("qwen3", "fp8_e5m2", "auto"),
+        ("qwen3", "int8", "auto"),
+        ("gemma2", "int8", "auto"),
         ("qwen3", "fp8", "transformers"),  # transformers' modeling code on our cache
         ("gemma2", "fp8", "auto"),  # kernels/attention_features.py: windows and soft-capping
     ],
@@ -182,12 +217,13 @@ def test_an_fp8_engine_equals_a_float32_cache_of_the_rounded_values(
     ],
     ids=["chunked", "preempted", "ngram", "prefix-cache"],
 )
-def test_engine_features_on_an_fp8_cache_keep_the_tokens(qwen3, engine):
+@pytest.mark.parametrize("cache", ["fp8", "int8"])
+def test_engine_features_on_a_quantized_cache_keep_the_tokens(qwen3, engine, cache):
     """Prompts attend over K/V as the cache holds them, so chunking a prompt, recomputing it after
     preemption or reading its prefix from the cache gives the tokens of the plain run."""
     rows = _rows()
-    plain = _run(qwen3, rows, kv_cache_dtype="fp8", enable_prefix_caching=False)
-    llm = LLM(str(qwen3), dtype="float32", kv_cache_dtype="fp8", **engine)
+    plain = _run(qwen3, rows, kv_cache_dtype=cache, enable_prefix_caching=False)
+    llm = LLM(str(qwen3), dtype="float32", kv_cache_dtype=cache, **engine)
     if engine.get("enable_prefix_caching"):
         llm.generate(rows[0], SamplingParams(max_tokens=1))  # fill the prefix cache
     outs = [o.outputs[0] for o in llm.generate(*rows)]
@@ -198,16 +234,17 @@ def test_engine_features_on_an_fp8_cache_keep_the_tokens(qwen3, engine):
         assert llm.engine.block_manager.prefix_hits > 0
 
 
-def test_batch_invariance_holds_on_an_fp8_cache(qwen3):
+@pytest.mark.parametrize("cache", ["fp8", "int8"])
+def test_batch_invariance_holds_on_a_quantized_cache(qwen3, cache):
     """Each row alone equals the rows together, chunked, on small blocks, bit for bit."""
     prompts, params = _rows()
     together = LLM(
-        str(qwen3), dtype="bfloat16", kv_cache_dtype="fp8", batch_invariant=True,
+        str(qwen3), dtype="bfloat16", kv_cache_dtype=cache, batch_invariant=True,
         max_num_batched_tokens=7, block_size=4,
     ).generate(prompts, params)  # fmt: skip
     for prompt, out in zip(prompts, together):
         alone = LLM(
-            str(qwen3), dtype="bfloat16", kv_cache_dtype="fp8", batch_invariant=True,
+            str(qwen3), dtype="bfloat16", kv_cache_dtype=cache, batch_invariant=True,
             enable_prefix_caching=False,
         ).generate([prompt], params)[0]  # fmt: skip
         assert alone.outputs[0].token_ids == out.outputs[0].token_ids

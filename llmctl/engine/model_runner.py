@@ -29,7 +29,7 @@ from llmctl.kernels.attention import (
     PrefillChunk,
     length_groups,
 )
-from llmctl.kernels.kv_dtype import cache_dtype
+from llmctl.kernels.kv_dtype import cache_dtype, row_width
 from llmctl.models.config import ModelConfig
 from llmctl.models.prepare import Serving, prepare_for_inference
 
@@ -57,14 +57,9 @@ class StepInputs:
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """K and V of every layer for one token."""
-    return (
-        2
-        * config.num_layers
-        * config.num_kv_heads
-        * config.head_dim
-        * torch.empty((), dtype=dtype).element_size()
-    )
+    """K and V of every layer for one token, in cache dtype `dtype` (int8 rows hold a scale)."""
+    row = row_width(config.head_dim, dtype)
+    return 2 * config.num_layers * config.num_kv_heads * row * dtype.itemsize
 
 
 def activation_reserve(config: ModelConfig, cfg: EngineConfig, dtype: torch.dtype) -> int:
@@ -137,6 +132,8 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         # [kv_heads, slots, D] per layer, K and V, in --kv-cache-dtype (kernels/kv_dtype.py)
         self.cache_dtype = cache_dtype(engine_config.kv_cache_dtype, dtype)
+        if self.cache_dtype is torch.int8 and device != "cpu":  # no Triton kernel reads it
+            raise UsageError("--kv-cache-dtype int8 runs on the CPU; on a GPU use fp8")
         self.bytes_per_block = kv_bytes_per_token(config, self.cache_dtype) * self.block_size
         budget = _kv_budget(config, engine_config, device, self.bytes_per_block)
         self.num_blocks = budget // self.bytes_per_block
@@ -146,7 +143,7 @@ class ModelRunner:
         shape = (
             config.num_kv_heads,
             (self.num_blocks + 1) * self.block_size,
-            config.head_dim,
+            row_width(config.head_dim, self.cache_dtype),
         )  # head-major
         self.kv_caches = [
             (

@@ -84,20 +84,20 @@ def decode_attention(
     about 5x slower here. Query heads are grouped by the KV head they share, so K/V are never
     repeated per query head."""
     b, heads, d = q.shape
-    kvh = k_cache.shape[0]
+    kvh, w = k_cache.shape[0], k_cache.shape[-1]  # w: a cached row (D, or int8's D + scale)
     nb = block_tables.shape[1]
     length = nb * block_size
     flat = block_tables.reshape(-1)  # [B * nb]
-    kb = k_cache.view(kvh, -1, block_size * d)  # [kv_heads, num_blocks, block_size * D]
-    vb = v_cache.view(kvh, -1, block_size * d)
+    kb = k_cache.view(kvh, -1, block_size * w)  # [kv_heads, num_blocks, block_size * w]
+    vb = v_cache.view(kvh, -1, block_size * w)
     if workspace is None:
         k, v = kb.index_select(1, flat), vb.index_select(1, flat)
     else:
-        k, v = workspace.get(kvh * flat.numel() * block_size * d, k_cache)
-        torch.index_select(kb, 1, flat, out=k.view(kvh, flat.numel(), block_size * d))
-        torch.index_select(vb, 1, flat, out=v.view(kvh, flat.numel(), block_size * d))
-    k = widen(k.view(kvh * b, length, d), q.dtype)  # [kv_heads * B, L, D]
-    v = widen(v.view(kvh * b, length, d), q.dtype)
+        k, v = workspace.get(kvh * flat.numel() * block_size * w, k_cache)
+        torch.index_select(kb, 1, flat, out=k.view(kvh, flat.numel(), block_size * w))
+        torch.index_select(vb, 1, flat, out=v.view(kvh, flat.numel(), block_size * w))
+    k = widen(k.view(kvh * b, length, w), q.dtype)  # [kv_heads * B, L, D]
+    v = widen(v.view(kvh * b, length, w), q.dtype)
     qg = q.view(b, kvh, heads // kvh, d).transpose(0, 1).reshape(kvh * b, heads // kvh, d)
     scores = torch.bmm(qg, k.transpose(1, 2)).float() * scale  # [kv_heads * B, group, L]
     valid = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]  # [B, L]

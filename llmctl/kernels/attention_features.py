@@ -125,8 +125,8 @@ def _decodes(q, k_cache, v_cache, meta: PagedAttentionMetadata, f: Features, ker
         width = min(window or longest, longest)
         tables, bs = meta.decode_block_tables, meta.block_size
         slots, pos, counts = _window_slots(tables, lens, bs, width, width)
-        kk = k_cache[:, slots].permute(1, 2, 0, 3)  # [nd, width, KVH, D]
-        vv = v_cache[:, slots].permute(1, 2, 0, 3)
+        kk = widen(k_cache[:, slots].permute(1, 2, 0, 3), q.dtype)  # [nd, width, KVH, D]
+        vv = widen(v_cache[:, slots].permute(1, 2, 0, 3), q.dtype)
         valid = torch.arange(width, device=q.device)[None] < counts[:, None]
         return attend(q[:, None], kk, vv, (lens - 1)[:, None], pos, f, valid)[:, 0]
     # rows within the window read the cache in place; the others their gathered windows
@@ -171,8 +171,8 @@ def _chunk(q, k, v, k_cache, v_cache, chunk, f: Features, kernels) -> torch.Tens
     slots = chunk.slots[first : done + n]
     q_pos = torch.arange(done, done + n, device=q.device)
     k_pos = torch.arange(first, done + n, device=q.device)
-    kk = k_cache[:, slots].transpose(0, 1)[None]  # [1, done + n - first, KVH, D]
-    vv = v_cache[:, slots].transpose(0, 1)[None]
+    kk = widen(k_cache[:, slots].transpose(0, 1)[None], q.dtype)  # [1, done + n - first, KVH, D]
+    vv = widen(v_cache[:, slots].transpose(0, 1)[None], q.dtype)
     return attend(q[None], kk, vv, q_pos[None], k_pos[None], f)[0]
 
 

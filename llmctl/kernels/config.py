@@ -21,8 +21,11 @@ from llmctl.errors import UsageError
 ENV = "LLMCTL_KERNELS"
 DECODE_ATTENTION = ("auto", "dpbf16", "generic")
 PREFILL_ATTENTION = ("auto", "amx", "dpbf16", "sdpa")
-# The KV cache dtypes, vLLM's spelling ("fp8" is e4m3): kernels/kv_dtype.py maps them to torch's.
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
+# The KV cache dtypes, vLLM's spelling ("fp8" is e4m3), and int8 (a scale per token and head):
+# kernels/kv_dtype.py maps them to torch's.
+KV_CACHE_DTYPES = (
+    "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8",
+)  # fmt: skip
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 

@@ -1,17 +1,20 @@
-"""The KV cache's storage dtype (vLLM's `--kv-cache-dtype`): its names, and K/V into and out of
-an fp8 cache.
+"""The KV cache's storage dtype (vLLM's `--kv-cache-dtype`, and int8): its names, its rows, and
+K/V into and out of a quantized cache.
 
-Owns: `cache_dtype` (a name and the model's dtype -> the
-torch dtype the caches are allocated in), `is_fp8`, `to_cache` (K/V rows as an fp8 cache stores
+Owns: `cache_dtype` (a name and the model's dtype -> the torch dtype the caches are allocated
+in), `row_width` (elements of one cached row of a head), `to_cache` (K/V rows as the cache stores
 them), `write_rows` (torch's CPU `index_copy_` has no fp8 kernel: the write goes through uint8
 views) and `widen` (gathered cache rows to the compute dtype, for the PyTorch paths; the C
-kernels read fp8 bytes themselves). A cache of another float dtype than the model's
-(`--kv-cache-dtype float32` under a bf16 model) goes through the same two functions.
+kernels read the stored bytes themselves). A cache of another float dtype than the model's
+(`--kv-cache-dtype float32` under a bf16 model) goes through the same functions.
 
-No scales: as vLLM's fp8 cache without calibrated k/v scales (its default, 1.0), values are
-stored as they are, saturated at the format's largest finite value (448 for e4m3fn, 57344 for
-e5m2) rather than turned into NaN or inf. e4m3fn keeps 3 mantissa bits over +-448, e5m2 2 bits
-over a wider range; BENCHMARKS.md's KV38 runs give the quality each costs.
+fp8 (e4m3fn, e5m2): no scales, as vLLM's fp8 cache without calibrated k/v scales (its default,
+1.0): values are stored as they are, saturated at the format's largest finite value (448 for
+e4m3fn, 57344 for e5m2) rather than turned into NaN or inf.
+int8: one float32 scale per (token, head), amax / 127, stored in the row's last 4 bytes: a row is
+D int8 values then the scale's bytes ([..., D + 4] int8), so every gather, copy and block of the
+cache carries its scales along. BENCHMARKS.md's KV38 runs give what each costs in quality: a scale
+per (token, head) measured best for quality per byte.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ _NAMED = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
 }
+SCALE_BYTES = 4  # an int8 row's float32 scale
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _LARGEST = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -46,11 +51,21 @@ def is_fp8(t: torch.Tensor | torch.dtype) -> bool:
     return (t if isinstance(t, torch.dtype) else t.dtype) in FP8
 
 
+def row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one cached row of one head: D, or D + SCALE_BYTES for int8."""
+    return head_dim + SCALE_BYTES if dtype is torch.int8 else head_dim
+
+
 def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x [T, KVH, D] in the cache's dtype: fp8 saturated at its largest finite value (torch's
-    cast rounds to nearest even; it would make e5m2's overflow inf)."""
+    """x [T, KVH, D] as the cache stores it: fp8 saturated at its largest finite value (torch's
+    cast rounds to nearest even; it would make e5m2's overflow inf); int8 rounded to nearest
+    even over amax / 127 per row, [T, KVH, D + 4] with the scale's bytes."""
     if x.dtype is dtype:
         return x
+    if dtype is torch.int8:
+        scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127.0  # [T, KVH, 1]
+        q = (x.float() / scale).round().clamp(-127, 127).to(torch.int8)
+        return torch.cat((q, scale.view(torch.int8)), dim=-1)
     if dtype in FP8:
         top = _LARGEST[dtype]
         return x.clamp(-top, top).to(dtype)
@@ -66,5 +81,10 @@ def write_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> Non
 
 
 def widen(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Gathered cache rows in the compute dtype (x itself where it is in it already)."""
+    """Gathered cache rows [..., row_width] in the compute dtype [..., D] (x itself where it is
+    in it already); int8 rows times their scales, in float32, then rounded once."""
+    if x.dtype is torch.int8:
+        d = x.shape[-1] - SCALE_BYTES
+        scale = x[..., d:].contiguous().view(torch.float32)  # [..., 1]
+        return (x[..., :d].float() * scale).to(dtype)
     return x if x.dtype is dtype else x.to(dtype)

@@ -26,8 +26,8 @@ from llmctl.kernels.config import KernelConfig
 from llmctl.kernels.cpu.library import load
 
 BF16 = torch.bfloat16
-# the caches the lean step's kernels read (an fp8 cache is converted on write, read as bytes)
-CACHE_DTYPES = (BF16, torch.float8_e4m3fn, torch.float8_e5m2)
+# the caches the lean step's kernels read (fp8 and int8 converted on write, read as bytes)
+CACHE_DTYPES = (BF16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 
 
 class Step:

@@ -25,11 +25,13 @@ _GENERIC = {
     torch.bfloat16: "paged_decode_bf16",
     torch.float8_e4m3fn: "paged_decode_e4m3",  # an fp8 cache (kernels/kv_dtype.py), read as bytes
     torch.float8_e5m2: "paged_decode_e5m2",
+    torch.int8: "paged_decode_i8",  # rows of int8 and a float32 scale (kernels/kv_dtype.py)
 }
 # bf16 query over an fp8 cache on `vdpbf16ps`: tiles widened to bf16 in scratch on the way
 _DPBF16_FP8 = {
     torch.float8_e4m3fn: "paged_decode_dpbf16_e4m3",
     torch.float8_e5m2: "paged_decode_dpbf16_e5m2",
+    torch.int8: "paged_decode_dpbf16_i8",
 }
 _BF16_QUERY = ("paged_decode_amx", "paged_decode_dpbf16", *_DPBF16_FP8.values())
 

@@ -55,6 +55,8 @@ def _signatures() -> dict[str, dict[str, tuple[list, object]]]:
             "paged_decode_e5m2": _DECODE,
             "paged_decode_dpbf16_e4m3": _DECODE,
             "paged_decode_dpbf16_e5m2": _DECODE,
+            "paged_decode_i8": _DECODE,
+            "paged_decode_dpbf16_i8": _DECODE,
             "paged_decode_dpbf16_built": ([], INT),
             "paged_decode_amx_available": ([], INT),
             # (x, ldx, w, bias, out, M, N, K, w_bf16, threads)

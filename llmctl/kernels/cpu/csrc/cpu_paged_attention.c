@@ -104,20 +104,32 @@ static inline __attribute__((always_inline)) void item(
 }
 
 
-/* item's contract over an fp8 cache: the item's K and V rows widened once each (not once per
- * query head) into float32 scratch kf, vf [len, D], laid out as consecutive blocks of `ident`
+/* item's contract over an fp8 or int8 cache: the item's K and V rows widened once each (not once
+ * per query head) into float32 scratch kf, vf [len, D], laid out as consecutive blocks of `ident`
  * (ident[i] = i), then item itself over them: the results equal item's over the cache widened
  * to float32, bit for bit. */
 static inline __attribute__((always_inline)) void item_fp8(
     const float *q, const char *k, const char *v, const int64_t *table, int64_t len, float *out,
     int G, const int D, int bs, float scale, float *s, int64_t stride, float *kf, float *vf,
     const int64_t *ident, const int kind) {
+    const size_t row = row_bytes(kind, D);
     for (int64_t start = 0; start < len; start += bs) {
         const int64_t n = len - start < bs ? len - start : bs;
-        const size_t base = (size_t)table[start / bs] * bs * D;
-        for (int64_t i = 0; i < n * D; i += 8) {
-            *(v8f *)(kf + start * D + i) = load8(k + base, i, kind);
-            *(v8f *)(vf + start * D + i) = load8(v + base, i, kind);
+        const char *kb = k + (size_t)table[start / bs] * bs * row;
+        const char *vb = v + (size_t)table[start / bs] * bs * row;
+        for (int64_t t = 0; t < n; ++t) {
+            float *kd = kf + (start + t) * D, *vd = vf + (start + t) * D;
+            if (kind == KIND_I8) { /* int8 values times the row's scale, in float32 */
+                const int8_t *kr = (const int8_t *)(kb + t * row), *vr = (const int8_t *)(vb + t * row);
+                float ks, vs;
+                memcpy(&ks, kr + D, 4), memcpy(&vs, vr + D, 4);
+                for (int d = 0; d < D; ++d) kd[d] = (float)kr[d] * ks, vd[d] = (float)vr[d] * vs;
+                continue;
+            }
+            for (int d = 0; d < D; d += 8) {
+                *(v8f *)(kd + d) = load8(kb + t * row, d, kind);
+                *(v8f *)(vd + d) = load8(vb + t * row, d, kind);
+            }
         }
     }
     item(q, (const char *)kf, (const char *)vf, ident, len, out, G, D, bs, scale, s, stride,
@@ -156,7 +168,7 @@ static int run(
                 continue;
             }
             const int64_t b = it / KVH, h = it % KVH, r = (b * H + h * G) * D;
-            const size_t head = (size_t)h * slots * D * kind_size(kind);
+            const size_t head = (size_t)h * slots * row_bytes(kind, D);
             const char *k = (const char *)kc + head, *v = (const char *)vc + head;
             /* Every specialisation is chosen here, inside the loop: GCC outlines the parallel
              * region before inlining, so a constant passed into run() would reach item() as a
@@ -182,6 +194,12 @@ static int run(
                 item_fp8(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, kf, vf, ident, KIND_E5M2);
             else if (kind == KIND_E5M2)
                 item_fp8(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, kf, vf, ident, KIND_E5M2);
+            else if (kind == KIND_I8 && D == 64)
+                item_fp8(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, kf, vf, ident, KIND_I8);
+            else if (kind == KIND_I8 && D == 128)
+                item_fp8(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, kf, vf, ident, KIND_I8);
+            else if (kind == KIND_I8)
+                item_fp8(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, kf, vf, ident, KIND_I8);
             else if (D == 64) item(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, KIND_F32);
             else if (D == 128) item(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, KIND_F32);
             else item(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, KIND_F32);
@@ -212,6 +230,14 @@ int paged_decode_e4m3(const float *q, const void *kc, const void *vc, const int6
                       int max_blocks, int bs, float scale, int64_t max_len, int threads) {
     return run(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale, max_len,
                threads, KIND_E4M3);
+}
+
+/* float32 query over an int8 cache (rows of D int8 values and their float32 scale). */
+int paged_decode_i8(const float *q, const void *kc, const void *vc, const int64_t *tables,
+                    const int64_t *lens, float *out, int B, int H, int KVH, int D, int64_t slots,
+                    int max_blocks, int bs, float scale, int64_t max_len, int threads) {
+    return run(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale, max_len,
+               threads, KIND_I8);
 }
 
 int paged_decode_e5m2(const float *q, const void *kc, const void *vc, const int64_t *tables,

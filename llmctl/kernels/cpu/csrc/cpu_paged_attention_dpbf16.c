@@ -21,8 +21,8 @@
  *   P V     each pair of V rows (t, t + 1) is interleaved once and multiplied by the broadcast
  *           pair (P[g][t], P[g][t + 1]) for up to 8 query heads, so V is read once per 32 or 64
  *           columns for all G heads, not once per head; out = acc / sum.
- * An fp8 cache (e4m3fn or e5m2 bytes) takes `paged_decode_dpbf16_e4m3/_e5m2`: the same items over
- * tiles widened to bf16 on the way (below).
+ * An fp8 cache (e4m3fn or e5m2 bytes) or an int8 one (rows with a scale) takes
+ * `paged_decode_dpbf16_e4m3/_e5m2/_i8`: the same items over tiles widened to bf16 on the way.
  * Every score, exp and output element is computed by the same operations in the same order
  * whatever the token's block, the block size, the batch or the thread count (the reduction tree
  * treats the 16 lanes alike; sums run from token 0), which batch-invariant mode relies on.
@@ -259,23 +259,50 @@ INLINE void prefetch8(const uint8_t *p, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T1);
 }
 
-/* Scores of one item over an fp8 cache (as score_pass), V widened into vb [len, D] on the way,
- * off[t] = t * D into vb. */
+/* n int8 rows of D values and a float32 scale each (row stride R = D + 4 bytes) into bf16 dst
+ * [n, D]: each value times its row's scale in float32, rounded once (as kv_dtype.widen). */
+INLINE void i8_rows(const int8_t *src, int n, const int D, uint16_t *dst) {
+    for (int r = 0; r < n; ++r) {
+        const int8_t *row = src + (int64_t)r * (D + 4);
+        float sc;
+        memcpy(&sc, row + D, 4);
+        const __m512 scv = _mm512_set1_ps(sc);
+        for (int c = 0; c < D; c += 16) {
+            const __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + c)));
+            const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(x), scv);
+            _mm256_storeu_si256((__m256i *)(dst + (int64_t)r * D + c),
+                                (__m256i)_mm512_cvtneps_pbh(f));
+        }
+    }
+}
+
+/* fmt: the cache's bytes: 0 e4m3fn, 1 e5m2, 2 int8 rows with their scales. */
+enum { FMT_E4M3 = 0, FMT_E5M2 = 1, FMT_I8 = 2 };
+
+/* n rows at src (row stride R bytes) widened into bf16 dst [n, D]. */
+INLINE void widen_rows(const uint8_t *src, int n, const int D, const int fmt, uint16_t *dst) {
+    if (fmt == FMT_I8) i8_rows((const int8_t *)src, n, D, dst);
+    else fp8_rows(src, (int64_t)n * D, fmt == FMT_E5M2, dst);
+}
+
+/* Scores of one item over a quantized cache (as score_pass), V widened into vb [len, D] on the
+ * way, off[t] = t * D into vb. */
 INLINE void score_pass_fp8(const uint16_t *q, const uint8_t *k, const uint8_t *v,
                            const int64_t *table, int64_t len, int G, const int D, int bs,
                            float *s, int64_t stride, int64_t *off, uint16_t *kt, uint16_t *vb,
-                           const int e5m2) {
+                           const int fmt) {
+    const int64_t R = D + (fmt == FMT_I8 ? 4 : 0); /* bytes per cached row */
     for (int64_t j = 0; j < AHEAD && j * bs < len; ++j)
-        prefetch8(k + table[j] * bs * D, (len - j * bs < bs ? len - j * bs : bs) * D);
+        prefetch8(k + table[j] * bs * R, (len - j * bs < bs ? len - j * bs : bs) * R);
     for (int64_t start = 0, j = 0; start < len; start += bs, ++j) {
         const int64_t nb = len - start < bs ? len - start : bs;
-        if (start + AHEAD * bs < len) prefetch8(k + table[j + AHEAD] * bs * D, bs * D);
-        prefetch8(v + table[j] * bs * D, nb * D);
+        if (start + AHEAD * bs < len) prefetch8(k + table[j + AHEAD] * bs * R, bs * R);
+        prefetch8(v + table[j] * bs * R, nb * R);
         for (int64_t o = 0; o < nb; o += 16) {
             const int n = nb - o < 16 ? (int)(nb - o) : 16;
-            const int64_t base = table[j] * bs * D + o * D, t0 = start + o;
-            fp8_rows(k + base, (int64_t)n * D, e5m2, kt);
-            fp8_rows(v + base, (int64_t)n * D, e5m2, vb + t0 * D);
+            const int64_t base = table[j] * bs * R + o * R, t0 = start + o;
+            widen_rows(k + base, n, D, fmt, kt);
+            widen_rows(v + base, n, D, fmt, vb + t0 * D);
             for (int i = 0; i < n; ++i) off[t0 + i] = (t0 + i) * D;
             if (n == 16) scores16(q, kt, 16, 1, G, D, s + t0, stride);
             else scores16(q, kt, n, 0, G, D, s + t0, stride);
@@ -283,17 +310,18 @@ INLINE void score_pass_fp8(const uint16_t *q, const uint8_t *k, const uint8_t *v
     }
 }
 
-/* item's contract over an fp8 cache; kt [16, D] and vb [stride, D] bf16 scratch. */
+/* item's contract over a quantized cache; kt [16, D] and vb [stride, D] bf16 scratch. */
 INLINE void item_fp8(const uint16_t *q, const uint8_t *k, const uint8_t *v, const int64_t *table,
                      int64_t len, uint16_t *out, int G, const int D, int bs, float scale, float *s,
                      uint16_t *p, int64_t *off, int64_t stride, uint16_t *kt, uint16_t *vb,
-                     const int e5m2) {
+                     const int fmt) {
     float inv[G];
-    score_pass_fp8(q, k, v, table, len, G, D, bs, s, stride, off, kt, vb, e5m2);
+    score_pass_fp8(q, k, v, table, len, G, D, bs, s, stride, off, kt, vb, fmt);
     /* e4m3 tiles hold K and V times 2^-8: scale and 1 / sum take the 256 (powers of two: the
      * results equal the bf16 items' over the widened cache, bit for bit) */
-    softmax(s, p, len, G, e5m2 ? scale : scale * 256.f, stride, inv);
-    if (!e5m2)
+    const int e4m3 = fmt == FMT_E4M3;
+    softmax(s, p, len, G, e4m3 ? scale * 256.f : scale, stride, inv);
+    if (e4m3)
         for (int g = 0; g < G; ++g) inv[g] *= 256.f;
     if (G <= 4) {
         for (int c = 0; c < D; c += 64) pv(vb, off, len, p, stride, G, D, c, 2, inv, out);
@@ -305,13 +333,14 @@ INLINE void item_fp8(const uint16_t *q, const uint8_t *k, const uint8_t *v, cons
                out + g * D);
 }
 
-/* paged_decode_dpbf16's contract over an fp8 cache (bytes). */
+/* paged_decode_dpbf16's contract over a quantized cache (bytes, `fmt`). */
 static int decode_fp8(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
                       const int64_t *tables, const int64_t *lens, uint16_t *out, int B, int H,
                       int KVH, int D, int64_t slots, int max_blocks, int bs, float scale,
-                      int64_t max_len, int threads, const int e5m2) {
+                      int64_t max_len, int threads, const int fmt) {
     const int G = H / KVH;
     const int64_t stride = ((max_len > 0 ? max_len : 1) + 31) & ~(int64_t)31;
+    const int64_t R = D + (fmt == FMT_I8 ? 4 : 0);
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -329,19 +358,24 @@ static int decode_fp8(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
                 continue;
             }
             const int64_t b = it / KVH, h = it % KVH, r = (b * H + h * G) * D;
-            const uint8_t *k = kc + h * slots * D, *v = vc + h * slots * D;
+            const uint8_t *k = kc + h * slots * R, *v = vc + h * slots * R;
             const int64_t *tb = tables + b * max_blocks, n = lens[b];
             const uint16_t *qr = q + r;
             uint16_t *o = out + r;
-            if (D == 64 && e5m2) item_fp8(qr, k, v, tb, n, o, G, 64, bs, scale, s, p, off, stride,
-                                          kt, vb, 1);
-            else if (D == 64) item_fp8(qr, k, v, tb, n, o, G, 64, bs, scale, s, p, off, stride, kt,
-                                       vb, 0);
-            else if (D == 128 && e5m2) item_fp8(qr, k, v, tb, n, o, G, 128, bs, scale, s, p, off,
-                                                 stride, kt, vb, 1);
-            else if (D == 128) item_fp8(qr, k, v, tb, n, o, G, 128, bs, scale, s, p, off, stride,
-                                        kt, vb, 0);
-            else item_fp8(qr, k, v, tb, n, o, G, D, bs, scale, s, p, off, stride, kt, vb, e5m2);
+            /* chosen inside the loop: GCC outlines the parallel region before inlining */
+            if (D == 64 && fmt == FMT_E4M3)
+                item_fp8(qr, k, v, tb, n, o, G, 64, bs, scale, s, p, off, stride, kt, vb, 0);
+            else if (D == 64 && fmt == FMT_E5M2)
+                item_fp8(qr, k, v, tb, n, o, G, 64, bs, scale, s, p, off, stride, kt, vb, 1);
+            else if (D == 64)
+                item_fp8(qr, k, v, tb, n, o, G, 64, bs, scale, s, p, off, stride, kt, vb, 2);
+            else if (D == 128 && fmt == FMT_E4M3)
+                item_fp8(qr, k, v, tb, n, o, G, 128, bs, scale, s, p, off, stride, kt, vb, 0);
+            else if (D == 128 && fmt == FMT_E5M2)
+                item_fp8(qr, k, v, tb, n, o, G, 128, bs, scale, s, p, off, stride, kt, vb, 1);
+            else if (D == 128)
+                item_fp8(qr, k, v, tb, n, o, G, 128, bs, scale, s, p, off, stride, kt, vb, 2);
+            else item_fp8(qr, k, v, tb, n, o, G, D, bs, scale, s, p, off, stride, kt, vb, fmt);
         }
         free(s), free(p), free(off), free(kt), free(vb);
     }
@@ -353,7 +387,7 @@ int paged_decode_dpbf16_e4m3(const uint16_t *q, const uint8_t *kc, const uint8_t
                              int H, int KVH, int D, int64_t slots, int max_blocks, int bs,
                              float scale, int64_t max_len, int threads) {
     return decode_fp8(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale,
-                      max_len, threads, 0);
+                      max_len, threads, FMT_E4M3);
 }
 
 int paged_decode_dpbf16_e5m2(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
@@ -361,7 +395,15 @@ int paged_decode_dpbf16_e5m2(const uint16_t *q, const uint8_t *kc, const uint8_t
                              int H, int KVH, int D, int64_t slots, int max_blocks, int bs,
                              float scale, int64_t max_len, int threads) {
     return decode_fp8(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale,
-                      max_len, threads, 1);
+                      max_len, threads, FMT_E5M2);
+}
+
+int paged_decode_dpbf16_i8(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
+                           const int64_t *tables, const int64_t *lens, uint16_t *out, int B,
+                           int H, int KVH, int D, int64_t slots, int max_blocks, int bs,
+                           float scale, int64_t max_len, int threads) {
+    return decode_fp8(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale,
+                      max_len, threads, FMT_I8);
 }
 
 int paged_decode_dpbf16_built(void) { return 1; }
@@ -621,6 +663,14 @@ int paged_decode_dpbf16_e5m2(const uint16_t *q, const uint8_t *kc, const uint8_t
                              const int64_t *tables, const int64_t *lens, uint16_t *out, int B,
                              int H, int KVH, int D, int64_t slots, int max_blocks, int bs,
                              float scale, int64_t max_len, int threads) {
+    return paged_decode_dpbf16_e4m3(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks,
+                                    bs, scale, max_len, threads);
+}
+
+int paged_decode_dpbf16_i8(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
+                           const int64_t *tables, const int64_t *lens, uint16_t *out, int B,
+                           int H, int KVH, int D, int64_t slots, int max_blocks, int bs,
+                           float scale, int64_t max_len, int threads) {
     return paged_decode_dpbf16_e4m3(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks,
                                     bs, scale, max_len, threads);
 }

@@ -14,10 +14,16 @@ typedef uint8_t v8b __attribute__((vector_size(8), aligned(1)));
 typedef _Float16 v8hf __attribute__((vector_size(16)));
 
 /* Element kinds of load8: float32, bfloat16 (as its uint16 bits), fp8 e4m3fn and fp8 e5m2 (as
- * their bytes, the KV cache's --kv-cache-dtype fp8 formats). */
-enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_E4M3 = 2, KIND_E5M2 = 3 };
+ * their bytes, the KV cache's --kv-cache-dtype fp8 formats); int8 (the int8 KV cache: rows of
+ * int8 values and a float32 scale, which load8 leaves to its caller). */
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_E4M3 = 2, KIND_E5M2 = 3, KIND_I8 = 4 };
 
 static inline size_t kind_size(const int kind) { return kind >= KIND_E4M3 ? 1 : 2 * (2 - kind); }
+
+/* Bytes of one cached row of D values: an int8 row (KV cache int8) ends in its float32 scale. */
+static inline size_t row_bytes(const int kind, int D) {
+    return kind_size(kind) * (size_t)D + (kind == KIND_I8 ? 4 : 0);
+}
 
 /* 8 values from element i of p, of element kind `kind` (0/1 is the old bf16 flag). fp8 goes
  * through float16 exactly: e5m2 is the top byte of a float16; e4m3's sign, exponent and
