@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from llmctl.kernels import invariant
 from llmctl.kernels.config import KernelConfig
 from llmctl.kernels.cpu import lora as cpu_lora
 from llmctl.models import merged as merging
@@ -90,21 +91,32 @@ class LoraLinear(nn.Module):
         self.update(x, y)
         return y
 
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def invariant_forward(self, x: torch.Tensor, kernels: KernelConfig) -> torch.Tensor:
+        """Batch-invariant mode (models/layers.project with fixed_order): the base through
+        kernels/invariant.py, each row's update computed as if the row were alone."""
+        base = self.base
+        plain = type(base) is Linear
+        w, b = (base.weight, base.bias) if plain else (None, None)
+        y = invariant.linear(x, w, b, base, kernels)
+        self.update(x, y, per_row=True)
+        return y
+
+    def update(self, x: torch.Tensor, y: torch.Tensor, per_row: bool = False) -> None:
         """y [..., out] (the base's output for x [..., in], or a column slice of a merged one)
-        += each row's adapter update, in place."""
+        += each row's adapter update, in place. `per_row`: no row's arithmetic depends on the
+        others (the C kernel's rows never do; PyTorch's then run one row a GEMM pair)."""
         step = self._step[0]
         if not step.segments:
             return
         xf = x.reshape(-1, self.in_features)  # [T, in], packed rows
         yf = y.view(-1, self.out_features)  # [T, out], updated in place
-        rows = step.row_slot
+        slots = step.row_slot
         if (
-            rows is not None
+            slots is not None
             and self.kernels.native
             and cpu_lora.use_lora_apply(xf, yf, self.lora_a)
         ):
-            cpu_lora.lora_apply(xf, yf, self.lora_a, self.lora_bt, rows, self.rank_table)
+            cpu_lora.lora_apply(xf, yf, self.lora_a, self.lora_bt, slots, self.rank_table)
             return
         for slot, rows in step.segments:
             r = self.ranks[slot]
@@ -112,11 +124,13 @@ class LoraLinear(nn.Module):
                 continue
             a = self.lora_a[slot, :r]  # [r, in]
             bt = self.lora_bt[slot, :r]  # [r, out], scale included
-            xa = xf[rows] @ a.T  # [rows, r]
-            if isinstance(rows, slice):  # a view of y: updated in place by one fused call
-                yf[rows].addmm_(xa, bt)
+            if per_row:  # [1, in] @ [in, r] @ [r, out] a row: one reduction order for any batch
+                for i in range(yf.shape[0])[rows] if isinstance(rows, slice) else rows.tolist():
+                    yf[i : i + 1].addmm_(xf[i : i + 1] @ a.T, bt)
+            elif isinstance(rows, slice):  # a view of y: updated in place by one fused call
+                yf[rows].addmm_(xf[rows] @ a.T, bt)  # [rows, r] @ [r, out]
             else:
-                yf.index_add_(0, rows, xa @ bt)  # [rows, out] added at their rows
+                yf.index_add_(0, rows, (xf[rows] @ a.T) @ bt)  # [rows, out] added at their rows
 
 
 def _plain(part: nn.Module) -> nn.Module:
