@@ -100,6 +100,8 @@ def main() -> None:
         "ratio_median": round(
             statistics.median(runs["mixed"]) / statistics.median(runs["base"]), 3
         ),
+        # each mixed leg against the base leg just before it (the host's load drifts)
+        "paired_ratios": [round(m / b, 3) for b, m in zip(runs["base"], runs["mixed"])],
     }
     print(json.dumps(result, indent=2))
     if args.out:

@@ -80,39 +80,48 @@ LORA_WIDE static void shrink_bf16(const float *x, const uint16_t *a, int64_t K, 
     }
 }
 
-/* acc[n] = sum_j xa[j] * bt[j, n] for j < r. */
-LORA_WIDE static void expand(const float *xa, const void *bt, int bf16, int64_t N, int r,
-                             float *acc) {
-    memset(acc, 0, (size_t)N * sizeof(float));
-    for (int j = 0; j < r; ++j) {
-        const float w = xa[j];
-        if (bf16) {
-            const uint16_t *b = (const uint16_t *)bt + j * N;
-            for (int64_t n = 0; n < N; ++n) acc[n] += w * lora_from_bf16(b[n]);
-        } else {
-            const float *b = (const float *)bt + j * N;
-            for (int64_t n = 0; n < N; ++n) acc[n] += w * b[n];
-        }
+/* y[n] += sum_j xa[j] * bt[j, n] for j < r, 64 columns a block whose sums stay in registers
+ * across the r rows of bt (y read and written once). */
+#define LORA_NB 64
+#define LORA_EXPAND(NAME, T, LOAD, STORE)                                                       \
+    LORA_WIDE static void NAME(const float *xa, const T *bt, int64_t N, int r, T *y) {         \
+        for (int64_t n0 = 0; n0 < N; n0 += LORA_NB) {                                           \
+            const int64_t nb = N - n0 < LORA_NB ? N - n0 : LORA_NB;                             \
+            float acc[LORA_NB];                                                                 \
+            if (nb == LORA_NB) {                                                                \
+                for (int i = 0; i < LORA_NB; ++i) acc[i] = 0.f;                                 \
+                for (int j = 0; j < r; ++j) {                                                   \
+                    const float w = xa[j];                                                      \
+                    const T *b = bt + j * N + n0;                                               \
+                    for (int i = 0; i < LORA_NB; ++i) acc[i] += w * LOAD(b[i]);                 \
+                }                                                                               \
+            } else {                                                                            \
+                for (int64_t i = 0; i < nb; ++i) acc[i] = 0.f;                                  \
+                for (int j = 0; j < r; ++j) {                                                   \
+                    const float w = xa[j];                                                      \
+                    const T *b = bt + j * N + n0;                                               \
+                    for (int64_t i = 0; i < nb; ++i) acc[i] += w * LOAD(b[i]);                  \
+                }                                                                               \
+            }                                                                                   \
+            for (int64_t i = 0; i < nb; ++i) y[n0 + i] = STORE(LOAD(y[n0 + i]) + acc[i]);       \
+        }                                                                                       \
     }
-}
 
-/* One row: y[:] += shrink then expand, through float scratch xf [K], acc [N], xa [R]. */
+#define LORA_ID(v) (v)
+LORA_EXPAND(expand_f32, float, LORA_ID, LORA_ID)
+LORA_EXPAND(expand_bf16, uint16_t, lora_from_bf16, lora_to_bf16)
+
+/* One row: y[:] += shrink then expand, through float scratch xf [K] and xa [R]. */
 LORA_WIDE static void lora_row(const void *x, void *y, const void *a, const void *bt, int r,
-                               int64_t K, int64_t N, int bf16, float *xf, float *acc, float *xa) {
+                               int64_t K, int64_t N, int bf16, float *xf, float *xa) {
     if (bf16) {
         const uint16_t *xh = (const uint16_t *)x;
         for (int64_t k = 0; k < K; ++k) xf[k] = lora_from_bf16(xh[k]);
         shrink_bf16(xf, (const uint16_t *)a, K, r, xa);
+        expand_bf16(xa, (const uint16_t *)bt, N, r, (uint16_t *)y);
     } else {
         shrink_f32((const float *)x, (const float *)a, K, r, xa);
-    }
-    expand(xa, bt, bf16, N, r, acc);
-    if (bf16) {
-        uint16_t *yh = (uint16_t *)y;
-        for (int64_t n = 0; n < N; ++n) yh[n] = lora_to_bf16(lora_from_bf16(yh[n]) + acc[n]);
-    } else {
-        float *yf = (float *)y;
-        for (int64_t n = 0; n < N; ++n) yf[n] += acc[n];
+        expand_f32(xa, (const float *)bt, N, r, (float *)y);
     }
 }
 
@@ -125,7 +134,7 @@ int lora_apply(const void *x, int64_t ldx, void *y, int64_t ldy, const void *a, 
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && T >= 16)
     {
-        float *scratch = (float *)malloc((size_t)(K + N + R) * sizeof(float));
+        float *scratch = (float *)malloc((size_t)(K + R) * sizeof(float));
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -138,7 +147,7 @@ int lora_apply(const void *x, int64_t ldx, void *y, int64_t ldy, const void *a, 
             lora_row((const char *)x + (size_t)(t * ldx) * es, (char *)y + (size_t)(t * ldy) * es,
                      (const char *)a + (size_t)(s * R * K) * es,
                      (const char *)bt + (size_t)(s * R * N) * es, r, K, N, bf16, scratch,
-                     scratch + K, scratch + K + N);
+                     scratch + K);
         }
         free(scratch);
     }
