@@ -80,6 +80,99 @@ LORA_WIDE static void shrink_bf16(const float *x, const uint16_t *a, int64_t K, 
     }
 }
 
+#if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BF16__) && \
+    defined(__AVX512BW__)
+#include <immintrin.h>
+
+#include "cpu_bf16x16.h"
+#define LORA_DPBF16 1
+
+/* shrink_bf16 on bf16 x through vdpbf16ps (pairs of bf16 products summed into float32, 32
+ * elements an instruction, no widening): four rows of A a pass, the tail masked (so a row's
+ * sums do not depend on anything but K). */
+static void shrink_dpbf16(const uint16_t *x, const uint16_t *a, int64_t K, int r, float *xa) {
+    for (int j = 0; j < r; j += 4) {
+        const int rows = r - j < 4 ? r - j : 4;
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                         _mm512_setzero_ps()};
+        for (int64_t k = 0; k < K; k += 32) {
+            const __mmask32 m = K - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (K - k)) - 1);
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + k);
+            for (int i = 0; i < rows; ++i) {
+                const __m512bh av = (__m512bh)_mm512_maskz_loadu_epi16(m, a + (j + i) * K + k);
+                acc[i] = _mm512_dpbf16_ps(acc[i], xv, av);
+            }
+        }
+        for (int i = 0; i < rows; ++i) xa[j + i] = _mm512_reduce_add_ps(acc[i]);
+    }
+}
+
+/* SGMV for bf16: G (1-4) consecutive rows of one slot at a time, so each load of A and Bt
+ * serves G rows. Row g's arithmetic is the single row's (the same instructions in the same
+ * order, only interleaved with the other rows'), so a row's result does not depend on its
+ * group. xs/ys: the rows' x and y; xa [G][r] float scratch. */
+#define LORA_NE 32 /* expand columns a block: 2 vectors of 16 a row */
+static inline __attribute__((always_inline)) void group_dpbf16(
+    const int G, const uint16_t *const *xs, uint16_t *const *ys, const uint16_t *a,
+    const uint16_t *bt, int64_t K, int64_t N, int r, float *xa) {
+    for (int j = 0; j < r; j += 2) { /* shrink: 2 rows of A against the G rows of x */
+        __m512 acc[4][2];
+        for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+        const __mmask32 both = r - j >= 2 ? 0xffffffffu : 0;
+        for (int64_t k = 0; k < K; k += 32) {
+            const __mmask32 m = K - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (K - k)) - 1);
+            const __m512bh a0 = (__m512bh)_mm512_maskz_loadu_epi16(m, a + j * K + k);
+            const __m512bh a1 = (__m512bh)_mm512_maskz_loadu_epi16(m & both, a + (j + 1) * K + k);
+            for (int g = 0; g < G; ++g) {
+                const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, xs[g] + k);
+                acc[g][0] = _mm512_dpbf16_ps(acc[g][0], xv, a0);
+                acc[g][1] = _mm512_dpbf16_ps(acc[g][1], xv, a1);
+            }
+        }
+        for (int g = 0; g < G; ++g) {
+            xa[g * r + j] = _mm512_reduce_add_ps(acc[g][0]);
+            if (both) xa[g * r + j + 1] = _mm512_reduce_add_ps(acc[g][1]);
+        }
+    }
+    for (int64_t n = 0; n < N; n += LORA_NE) { /* expand: 32 columns of the G rows in registers */
+        const __mmask16 m0 = N - n >= 16 ? 0xffff : (__mmask16)((1u << (N - n)) - 1);
+        const __mmask16 m1 = N - n >= 32 ? 0xffff : N - n <= 16 ? 0 : (__mmask16)((1u << (N - n - 16)) - 1);
+        __m512 acc[4][2];
+        for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+        for (int j = 0; j < r; ++j) {
+            const __m512 b0 = load16(bt + j * N + n, m0), b1 = load16(bt + j * N + n + 16, m1);
+            for (int g = 0; g < G; ++g) {
+                const __m512 w = _mm512_set1_ps(xa[g * r + j]);
+                acc[g][0] = _mm512_fmadd_ps(w, b0, acc[g][0]);
+                acc[g][1] = _mm512_fmadd_ps(w, b1, acc[g][1]);
+            }
+        }
+        for (int g = 0; g < G; ++g) { /* y + update, rounded once */
+            uint16_t *y = ys[g] + n;
+            _mm256_mask_storeu_epi16(y, m0, narrow16(_mm512_add_ps(load16(y, m0), acc[g][0])));
+            _mm256_mask_storeu_epi16(y + 16, m1, narrow16(_mm512_add_ps(load16(y + 16, m1), acc[g][1])));
+        }
+    }
+}
+
+/* Rows t0 .. t0 + G - 1 (one slot, G <= 4) through group_dpbf16 specialised for G. */
+static void rows_dpbf16(int G, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy,
+                        const uint16_t *a, const uint16_t *bt, int64_t K, int64_t N, int r,
+                        float *xa) {
+    const uint16_t *xs[4];
+    uint16_t *ys[4];
+    for (int g = 0; g < G; ++g) xs[g] = x + g * ldx, ys[g] = y + g * ldy;
+    switch (G) {
+    case 4: group_dpbf16(4, xs, ys, a, bt, K, N, r, xa); break;
+    case 3: group_dpbf16(3, xs, ys, a, bt, K, N, r, xa); break;
+    case 2: group_dpbf16(2, xs, ys, a, bt, K, N, r, xa); break;
+    default: group_dpbf16(1, xs, ys, a, bt, K, N, r, xa); break;
+    }
+}
+#else
+#define LORA_DPBF16 0
+#endif
+
 /* y[n] += sum_j xa[j] * bt[j, n] for j < r, 64 columns a block whose sums stay in registers
  * across the r rows of bt (y read and written once). */
 #define LORA_NB 64
@@ -116,8 +209,13 @@ LORA_WIDE static void lora_row(const void *x, void *y, const void *a, const void
                                int64_t K, int64_t N, int bf16, float *xf, float *xa) {
     if (bf16) {
         const uint16_t *xh = (const uint16_t *)x;
+#if LORA_DPBF16
+        (void)xf;
+        shrink_dpbf16(xh, (const uint16_t *)a, K, r, xa);
+#else
         for (int64_t k = 0; k < K; ++k) xf[k] = lora_from_bf16(xh[k]);
         shrink_bf16(xf, (const uint16_t *)a, K, r, xa);
+#endif
         expand_bf16(xa, (const uint16_t *)bt, N, r, (uint16_t *)y);
     } else {
         shrink_f32((const float *)x, (const float *)a, K, r, xa);
@@ -125,31 +223,64 @@ LORA_WIDE static void lora_row(const void *x, void *y, const void *a, const void
     }
 }
 
-/* See the file's comment. Returns 0, or 1 where scratch memory could not be had (y untouched
- * for the rows not yet done; the caller raises). */
+/* The groups lora_apply works on: runs of up to 4 consecutive rows of one slot (an adapter's
+ * rows are consecutive where the engine sorted them), base rows and skipping slots left out.
+ * starts [T], sizes [T]; returns the count. */
+static int64_t groups(const int32_t *row_slot, const int32_t *ranks, int64_t T, int max,
+                      int64_t *starts, int *sizes) {
+    int64_t n = 0;
+    for (int64_t t = 0; t < T;) {
+        const int32_t s = row_slot[t];
+        int g = 1;
+        while (g < max && t + g < T && row_slot[t + g] == s) ++g;
+        if (s > 0 && ranks[s]) starts[n] = t, sizes[n++] = g;
+        t += g;
+    }
+    return n;
+}
+
+/* See the file's comment. Returns 0, or 1 where scratch memory could not be had (y untouched;
+ * the caller raises). */
 int lora_apply(const void *x, int64_t ldx, void *y, int64_t ldy, const void *a, const void *bt,
                const int32_t *row_slot, const int32_t *ranks, int64_t T, int64_t K, int64_t N,
                int64_t R, int bf16, int threads) {
     const size_t es = bf16 ? 2 : 4;
+    int64_t *starts = (int64_t *)malloc((size_t)T * sizeof(int64_t));
+    int *sizes = (int *)malloc((size_t)T * sizeof(int));
+    if (!starts || !sizes) {
+        free(starts), free(sizes);
+        return 1;
+    }
+    const int64_t n = groups(row_slot, ranks, T, bf16 && LORA_DPBF16 ? 4 : 1, starts, sizes);
     int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1 && T >= 16)
+#pragma omp parallel num_threads(threads) if (threads > 1 && n >= 8)
     {
-        float *scratch = (float *)malloc((size_t)(K + R) * sizeof(float));
+        float *scratch = (float *)malloc((size_t)(K + 4 * R) * sizeof(float));
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; ++t) {
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t t = starts[i];
             const int32_t s = row_slot[t];
-            const int r = s > 0 ? ranks[s] : 0;
-            if (!r || !scratch) continue;
-            lora_row((const char *)x + (size_t)(t * ldx) * es, (char *)y + (size_t)(t * ldy) * es,
-                     (const char *)a + (size_t)(s * R * K) * es,
-                     (const char *)bt + (size_t)(s * R * N) * es, r, K, N, bf16, scratch,
-                     scratch + K);
+            const int r = ranks[s];
+            const char *xt = (const char *)x + (size_t)(t * ldx) * es;
+            char *yt = (char *)y + (size_t)(t * ldy) * es;
+            const char *as = (const char *)a + (size_t)(s * R * K) * es;
+            const char *bs = (const char *)bt + (size_t)(s * R * N) * es;
+            if (!scratch) continue;
+#if LORA_DPBF16
+            if (bf16) {
+                rows_dpbf16(sizes[i], (const uint16_t *)xt, ldx, (uint16_t *)yt, ldy,
+                            (const uint16_t *)as, (const uint16_t *)bs, K, N, r, scratch);
+                continue;
+            }
+#endif
+            lora_row(xt, yt, as, bs, r, K, N, bf16, scratch, scratch + K);
         }
         free(scratch);
     }
+    free(starts), free(sizes);
     return failed;
 }
