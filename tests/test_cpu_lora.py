@@ -30,10 +30,12 @@ def _case(dtype, t=23, k=72, n=37, seed=0):
     return x, wide, a, bt, row_slot, ranks
 
 
+@pytest.mark.parametrize("rows", [23, 150], ids=["one-thread-path", "threads-path"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["mixed-rows", "rows-by-adapter"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 0)])
-def test_kernel_matches_reference(dtype, tol, grouped):
-    x, wide, a, bt, row_slot, ranks = _case(dtype)
+def test_kernel_matches_reference(dtype, tol, grouped, rows):
+    """150 rows: the kernel shares them out among threads where torch has more than one."""
+    x, wide, a, bt, row_slot, ranks = _case(dtype, t=rows)
     if grouped:
         row_slot = row_slot.sort().values
     ours, ref = wide.clone(), wide.clone()
@@ -56,12 +58,12 @@ def test_kernel_matches_reference(dtype, tol, grouped):
 def test_a_rows_update_does_not_depend_on_the_batch(dtype, grouped):
     """Alone or in a group of its adapter's rows (the kernel serves up to 4 consecutive rows of
     one adapter at once), a row's update is the same to the last bit."""
-    x, wide, a, bt, row_slot, ranks = _case(dtype, t=40)
+    x, wide, a, bt, row_slot, ranks = _case(dtype, t=150)  # together: the threads' path
     if grouped:  # as the engine orders decode rows: each adapter's rows one run
         row_slot = row_slot.sort().values
     together = wide.clone()
     lora_apply(x, together, a, bt, row_slot, ranks)
-    for i in (1, 2, 17, 39):
+    for i in (1, 2, 17, 39, 149):
         alone = wide[i : i + 1].clone()
         lora_apply(x[i : i + 1], alone, a, bt, row_slot[i : i + 1], ranks)
         assert torch.equal(alone[0], together[i])

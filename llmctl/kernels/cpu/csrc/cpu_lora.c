@@ -239,21 +239,59 @@ static int64_t groups(const int32_t *row_slot, const int32_t *ranks, int64_t T, 
     return n;
 }
 
+/* Group i of `groups`' list: its rows' update, through float scratch [K + 4 R]. */
+static void run_group(const void *x, int64_t ldx, void *y, int64_t ldy, const void *a,
+                      const void *bt, int32_t s, int r, int64_t t, int g, int64_t K, int64_t N,
+                      int64_t R, int bf16, float *scratch) {
+    const size_t es = bf16 ? 2 : 4;
+    const char *xt = (const char *)x + (size_t)(t * ldx) * es;
+    char *yt = (char *)y + (size_t)(t * ldy) * es;
+    const char *as = (const char *)a + (size_t)(s * R * K) * es;
+    const char *bs = (const char *)bt + (size_t)(s * R * N) * es;
+#if LORA_DPBF16
+    if (bf16) {
+        rows_dpbf16(g, (const uint16_t *)xt, ldx, (uint16_t *)yt, ldy, (const uint16_t *)as,
+                    (const uint16_t *)bs, K, N, r, scratch);
+        return;
+    }
+#endif
+    (void)g; /* 1 here: `groups` makes groups of one row without dpbf16 */
+    lora_row(xt, yt, as, bs, r, K, N, bf16, scratch, scratch + K);
+}
+
+#define LORA_STACK 4096 /* floats of scratch on the stack: K + 4 R up to this */
+
 /* See the file's comment. Returns 0, or 1 where scratch memory could not be had (y untouched;
- * the caller raises). */
+ * the caller raises). One thread, or few rows: no thread team and no heap (a decode step calls
+ * this 7 times a layer, so the fixed cost counts). */
 int lora_apply(const void *x, int64_t ldx, void *y, int64_t ldy, const void *a, const void *bt,
                const int32_t *row_slot, const int32_t *ranks, int64_t T, int64_t K, int64_t N,
                int64_t R, int bf16, int threads) {
-    const size_t es = bf16 ? 2 : 4;
+    const int max = bf16 && LORA_DPBF16 ? 4 : 1;
+    if (threads <= 1 || T < 64) {
+        float stack[LORA_STACK];
+        float *scratch = K + 4 * R <= LORA_STACK ? stack : (float *)malloc((size_t)(K + 4 * R) * 4);
+        if (!scratch) return 1;
+        for (int64_t t = 0; t < T;) {
+            const int32_t s = row_slot[t];
+            int g = 1;
+            while (g < max && t + g < T && row_slot[t + g] == s) ++g;
+            if (s > 0 && ranks[s])
+                run_group(x, ldx, y, ldy, a, bt, s, ranks[s], t, g, K, N, R, bf16, scratch);
+            t += g;
+        }
+        if (scratch != stack) free(scratch);
+        return 0;
+    }
     int64_t *starts = (int64_t *)malloc((size_t)T * sizeof(int64_t));
     int *sizes = (int *)malloc((size_t)T * sizeof(int));
     if (!starts || !sizes) {
         free(starts), free(sizes);
         return 1;
     }
-    const int64_t n = groups(row_slot, ranks, T, bf16 && LORA_DPBF16 ? 4 : 1, starts, sizes);
+    const int64_t n = groups(row_slot, ranks, T, max, starts, sizes);
     int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1 && n >= 8)
+#pragma omp parallel num_threads(threads)
     {
         float *scratch = (float *)malloc((size_t)(K + 4 * R) * sizeof(float));
         if (!scratch) {
@@ -262,22 +300,10 @@ int lora_apply(const void *x, int64_t ldx, void *y, int64_t ldy, const void *a, 
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; ++i) {
-            const int64_t t = starts[i];
-            const int32_t s = row_slot[t];
-            const int r = ranks[s];
-            const char *xt = (const char *)x + (size_t)(t * ldx) * es;
-            char *yt = (char *)y + (size_t)(t * ldy) * es;
-            const char *as = (const char *)a + (size_t)(s * R * K) * es;
-            const char *bs = (const char *)bt + (size_t)(s * R * N) * es;
-            if (!scratch) continue;
-#if LORA_DPBF16
-            if (bf16) {
-                rows_dpbf16(sizes[i], (const uint16_t *)xt, ldx, (uint16_t *)yt, ldy,
-                            (const uint16_t *)as, (const uint16_t *)bs, K, N, r, scratch);
-                continue;
-            }
-#endif
-            lora_row(xt, yt, as, bs, r, K, N, bf16, scratch, scratch + K);
+            const int32_t s = row_slot[starts[i]];
+            if (scratch)
+                run_group(x, ldx, y, ldy, a, bt, s, ranks[s], starts[i], sizes[i], K, N, R, bf16,
+                          scratch);
         }
         free(scratch);
     }
