@@ -111,13 +111,12 @@ class LoraLinear(nn.Module):
         xf = x.reshape(-1, self.in_features)  # [T, in], packed rows
         yf = y.view(-1, self.out_features)  # [T, out], updated in place
         slots = step.row_slot
-        if (
-            slots is not None
-            and self.kernels.native
-            and cpu_lora.use_lora_apply(xf, yf, self.lora_a)
-        ):
-            cpu_lora.lora_apply(xf, yf, self.lora_a, self.lora_bt, slots, self.rank_table)
-            return
+        if slots is not None and self.kernels.native:
+            buffers = self._buffers  # not nn.Module.__getattr__: this runs 7 times a layer
+            a, bt = buffers["lora_a"], buffers["lora_bt"]
+            if cpu_lora.use_lora_apply(xf, yf, a):
+                cpu_lora.lora_apply(xf, yf, a, bt, slots, self.rank_table)
+                return
         for slot, rows in step.segments:
             r = self.ranks[slot]
             if not r:
