@@ -188,11 +188,8 @@ def refreshed(current, parts) -> LoraMerged | None:
     inner = merging.merge([_plain(p) for p in parts], Linear)
     if inner is None:
         return None
-    return LoraMerged(MergedLoraLinear(inner.linear, parts, inner.sizes), parts, *_rest(inner))
-
-
-def _rest(inner: merging.Merged) -> tuple:
-    return inner.sizes, inner.pointers
+    linear = MergedLoraLinear(inner.linear, parts, inner.sizes)
+    return LoraMerged(linear, parts, inner.sizes, inner.pointers)
 
 
 def served(module: nn.Module) -> list[nn.Module]:
