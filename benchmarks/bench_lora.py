@@ -5,7 +5,8 @@ Four PEFT adapters with random weights are made for the model (rank --rank, on e
 for two of them, on attention or MLP only for the others); the rows cycle base, a1, a2, a3, a4.
 Both legs generate exactly --max-tokens tokens a row (greedy, ignore_eos) through one engine
 each, after a warm-up; legs alternate --repeats times. The ratio of output tokens per second is
-what the adapters cost: the segmented low-rank GEMMs, and the projections no longer merged.
+what the adapters cost: each row's low-rank update (kernels/cpu/lora.py on the CPU). Wall-clock
+and CPU-time rates are both reported, with each mixed leg's ratio to the base leg before it.
 
     python benchmarks/bench_lora.py --model ../shared/models/tinyshakespeare-5m --rows 64 \
         --max-tokens 32 --repeats 3 --out benchmarks/results/lora_cpu.json
@@ -49,11 +50,13 @@ def make_adapters(model: str, folder: Path, rank: int) -> list[Path]:
     return out
 
 
-def leg(llm, prompts, params, requests) -> tuple[float, int]:
-    t0 = time.perf_counter()
+def leg(llm, prompts, params, requests) -> tuple[float, int, float]:
+    """(wall seconds, output tokens, this process's CPU seconds: on a shared host the CPU time
+    of a one-thread run is less disturbed by the other jobs than the wall clock)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, lora_request=requests)
-    seconds = time.perf_counter() - t0
-    return seconds, sum(len(o.outputs[0].token_ids) for o in outs)
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return seconds, sum(len(o.outputs[0].token_ids) for o in outs), cpu
 
 
 def main() -> None:
@@ -83,12 +86,12 @@ def main() -> None:
     mixed = LLM(args.model, enable_lora=True, max_loras=4, max_lora_rank=args.rank, **kw)
     leg(base, prompts[:4], params, None)  # warm-up: one-time costs out of the timings
     leg(mixed, prompts[:5], params, per_row[:5])
-    runs: dict[str, list[float]] = {"base": [], "mixed": []}
+    runs: dict[str, list[float]] = {"base": [], "mixed": [], "base_cpu": [], "mixed_cpu": []}
     for _ in range(args.repeats):
-        s, n = leg(base, prompts, params, None)
-        runs["base"].append(n / s)
-        s, n = leg(mixed, prompts, params, per_row)
-        runs["mixed"].append(n / s)
+        for name, llm, req in (("base", base, None), ("mixed", mixed, per_row)):
+            s, n, cpu = leg(llm, prompts, params, req)
+            runs[name].append(n / s)
+            runs[name + "_cpu"].append(n / cpu)
     result = {
         "environment": environment(),
         "rows": args.rows,
@@ -100,6 +103,11 @@ def main() -> None:
         "ratio_median": round(
             statistics.median(runs["mixed"]) / statistics.median(runs["base"]), 3
         ),
+        # each mixed leg against the base leg just before it (the host's load drifts)
+        "paired_ratios": [round(m / b, 3) for b, m in zip(runs["base"], runs["mixed"])],
+        "base_cpu_tok_s": [round(x, 1) for x in runs["base_cpu"]],
+        "mixed_cpu_tok_s": [round(x, 1) for x in runs["mixed_cpu"]],
+        "paired_cpu_ratios": [round(m / b, 3) for b, m in zip(runs["base_cpu"], runs["mixed_cpu"])],
     }
     print(json.dumps(result, indent=2))
     if args.out:

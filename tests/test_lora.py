@@ -225,3 +225,44 @@ def test_chat_takes_a_lora_request(shakespeare_model, adapters, references, monk
     chats = [[{"role": "user", "content": "x", "n": i}] for i in range(len(prompts))]
     outs = llm.chat(chats, params, lora_request=LoRARequest("attn", 1, str(adapters["attn"])))
     assert [o.output_token_ids for o in outs] == refs["attn"]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c-kernel-merged", "pytorch-unmerged"])
+def test_wrapped_projections_stay_merged(shakespeare_model, adapters, references, native):
+    """The C kernel's update into the merged q/k/v and gate/up columns, and PyTorch's GEMMs on
+    separate projections, give the references' tokens."""
+    from llmctl.kernels.config import KernelConfig
+    from llmctl.models.lora import LoraMerged
+
+    prompts, refs = references
+    jobs = _mixed(adapters, prompts)
+    kernels = KernelConfig(native=native, merge_linears=native)
+    ours, engine = _run(shakespeare_model, jobs, max_loras=2, kernels=kernels)
+    assert ours == _expected(jobs, prompts, refs)
+    layer = engine.runner.model.model.layers[0]
+    merged = [layer.self_attn.merged, layer.mlp.merged]
+    assert all(isinstance(m, LoraMerged) for m in merged) if native else merged == [None, None]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c-kernel", "pytorch"])
+def test_batch_invariant_rows_keep_their_adapter(shakespeare_model, adapters, references, native):
+    """--batch-invariant with adapters: the references' tokens, and each row's logprobs bit for
+    bit the same in the mixed batch as alone (its adapter's update does not depend on the
+    batch)."""
+    from llmctl.kernels.config import KernelConfig
+
+    prompts, refs = references
+    jobs = _mixed(adapters, prompts)
+    llm = LLM(
+        str(shakespeare_model), dtype="float32", device="cpu", enable_lora=True, max_loras=2,
+        batch_invariant=True, kernels=KernelConfig(native=native),
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, logprobs=0)
+
+    def run(js):
+        outs = llm.generate([j[0] for j in js], params, lora_request=[j[1] for j in js])
+        return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outs]
+
+    together = run(jobs)
+    assert [t for t, _ in together] == _expected(jobs, prompts, refs)
+    assert [run([j])[0] for j in jobs] == together

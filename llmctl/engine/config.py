@@ -162,8 +162,6 @@ class EngineConfig:
             )
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise UsageError("--max-loras and --max-lora-rank must be >= 1")
-        if self.enable_lora and self.batch_invariant:
-            raise UsageError("--batch-invariant does not serve LoRA adapters yet")
         util = self.gpu_memory_utilization
         if util is not None and not 0 < util <= 1:
             raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {util}")

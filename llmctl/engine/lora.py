@@ -142,20 +142,24 @@ class LoraSlots:
         for name, wrapper in self.wrappers.items():
             a, b = adapter.weights.get(name, (None, None))
             if a is not None:
-                a, b = a.to(wrapper.lora_a.dtype), b.to(wrapper.lora_b.dtype)
+                a, b = a.to(wrapper.lora_a.dtype), b.to(wrapper.lora_bt.dtype)
             wrapper.load(slot, a, b, adapter.scale)
         self.slots[slot] = adapter
         self.loaded_order.append(slot)
 
     def set_step(self, rows: list[tuple[Adapter | None, int]]) -> None:
         """The step's (adapter, token count) per sequence, in packed order -> `step.segments`:
-        per adapter, a slice where its rows are one run, else their indices [k]."""
+        per adapter, a slice where its rows are one run, else their indices [k]; and on the CPU
+        `step.row_slot`, every row's slot (int32 [T])."""
         by_slot: dict[int, list[int]] = {}
         offset = 0
         slot_of = {a.digest: s for s, a in enumerate(self.slots) if a is not None}
+        row_slot: list[int] = []
         for adapter, n in rows:
-            if adapter is not None:
-                by_slot.setdefault(slot_of[adapter.digest], []).extend(range(offset, offset + n))
+            slot = 0 if adapter is None else slot_of[adapter.digest]
+            row_slot += [slot] * n
+            if slot:
+                by_slot.setdefault(slot, []).extend(range(offset, offset + n))
             offset += n
         segments: list = []
         for slot, idx in by_slot.items():
@@ -164,6 +168,9 @@ class LoraSlots:
             else:
                 segments.append((slot, torch.tensor(idx, dtype=torch.long, device=self.device)))
         self.step.segments = segments
+        # every row's slot for the CPU kernel (kernels/cpu/lora.py): built once, read by all layers
+        cpu = torch.device(self.device).type == "cpu"
+        self.step.row_slot = torch.tensor(row_slot, dtype=torch.int32) if cpu and by_slot else None
 
     @property
     def modules(self) -> list[LoraLinear]:

@@ -65,6 +65,9 @@ def project(
     each other's presence. Any linear module (dense, quantized, sparse)."""
     if not fixed_order:
         return method(layer, step)(x)
+    special = getattr(layer, "invariant_forward", None)  # a LoRA wrapper (models/lora.py)
+    if special is not None:
+        return special(x, kernels)
     if type(layer) is not Linear:  # quantized and other modules: one row a call
         return invariant.linear(x, None, None, layer, kernels)
     return invariant.linear(x, layer.weight, layer.bias, layer, kernels)

@@ -23,6 +23,7 @@ from torch import nn
 
 from llmctl.kernels.config import KernelConfig
 from llmctl.kernels.cpu.linear import autotune, dispatch, torch_kernels
+from llmctl.models import lora
 from llmctl.models import merged as merging
 from llmctl.models import step as steps
 from llmctl.models.layers import MLP, Attention, Linear, RMSNorm
@@ -114,10 +115,19 @@ def merge_projections(model: nn.Module, enabled: bool = True) -> tuple[list[Line
     The parameters keep their names and memory. Returns the merged linears and the ids of the
     parts they serve."""
     for block in _blocks(model):
-        current = block.merged
-        block.merged = merging.refreshed(current, block.projections(), Linear) if enabled else None
+        block.merged = _refreshed(block.merged, block.projections()) if enabled else None
     merged = [block.merged for block in _blocks(model) if block.merged is not None]
-    return [m.linear for m in merged], {id(p) for m in merged for p in m.parts}
+    # a LoRA merged linear serves through its plain base, tuned as the others (models/lora.py)
+    linears = [x for m in merged for x in lora.served(m.linear)]
+    return linears, {id(x) for m in merged for p in m.parts for x in lora.served(p)}
+
+
+def _refreshed(current, parts) -> merging.Merged | None:
+    """The block's merge of `parts` (models/merged.py; models/lora.py where any is wrapped for
+    LoRA adapters: one GEMM for the base, each wrapped part's update into its columns)."""
+    if lora.wrapped(parts):
+        return lora.refreshed(current, parts)
+    return merging.refreshed(current, parts, Linear)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -162,7 +172,9 @@ def drop_weight_copies(model: nn.Module) -> None:
     """Forget every packed copy of a weight (and the plans that read them): the weights are about
     to change in place (on-policy distillation trains the model an engine served), and a copy
     would go stale. The next `prepare_for_inference` makes them anew."""
-    merged = [b.merged.linear for b in _blocks(model) if b.merged is not None]
+    merged = [
+        x for b in _blocks(model) if b.merged is not None for x in lora.served(b.merged.linear)
+    ]
     for m in (*model.modules(), *merged):
         if type(m) is Linear and m.packed:
             m.plan = m.packed = None

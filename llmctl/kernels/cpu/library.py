@@ -98,6 +98,10 @@ def _signatures() -> dict[str, dict[str, tuple[list, object]]]:
                 INT,
             ),
         },
+        "lora": {
+            # (x, ldx, y, ldy, a, bt, row_slot, ranks, T, K, N, R, bf16, threads) -> failed
+            "lora_apply": ([P, I64, P, I64, P, P, P, P, I64, I64, I64, I64, I32, I32], INT),
+        },
     }
 
 
@@ -114,6 +118,7 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
     "linear_amx": ("cpu_linear_amx.c",),
     "rope": ("cpu_rope.c",),
     "prefill": ("cpu_prefill_attention.c",),
+    "lora": ("cpu_lora.c",),
 }
 
 
