@@ -40,7 +40,7 @@ from common import environment, random_model_folder, workload  # noqa: E402
 from llmctl import LLM, SamplingParams  # noqa: E402
 from llmctl.kernels.kv_dtype import to_cache as _REAL_TO_CACHE  # noqa: E402
 
-DTYPES = ("auto", "fp8", "fp8_e5m2")
+DTYPES = ("auto", "fp8", "fp8_e5m2", "int8")
 CHATS = [
     "What is the capital of France, and what is it famous for?",
     "Give me three tips for sleeping better.",
@@ -170,7 +170,7 @@ def speed(args) -> dict:
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in outs]
     report = {"prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outs)}
     for label, memory in (("default_kv", None), (f"kv_{args.kv_mib}mib", args.kv_mib << 20)):
-        seconds: dict[str, list[float]] = {kv: [] for kv in ("auto", "fp8")}
+        seconds: dict[str, list[float]] = {kv: [] for kv in ("auto", "fp8", "int8")}
         engines = {
             kv: LLM(str(folder), dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory=memory)
             for kv in seconds
