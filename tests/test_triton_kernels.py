@@ -37,6 +37,21 @@ SCRIPT = textwrap.dedent(
         out = decode_attention_triton(q, kc, vc, tables, lens, d ** -0.5, bs)
         err = (ref - out).abs().max().item()
         assert err < 1e-5, (heads, kvh, d, bs, err)
+    from llmctl.kernels.kv_dtype import to_cache  # fp8 caches (--kv-cache-dtype fp8)
+    for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        kc = torch.zeros(2, 48, 16, dtype=dt); vc = torch.zeros_like(kc)
+        kc2, vc2 = kc.clone(), vc.clone()
+        slots = torch.tensor([5, 0, 17, 47])
+        k = torch.randn(4, 2, 16) * 3; v = torch.randn(4, 2, 16)
+        write_kv(kc, vc, k, v, slots)
+        write_kv_triton(kc2, vc2, to_cache(k, dt), to_cache(v, dt), slots)
+        assert torch.equal(kc.view(torch.uint8), kc2.view(torch.uint8)), "fp8 kv write"
+        tables = torch.tensor([[3, 7, 1, 0], [2, 5, 9, 11], [4, 0, 0, 0]])
+        lens = torch.tensor([11, 16, 1])
+        q = torch.randn(3, 4, 16)
+        ref = decode_attention(q, kc, vc, tables, lens, 0.25, 4)
+        out = decode_attention_triton(q, kc, vc, tables, lens, 0.25, 4)
+        assert (ref - out).abs().max().item() < 1e-5, dt
     print("OK")
     """
 )
