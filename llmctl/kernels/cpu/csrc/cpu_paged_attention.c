@@ -177,75 +177,42 @@ static int run(
             const float *qr = q + r;
             float *o = out + r;
             const int64_t n = lens[b];
-            if (kind == KIND_BF16 && D == 64)
-                item(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, KIND_BF16);
-            else if (kind == KIND_BF16 && D == 128)
-                item(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, KIND_BF16);
-            else if (kind == KIND_BF16) item(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, 1);
-            else if (kind == KIND_E4M3 && D == 64)
-                item_fp8(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, kf, vf, ident, KIND_E4M3);
-            else if (kind == KIND_E4M3 && D == 128)
-                item_fp8(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, kf, vf, ident, KIND_E4M3);
-            else if (kind == KIND_E4M3)
-                item_fp8(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, kf, vf, ident, KIND_E4M3);
-            else if (kind == KIND_E5M2 && D == 64)
-                item_fp8(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, kf, vf, ident, KIND_E5M2);
-            else if (kind == KIND_E5M2 && D == 128)
-                item_fp8(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, kf, vf, ident, KIND_E5M2);
-            else if (kind == KIND_E5M2)
-                item_fp8(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, kf, vf, ident, KIND_E5M2);
-            else if (kind == KIND_I8 && D == 64)
-                item_fp8(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, kf, vf, ident, KIND_I8);
-            else if (kind == KIND_I8 && D == 128)
-                item_fp8(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, kf, vf, ident, KIND_I8);
-            else if (kind == KIND_I8)
-                item_fp8(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, kf, vf, ident, KIND_I8);
-            else if (D == 64) item(qr, k, v, tb, n, o, G, 64, bs, scale, s, stride, KIND_F32);
-            else if (D == 128) item(qr, k, v, tb, n, o, G, 128, bs, scale, s, stride, KIND_F32);
-            else item(qr, k, v, tb, n, o, G, D, bs, scale, s, stride, KIND_F32);
+            /* one specialisation per (kind, D in 64, 128, other) */
+#define ITEM(KIND, DD)                                                                           \
+    (KIND) >= KIND_E4M3                                                                          \
+        ? item_fp8(qr, k, v, tb, n, o, G, DD, bs, scale, s, stride, kf, vf, ident, KIND)        \
+        : item(qr, k, v, tb, n, o, G, DD, bs, scale, s, stride, KIND)
+#define ITEMS(KIND)                                                                              \
+    if (kind == KIND && D == 64) ITEM(KIND, 64);                                                 \
+    else if (kind == KIND && D == 128) ITEM(KIND, 128);                                          \
+    else if (kind == KIND) ITEM(KIND, D)
+            ITEMS(KIND_F32);
+            ITEMS(KIND_BF16);
+            ITEMS(KIND_E4M3);
+            ITEMS(KIND_E5M2);
+            ITEMS(KIND_I8);
+#undef ITEMS
+#undef ITEM
         }
         free(s), free(kf), free(vf), free(ident);
     }
     return failed;
 }
 
-int paged_decode_f32(const float *q, const void *kc, const void *vc, const int64_t *tables,
-                     const int64_t *lens, float *out, int B, int H, int KVH, int D, int64_t slots,
-                     int max_blocks, int bs, float scale, int64_t max_len, int threads) {
-    return run(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale, max_len,
-               threads, 0);
-}
-
-int paged_decode_bf16(const float *q, const void *kc, const void *vc, const int64_t *tables,
-                      const int64_t *lens, float *out, int B, int H, int KVH, int D, int64_t slots,
-                      int max_blocks, int bs, float scale, int64_t max_len, int threads) {
-    return run(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale, max_len,
-               threads, KIND_BF16);
-}
-
-/* float32 query over an fp8 cache (e4m3fn, e5m2): the fallback where vdpbf16ps is missing, and
- * the kernel of float32 models. */
-int paged_decode_e4m3(const float *q, const void *kc, const void *vc, const int64_t *tables,
-                      const int64_t *lens, float *out, int B, int H, int KVH, int D, int64_t slots,
-                      int max_blocks, int bs, float scale, int64_t max_len, int threads) {
-    return run(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale, max_len,
-               threads, KIND_E4M3);
-}
-
-/* float32 query over an int8 cache (rows of D int8 values and their float32 scale). */
-int paged_decode_i8(const float *q, const void *kc, const void *vc, const int64_t *tables,
-                    const int64_t *lens, float *out, int B, int H, int KVH, int D, int64_t slots,
-                    int max_blocks, int bs, float scale, int64_t max_len, int threads) {
-    return run(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale, max_len,
-               threads, KIND_I8);
-}
-
-int paged_decode_e5m2(const float *q, const void *kc, const void *vc, const int64_t *tables,
-                      const int64_t *lens, float *out, int B, int H, int KVH, int D, int64_t slots,
-                      int max_blocks, int bs, float scale, int64_t max_len, int threads) {
-    return run(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale, max_len,
-               threads, KIND_E5M2);
-}
+/* The exported entry of one cache kind (float32 query). */
+#define DECODE(name, kind)                                                                       \
+    int name(const float *q, const void *kc, const void *vc, const int64_t *tables,             \
+             const int64_t *lens, float *out, int B, int H, int KVH, int D, int64_t slots,      \
+             int max_blocks, int bs, float scale, int64_t max_len, int threads) {               \
+        return run(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale,   \
+                   max_len, threads, kind);                                                    \
+    }
+DECODE(paged_decode_f32, KIND_F32)
+DECODE(paged_decode_bf16, KIND_BF16)
+/* over a quantized cache: the fallback where vdpbf16ps is missing, and float32 models' kernel */
+DECODE(paged_decode_e4m3, KIND_E4M3)
+DECODE(paged_decode_e5m2, KIND_E5M2)
+DECODE(paged_decode_i8, KIND_I8)
 
 /* The K and V rows of T new tokens into their cache slots, one call for both caches (two
  * index_copy_ calls took ~25-60 us per layer and step). k, v [T, KVH, D] with token strides ldk,

@@ -276,8 +276,8 @@ INLINE void i8_rows(const int8_t *src, int n, const int D, uint16_t *dst) {
     }
 }
 
-/* fmt: the cache's bytes: 0 e4m3fn, 1 e5m2, 2 int8 rows with their scales. */
-enum { FMT_E4M3 = 0, FMT_E5M2 = 1, FMT_I8 = 2 };
+/* fmt: the cache's bytes: 0 e4m3fn, 1 e5m2, 2 int8 rows with their scales, 3 bf16 (no widening). */
+enum { FMT_E4M3 = 0, FMT_E5M2 = 1, FMT_I8 = 2, FMT_BF16 = 3 };
 
 /* n rows at src (row stride R bytes) widened into bf16 dst [n, D]. */
 INLINE void widen_rows(const uint8_t *src, int n, const int D, const int fmt, uint16_t *dst) {
@@ -333,23 +333,25 @@ INLINE void item_fp8(const uint16_t *q, const uint8_t *k, const uint8_t *v, cons
                out + g * D);
 }
 
-/* paged_decode_dpbf16's contract over a quantized cache (bytes, `fmt`). */
-static int decode_fp8(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
-                      const int64_t *tables, const int64_t *lens, uint16_t *out, int B, int H,
-                      int KVH, int D, int64_t slots, int max_blocks, int bs, float scale,
-                      int64_t max_len, int threads, const int fmt) {
-    const int G = H / KVH;
+/* paged_decode_dpbf16's contract over a bf16 cache (fmt FMT_BF16) or a quantized one (bytes). */
+static int decode_items(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
+                        const int64_t *tables, const int64_t *lens, uint16_t *out, int B, int H,
+                        int KVH, int D, int64_t slots, int max_blocks, int bs, float scale,
+                        int64_t max_len, int threads, const int fmt) {
+    const int G = H / KVH, quant = fmt != FMT_BF16;
     const int64_t stride = ((max_len > 0 ? max_len : 1) + 31) & ~(int64_t)31;
-    const int64_t R = D + (fmt == FMT_I8 ? 4 : 0);
+    const int64_t R = fmt == FMT_BF16 ? 2 * D : D + (fmt == FMT_I8 ? 4 : 0); /* row bytes */
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         float *s = aligned_alloc(64, sizeof(float) * (size_t)G * (size_t)stride);
         uint16_t *p = aligned_alloc(64, sizeof(uint16_t) * (size_t)G * (size_t)stride);
         int64_t *off = aligned_alloc(64, sizeof(int64_t) * (size_t)stride);
-        uint16_t *kt = aligned_alloc(64, sizeof(uint16_t) * 16 * (size_t)D);
-        uint16_t *vb = aligned_alloc(64, sizeof(uint16_t) * (size_t)stride * (size_t)D);
-        const int ok = s && p && off && kt && vb;
+        /* a quantized cache's K tile and V rows widened to bf16 */
+        uint16_t *kt = quant ? aligned_alloc(64, sizeof(uint16_t) * 16 * (size_t)D) : NULL;
+        uint16_t *vb = quant ? aligned_alloc(64, sizeof(uint16_t) * (size_t)stride * (size_t)D)
+                             : NULL;
+        const int ok = s && p && off && (!quant || (kt && vb));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < (int64_t)B * KVH; ++it) {
             if (!ok) {
@@ -360,51 +362,39 @@ static int decode_fp8(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
             const int64_t b = it / KVH, h = it % KVH, r = (b * H + h * G) * D;
             const uint8_t *k = kc + h * slots * R, *v = vc + h * slots * R;
             const int64_t *tb = tables + b * max_blocks, n = lens[b];
-            const uint16_t *qr = q + r;
+            const uint16_t *qr = q + r, *kh = (const uint16_t *)k, *vh = (const uint16_t *)v;
             uint16_t *o = out + r;
             /* chosen inside the loop: GCC outlines the parallel region before inlining */
-            if (D == 64 && fmt == FMT_E4M3)
-                item_fp8(qr, k, v, tb, n, o, G, 64, bs, scale, s, p, off, stride, kt, vb, 0);
-            else if (D == 64 && fmt == FMT_E5M2)
-                item_fp8(qr, k, v, tb, n, o, G, 64, bs, scale, s, p, off, stride, kt, vb, 1);
-            else if (D == 64)
-                item_fp8(qr, k, v, tb, n, o, G, 64, bs, scale, s, p, off, stride, kt, vb, 2);
-            else if (D == 128 && fmt == FMT_E4M3)
-                item_fp8(qr, k, v, tb, n, o, G, 128, bs, scale, s, p, off, stride, kt, vb, 0);
-            else if (D == 128 && fmt == FMT_E5M2)
-                item_fp8(qr, k, v, tb, n, o, G, 128, bs, scale, s, p, off, stride, kt, vb, 1);
-            else if (D == 128)
-                item_fp8(qr, k, v, tb, n, o, G, 128, bs, scale, s, p, off, stride, kt, vb, 2);
-            else item_fp8(qr, k, v, tb, n, o, G, D, bs, scale, s, p, off, stride, kt, vb, fmt);
+#define ITEM(F, DD)                                                                              \
+    (F) == FMT_BF16 ? item(qr, kh, vh, tb, n, o, G, DD, bs, scale, s, p, off, stride)            \
+                    : item_fp8(qr, k, v, tb, n, o, G, DD, bs, scale, s, p, off, stride, kt, vb, F)
+#define ITEMS(F)                                                                                 \
+    if (fmt == F && D == 64) ITEM(F, 64);                                                        \
+    else if (fmt == F && D == 128) ITEM(F, 128);                                                 \
+    else if (fmt == F) ITEM(F, D)
+            ITEMS(FMT_BF16);
+            ITEMS(FMT_E4M3);
+            ITEMS(FMT_E5M2);
+            ITEMS(FMT_I8);
+#undef ITEMS
+#undef ITEM
         }
         free(s), free(p), free(off), free(kt), free(vb);
     }
     return failed;
 }
 
-int paged_decode_dpbf16_e4m3(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
-                             const int64_t *tables, const int64_t *lens, uint16_t *out, int B,
-                             int H, int KVH, int D, int64_t slots, int max_blocks, int bs,
-                             float scale, int64_t max_len, int threads) {
-    return decode_fp8(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale,
-                      max_len, threads, FMT_E4M3);
-}
-
-int paged_decode_dpbf16_e5m2(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
-                             const int64_t *tables, const int64_t *lens, uint16_t *out, int B,
-                             int H, int KVH, int D, int64_t slots, int max_blocks, int bs,
-                             float scale, int64_t max_len, int threads) {
-    return decode_fp8(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale,
-                      max_len, threads, FMT_E5M2);
-}
-
-int paged_decode_dpbf16_i8(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
-                           const int64_t *tables, const int64_t *lens, uint16_t *out, int B,
-                           int H, int KVH, int D, int64_t slots, int max_blocks, int bs,
-                           float scale, int64_t max_len, int threads) {
-    return decode_fp8(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, scale,
-                      max_len, threads, FMT_I8);
-}
+/* The exported entry of one format: paged_decode_dpbf16's signature over a quantized cache. */
+#define QUANT_DECODE(name, fmt)                                                                  \
+    int name(const uint16_t *q, const uint8_t *kc, const uint8_t *vc, const int64_t *tables,   \
+             const int64_t *lens, uint16_t *out, int B, int H, int KVH, int D, int64_t slots,   \
+             int max_blocks, int bs, float scale, int64_t max_len, int threads) {               \
+        return decode_items(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, \
+                          scale, max_len, threads, fmt);                                       \
+    }
+QUANT_DECODE(paged_decode_dpbf16_e4m3, FMT_E4M3)
+QUANT_DECODE(paged_decode_dpbf16_e5m2, FMT_E5M2)
+QUANT_DECODE(paged_decode_dpbf16_i8, FMT_I8)
 
 int paged_decode_dpbf16_built(void) { return 1; }
 
@@ -413,34 +403,8 @@ int paged_decode_dpbf16(const uint16_t *q, const uint16_t *kc, const uint16_t *v
                         const int64_t *tables, const int64_t *lens, uint16_t *out, int B, int H,
                         int KVH, int D, int64_t slots, int max_blocks, int bs, float scale,
                         int64_t max_len, int threads) {
-    const int G = H / KVH;
-    const int64_t stride = ((max_len > 0 ? max_len : 1) + 31) & ~(int64_t)31;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        float *s = aligned_alloc(64, sizeof(float) * (size_t)G * (size_t)stride);
-        uint16_t *p = aligned_alloc(64, sizeof(uint16_t) * (size_t)G * (size_t)stride);
-        int64_t *off = aligned_alloc(64, sizeof(int64_t) * (size_t)stride);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < (int64_t)B * KVH; ++it) {
-            if (s == NULL || p == NULL || off == NULL) {
-#pragma omp atomic write
-                failed = 1;
-                continue;
-            }
-            const int64_t b = it / KVH, h = it % KVH, r = (b * H + h * G) * D;
-            const uint16_t *k = kc + h * slots * D, *v = vc + h * slots * D;
-            const int64_t *tb = tables + b * max_blocks, n = lens[b];
-            /* chosen inside the loop: GCC outlines the parallel region before inlining */
-            const uint16_t *qr = q + r;
-            uint16_t *o = out + r;
-            if (D == 64) item(qr, k, v, tb, n, o, G, 64, bs, scale, s, p, off, stride);
-            else if (D == 128) item(qr, k, v, tb, n, o, G, 128, bs, scale, s, p, off, stride);
-            else item(qr, k, v, tb, n, o, G, D, bs, scale, s, p, off, stride);
-        }
-        free(s), free(p), free(off);
-    }
-    return failed;
+    return decode_items(q, (const uint8_t *)kc, (const uint8_t *)vc, tables, lens, out, B, H, KVH,
+                        D, slots, max_blocks, bs, scale, max_len, threads, FMT_BF16);
 }
 
 
@@ -650,39 +614,17 @@ int paged_decode_amx(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
 int paged_decode_dpbf16_built(void) { return 0; }
 
 /* Stubs: never called where paged_decode_dpbf16_built() is 0. */
-int paged_decode_dpbf16_e4m3(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
-                             const int64_t *tables, const int64_t *lens, uint16_t *out, int B,
-                             int H, int KVH, int D, int64_t slots, int max_blocks, int bs,
-                             float scale, int64_t max_len, int threads) {
-    (void)q, (void)kc, (void)vc, (void)tables, (void)lens, (void)out, (void)B, (void)H, (void)KVH;
-    (void)D, (void)slots, (void)max_blocks, (void)bs, (void)scale, (void)max_len, (void)threads;
-    return 1;
-}
-
-int paged_decode_dpbf16_e5m2(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
-                             const int64_t *tables, const int64_t *lens, uint16_t *out, int B,
-                             int H, int KVH, int D, int64_t slots, int max_blocks, int bs,
-                             float scale, int64_t max_len, int threads) {
-    return paged_decode_dpbf16_e4m3(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks,
-                                    bs, scale, max_len, threads);
-}
-
-int paged_decode_dpbf16_i8(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
-                           const int64_t *tables, const int64_t *lens, uint16_t *out, int B,
-                           int H, int KVH, int D, int64_t slots, int max_blocks, int bs,
-                           float scale, int64_t max_len, int threads) {
-    return paged_decode_dpbf16_e4m3(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks,
-                                    bs, scale, max_len, threads);
-}
-
-int paged_decode_dpbf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
-                        const int64_t *tables, const int64_t *lens, uint16_t *out, int B, int H,
-                        int KVH, int D, int64_t slots, int max_blocks, int bs, float scale,
-                        int64_t max_len, int threads) {
-    (void)q, (void)kc, (void)vc, (void)tables, (void)lens, (void)out, (void)B, (void)H, (void)KVH;
-    (void)D, (void)slots, (void)max_blocks, (void)bs, (void)scale, (void)max_len, (void)threads;
-    return 1;
-}
+#define QUANT_STUB(name)                                                                         \
+    int name(const uint16_t *q, const uint8_t *kc, const uint8_t *vc, const int64_t *tables,   \
+             const int64_t *lens, uint16_t *out, int B, int H, int KVH, int D, int64_t slots,   \
+             int max_blocks, int bs, float scale, int64_t max_len, int threads) {               \
+        return paged_decode_dpbf16((const uint16_t *)q, (const uint16_t *)kc,                  \
+                                   (const uint16_t *)vc, tables, lens, out, B, H, KVH, D,      \
+                                   slots, max_blocks, bs, scale, max_len, threads);            \
+    }
+QUANT_STUB(paged_decode_dpbf16_e4m3)
+QUANT_STUB(paged_decode_dpbf16_e5m2)
+QUANT_STUB(paged_decode_dpbf16_i8)
 #endif
 
 #ifndef HAVE_DECODE_AMX /* no AMX-BF16 here: the vdpbf16ps items (or their stub) serve */
