@@ -63,13 +63,17 @@ SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinysha
 
 
 def agreement(base: list[list[int]], other: list[list[int]]) -> dict:
-    """Position-by-position agreement of greedy replies, and the replies identical."""
+    """Position-by-position agreement of greedy replies, the replies identical, and the mean
+    number of tokens before a reply first differs (a reply that differs once goes its own way)."""
     total = sum(map(len, base))
     same = sum(x == y for a, b in zip(base, other) for x, y in zip(a, b))
+    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in
+             zip(base, other)]  # fmt: skip
     return {
         "token_agreement": same / total,
         "identical_replies": sum(a == b for a, b in zip(base, other)),
         "replies": len(base),
+        "mean_tokens_before_first_difference": statistics.mean(first),
     }
 
 
@@ -107,10 +111,14 @@ def _engine(model: str, kv: str, **kw) -> LLM:
 
 
 def chat_replies(model: str, kv: str, max_tokens: int) -> list[list[int]]:
-    llm = _engine(model, kv)
+    """Greedy replies to CHATS, all in one batch; "alone": the bf16 cache, one chat at a time
+    (other batch shapes: the bf16 engine's own noise floor, as it is not batch-invariant)."""
+    llm = _engine(model, "auto" if kv == "alone" else kv)
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    outs = llm.chat([[{"role": "user", "content": c}] for c in CHATS], params)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    chats = [[{"role": "user", "content": c}] for c in CHATS]
+    if kv == "alone":
+        return [list(llm.chat([c], params)[0].outputs[0].token_ids) for c in chats]
+    return [list(o.outputs[0].token_ids) for o in llm.chat(chats, params)]
 
 
 def heldout_logits(model: str, kv: str, windows: list[list[int]]) -> list[torch.Tensor]:
@@ -140,9 +148,9 @@ def quality(args) -> dict:
     ids = tok.encode(text[int(len(text) * 0.9) :])
     windows = [ids[i : i + args.window] for i in range(0, args.windows * args.window, args.window)]
     names = (*DTYPES, *SIMULATED)
-    replies = {kv: chat_replies(args.model, kv, args.max_tokens) for kv in names}
+    replies = {kv: chat_replies(args.model, kv, args.max_tokens) for kv in (*names, "alone")}
     logits = {kv: heldout_logits(args.model, kv, windows) for kv in names}
-    report = {}
+    report = {"bf16_alone": agreement(replies["auto"], replies["alone"])}
     for kv in names:
         kls, nll, n = [], 0.0, 0
         for base, other, w in zip(logits["auto"], logits[kv], windows):
