@@ -78,17 +78,25 @@ def test_writes_saturate_and_the_c_write_equals_torchs(dtype):
 
 def test_int8_rows_carry_their_scale_and_the_c_write_equals_torchs():
     """int8: each (token, head) row is D values over amax / 127 then the scale's 4 bytes; the C
-    write (16 rows or more) and index_copy_ store the same bytes; widen gives the values back
-    within half a step."""
+    write (which quantizes itself, float32 or bf16 rows) and to_cache + index_copy_ store the
+    same bytes; widen gives the values back within half a step."""
     x = torch.randn(20, 2, 16) * 3
     x[0, 0] = 0.0  # an all-zero row: no division by zero
+    x[1, 0, :2] = torch.tensor([1.5, -2.5]) * x[1, 0].abs().max() / 127  # ties: to even
     slots = torch.randperm(64)[:20]
-    c_k, c_v = torch.zeros(2, 64, 20, dtype=torch.int8), torch.zeros(2, 64, 20, dtype=torch.int8)
-    write_kv(c_k, c_v, x, -x, slots)
-    t_k, t_v = torch.zeros_like(c_k), torch.zeros_like(c_v)
-    for i in range(0, 20, 5):
-        write_kv(t_k, t_v, x[i : i + 5], -x[i : i + 5], slots[i : i + 5])
-    assert torch.equal(c_k, t_k) and torch.equal(c_v, t_v)
+    for rows in (x, x.bfloat16()):
+        c_k, c_v = (
+            torch.zeros(2, 64, 20, dtype=torch.int8),
+            torch.zeros(2, 64, 20, dtype=torch.int8),
+        )
+        assert cpu_attention.use_write_kv_i8(c_k, c_v, rows, -rows, slots)
+        write_kv(c_k, c_v, rows, -rows, slots)
+        t_k, t_v = torch.zeros_like(c_k), torch.zeros_like(c_v)
+        kv.write_rows(t_k, slots, rows)
+        kv.write_rows(t_v, slots, -rows)
+        assert torch.equal(c_k, t_k) and torch.equal(c_v, t_v)
+    c_k = torch.zeros(2, 64, 20, dtype=torch.int8)
+    write_kv(c_k, torch.zeros_like(c_k), x, -x, slots)
     rows = c_k[:, slots].transpose(0, 1)  # [20, 2, 20]
     scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127
     assert torch.equal(rows[..., 16:].contiguous().view(torch.float32), scale)

@@ -35,6 +35,8 @@ def write_kv(
 ) -> None:
     """k, v [T, kv_heads, D] into the flat slots [T] of the caches, in the caches' dtype (in one C
     call where `native` and it applies)."""
+    if native and cpu_attention.use_write_kv_i8(k_cache, v_cache, k, v, slots):
+        return cpu_attention.write_kv_i8(k_cache, v_cache, k, v, slots)
     k, v = to_cache(k, k_cache.dtype), to_cache(v, v_cache.dtype)
     if native and cpu_attention.use_write_kv(k_cache, v_cache, k, v, slots):
         return cpu_attention.write_kv(k_cache, v_cache, k, v, slots)
@@ -326,14 +328,15 @@ def paged_attention(
     every layer that the caches, slots and K/V are as the C kernels read them, and the C kernels
     on): K/V through the C write at any row count, and a step of decodes alone into `out`."""
     triton = None if out is not None else _triton_kernels(q)
-    k, v = to_cache(k, k_cache.dtype), to_cache(v, v_cache.dtype)  # see chunk_attention
+    nd = meta.num_decodes
+    if triton or nd < q.shape[0]:  # prefill chunks attend over K/V as the cache holds them
+        k, v = to_cache(k, k_cache.dtype), to_cache(v, v_cache.dtype)
     if triton:
         triton[0](k_cache, v_cache, k, v, meta.slot_mapping)
-    elif out is not None:
+    elif out is not None and k.dtype is k_cache.dtype:
         cpu_attention.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    else:
+    else:  # a quantized cache's decode rows are converted by the write (int8: in C)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping, kernels.native)
-    nd = meta.num_decodes
     if nd == q.shape[0]:
         return _decode(q, k_cache, v_cache, meta, scale, triton, kernels, out)
     out = torch.empty_like(q)

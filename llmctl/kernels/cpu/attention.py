@@ -1,7 +1,8 @@
 """Paged decode attention and the K/V writes on the CPU, in C (csrc/cpu_paged_attention.c, and
 csrc/cpu_paged_attention_dpbf16.c for bf16 on AVX512-BF16 or AMX tiles).
 
-Owns: `write_kv` (new K/V rows into the paged caches, with `use_write_kv`), `decode_kernel` (the
+Owns: `write_kv` (new K/V rows into the paged caches, with `use_write_kv`; `write_kv_i8`
+quantizing them into an int8 cache), `decode_kernel` (the
 library function serving a decode call, from the dtypes, the CPU and `KernelConfig
 .decode_attention`), `supports`, `check_decode_shapes` and `paged_decode_attention`, which reads
 each sequence's blocks in place (no gather). The PyTorch reference is kernels/attention.py's.
@@ -64,6 +65,44 @@ def use_write_kv(k_cache, v_cache, k, v, slots) -> bool:
         and slots.is_contiguous()
         and load("core") is not None
     )
+
+
+def use_write_kv_i8(k_cache, v_cache, k, v, slots) -> bool:
+    """Whether `write_kv_i8` can quantize and write: CPU int8 caches [KVH, slots, D + 4] of one
+    shape, contiguous; k and v [T, KVH, D] float32 or bf16 with contiguous heads; slots int64."""
+    return (
+        k_cache.dtype is torch.int8
+        and k_cache.device.type == "cpu"
+        and k_cache.dim() == 3
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and v_cache.shape == k_cache.shape
+        and v_cache.dtype is torch.int8
+        and k.dtype in (torch.float32, torch.bfloat16)
+        and v.dtype is k.dtype
+        and k.dim() == v.dim() == 3
+        and k.shape == v.shape
+        and k.shape[1:] == (k_cache.shape[0], k_cache.shape[2] - 4)
+        and heads_contiguous(k)
+        and heads_contiguous(v)
+        and k.shape[0] == slots.numel()
+        and slots.dtype is torch.int64
+        and slots.is_contiguous()
+        and load("core") is not None
+    )
+
+
+def write_kv_i8(k_cache, v_cache, k, v, slots) -> None:
+    """k, v [T, KVH, D] quantized into int8 rows (kernels/kv_dtype.to_cache's codes and scales)
+    at the flat slots [T] of the caches, in one C call. Call only where `use_write_kv_i8`."""
+    t = k.shape[0]
+    if t:
+        kvh, nslots, w = k_cache.shape
+        load("core").write_kv_i8(
+            k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+            v_cache.data_ptr(), slots.data_ptr(), t, kvh, w - 4, nslots,
+            int(k.dtype is torch.bfloat16), torch.get_num_threads(),
+        )  # fmt: skip
 
 
 def write_kv(k_cache, v_cache, k, v, slots) -> None:

@@ -67,6 +67,8 @@ def _signatures() -> dict[str, dict[str, tuple[list, object]]]:
             "silu_and_mul": (_SILU, None),
             # (k, ldk, v, ldv, k_cache, v_cache, slots, T, KVH, D, nslots, esize, threads)
             "write_kv": ([P, I64, P, I64, P, P, P, I64, I32, I32, I64, I32, I32], None),
+            # (k, ldk, v, ldv, k_cache, v_cache, slots, T, KVH, D, nslots, bf16, threads)
+            "write_kv_i8": ([P, I64, P, I64, P, P, P, I64, I32, I32, I64, I32, I32], None),
             # (x, rows, n, ld, bf16, out, threads)
             "argmax_rows": ([P, I64, I64, I64, I32, P, I32], None),
             "argmax_rows_built": ([], INT),

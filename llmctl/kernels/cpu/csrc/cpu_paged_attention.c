@@ -232,3 +232,46 @@ void write_kv(const char *k, int64_t ldk, const char *v, int64_t ldv, char *kc, 
             memcpy(vc + dst, v + ((size_t)t * (size_t)ldv + (size_t)h * D) * esize, row);
         }
 }
+
+/* int8 KV rows (kernels/kv_dtype.py to_cache, the same codes bit for bit): for each new token and
+ * KV head, scale = max(amax, 1e-30) / 127, codes = round-half-even(x / scale) clamped to +-127,
+ * then the scale's 4 bytes; k, v [T, KVH, D] float32 or bf16 bits (`bf16`) with token strides
+ * ldk, ldv; caches [KVH, nslots, D + 4] int8. True divisions (no reciprocal: -ffast-math is off
+ * here) and nearbyintf in the default rounding mode, as torch computes them. Called per decode
+ * step, where ten small torch ops per layer would cost more than the write. */
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+static void quant_row(const char *x, const int bf16, int D, int8_t *dst) {
+    float amax = 0.f, val[D];
+    for (int d = 0; d < D; ++d) {
+        if (bf16) {
+            uint32_t u = (uint32_t)((const uint16_t *)x)[d] << 16;
+            memcpy(&val[d], &u, 4);
+        } else {
+            val[d] = ((const float *)x)[d];
+        }
+        const float a = fabsf(val[d]);
+        amax = a > amax ? a : amax;
+    }
+    const float scale = (amax > 1e-30f ? amax : 1e-30f) / 127.f;
+    for (int d = 0; d < D; ++d) {
+        float c = nearbyintf(val[d] / scale);
+        c = c > 127.f ? 127.f : c < -127.f ? -127.f : c;
+        dst[d] = (int8_t)c;
+    }
+    memcpy(dst + D, &scale, 4);
+}
+
+void write_kv_i8(const char *k, int64_t ldk, const char *v, int64_t ldv, int8_t *kc, int8_t *vc,
+                 const int64_t *slots, int64_t T, int KVH, int D, int64_t nslots, int bf16,
+                 int threads) {
+    const size_t row = (size_t)D + 4, esize = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T >= 64)
+    for (int64_t t = 0; t < T; ++t)
+        for (int h = 0; h < KVH; ++h) {
+            const size_t dst = ((size_t)h * (size_t)nslots + (size_t)slots[t]) * row;
+            quant_row(k + ((size_t)t * (size_t)ldk + (size_t)h * D) * esize, bf16, D, kc + dst);
+            quant_row(v + ((size_t)t * (size_t)ldv + (size_t)h * D) * esize, bf16, D, vc + dst);
+        }
+}
+#pragma GCC pop_options
