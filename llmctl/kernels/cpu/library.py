@@ -40,6 +40,12 @@ INT = ctypes.c_int
 _DECODE = ([P] * 6 + [I32] * 4 + [I64, I32, I32, F32, I64, I32], INT)
 _RMS_NORM = [P] * 3 + [I64, I64, F32, I32, I32]  # (x, w, out, rows, K, eps, bf16, threads)
 _SILU = [P] * 2 + [I64] * 2 + [I32] * 2  # (a, b, rows, F, bf16, threads)
+# every paged decode kernel (kernels/cpu/attention.py): by cache dtype, generic and vdpbf16ps
+_DECODE_KERNELS = (
+    "paged_decode_f32", "paged_decode_bf16", "paged_decode_e4m3", "paged_decode_e5m2",
+    "paged_decode_i8", "paged_decode_dpbf16", "paged_decode_dpbf16_e4m3",
+    "paged_decode_dpbf16_e5m2", "paged_decode_dpbf16_i8", "paged_decode_amx",
+)  # fmt: skip
 
 
 @functools.cache
@@ -47,16 +53,7 @@ def _signatures() -> dict[str, dict[str, tuple[list, object]]]:
     """library name -> {function: (argtypes, restype)}."""
     return {
         "core": {
-            "paged_decode_f32": _DECODE,
-            "paged_decode_bf16": _DECODE,
-            "paged_decode_dpbf16": _DECODE,
-            "paged_decode_amx": _DECODE,
-            "paged_decode_e4m3": _DECODE,
-            "paged_decode_e5m2": _DECODE,
-            "paged_decode_dpbf16_e4m3": _DECODE,
-            "paged_decode_dpbf16_e5m2": _DECODE,
-            "paged_decode_i8": _DECODE,
-            "paged_decode_dpbf16_i8": _DECODE,
+            **dict.fromkeys(_DECODE_KERNELS, _DECODE),
             "paged_decode_dpbf16_built": ([], INT),
             "paged_decode_amx_available": ([], INT),
             # (x, ldx, w, bias, out, M, N, K, w_bf16, threads)
