@@ -17,6 +17,7 @@
  * split of the context across threads), which batch-invariant mode relies on.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -104,6 +105,20 @@ static inline __attribute__((always_inline)) void item(
 }
 
 
+/* Every fp8 byte's value, by load8 (fill_luts). */
+static float LUT_E4M3[256] __attribute__((aligned(64))), LUT_E5M2[256] __attribute__((aligned(64)));
+
+static pthread_once_t luts_once = PTHREAD_ONCE_INIT;
+
+static void fill_luts(void) { /* once per process (pthread_once), before any thread reads */
+    uint8_t bytes[256];
+    for (int i = 0; i < 256; ++i) bytes[i] = (uint8_t)i;
+    for (int i = 0; i < 256; i += 8) {
+        *(v8f *)(LUT_E4M3 + i) = load8(bytes, i, KIND_E4M3);
+        *(v8f *)(LUT_E5M2 + i) = load8(bytes, i, KIND_E5M2);
+    }
+}
+
 /* item's contract over an fp8 or int8 cache: the item's K and V rows widened once each (not once
  * per query head) into float32 scratch kf, vf [len, D], laid out as consecutive blocks of `ident`
  * (ident[i] = i), then item itself over them: the results equal item's over the cache widened
@@ -126,10 +141,11 @@ static inline __attribute__((always_inline)) void item_fp8(
                 for (int d = 0; d < D; ++d) kd[d] = (float)kr[d] * ks, vd[d] = (float)vr[d] * vs;
                 continue;
             }
-            for (int d = 0; d < D; d += 8) {
-                *(v8f *)(kd + d) = load8(kb + t * row, d, kind);
-                *(v8f *)(vd + d) = load8(vb + t * row, d, kind);
-            }
+            /* fp8: a 256-entry table (built by load8 itself, so exact) beat load8's vector
+             * conversion in this loop (0.5x the bf16 kernel on the benchmark, against ~0.9x) */
+            const float *lut = kind == KIND_E4M3 ? LUT_E4M3 : LUT_E5M2;
+            const uint8_t *kr = (const uint8_t *)(kb + t * row), *vr = (const uint8_t *)(vb + t * row);
+            for (int d = 0; d < D; ++d) kd[d] = lut[kr[d]], vd[d] = lut[vr[d]];
         }
     }
     item(q, (const char *)kf, (const char *)vf, ident, len, out, G, D, bs, scale, s, stride,
@@ -147,6 +163,7 @@ static int run(
      * mode relies on it; rows never share a vector). */
     const int64_t stride = ((max_len > 0 ? max_len : 1) + 15) & ~(int64_t)15;
     int failed = 0;
+    if (kind == KIND_E4M3 || kind == KIND_E5M2) pthread_once(&luts_once, fill_luts);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         float *s = (float *)aligned_alloc(64, sizeof(float) * (size_t)G * (size_t)stride);
