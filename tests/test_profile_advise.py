@@ -278,7 +278,9 @@ def test_json_record_shape(tmp_path, fake_trials):
     w = record["workload"]
     assert w["requests"] == 6 and w["concurrency"] == 6 and 0.5 < w["shared_prefix_share"] < 1
     assert set(record["baseline"]) >= {"ttft_s", "tpot_s", "output_tokens_per_s", "wall_s"}
-    assert record["noise"] >= 0.02 and record["memory_fit"]["max_sequences"] > 0
+    fit = record["memory_fit"]
+    assert record["noise"] >= 0.02 and fit["max_sequences"] > 0
+    assert fit["max_sequences_kv_fp8"] >= 2 * fit["max_sequences"] - 1  # half the KV bytes
     keys = [tr["key"] for tr in record["trials"]]
     dtype = record["environment"]["dtype"]
     every = t.candidate_trials(None, None, dtype, record["baseline_kv_cache_bytes"])

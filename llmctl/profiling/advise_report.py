@@ -155,7 +155,8 @@ def notes(state: AdviseState) -> list[str]:
     fit = rec["memory_fit"]
     if fit.get("max_sequences") is not None:
         lines.append(f"memory: {fit['max_sequences']} sequences of {fit['seq_len']} tokens fit "
-                     f"in {format_bytes(fit['memory_bytes'])} next to the weights")  # fmt: skip
+                     f"in {format_bytes(fit['memory_bytes'])} next to the weights "
+                     f"({fit['max_sequences_kv_fp8']} with --kv-cache-dtype fp8)")  # fmt: skip
     return lines
 
 
@@ -251,7 +252,13 @@ def memory_fit(ctx: Any) -> dict[str, Any]:
     budget = _machine_memory(rt.device)
     dtype = canonical_dtype(rt.dtype)
     est = estimate(rt.config, dtype=dtype, seq_len=seq_len, memory_budget=budget)
-    return {"seq_len": seq_len, "memory_bytes": budget, "max_sequences": est.max_sequences}
+    fp8 = estimate(rt.config, dtype=dtype, seq_len=seq_len, memory_budget=budget, kv_dtype="fp8")
+    return {
+        "seq_len": seq_len,
+        "memory_bytes": budget,
+        "max_sequences": est.max_sequences,
+        "max_sequences_kv_fp8": fp8.max_sequences,  # with --kv-cache-dtype fp8
+    }
 
 
 def markdown(state: AdviseState) -> str:
