@@ -1,8 +1,7 @@
 """W8A8 int8 (issue 38): the int8 kernels against exact PyTorch references, Int8Linear,
-SmoothQuant's
-migration, `quantize --scheme w8a8` end to end (compressed-tensors int-quantized, checked with
-compressed_tensors' own classes), an llm-compressor-style checkpoint built by hand, and the
-one-line errors for combinations the scheme refuses."""
+SmoothQuant's migration, `quantize --scheme w8a8` end to end (compressed-tensors int-quantized,
+checked with compressed_tensors' own classes), an llm-compressor-style checkpoint built by hand,
+and the one-line errors for combinations the scheme refuses."""
 
 from __future__ import annotations
 
