@@ -50,6 +50,25 @@ def test_quantize_rows_is_symmetric_per_token_and_handles_zero_rows():
     torch.testing.assert_close(codes.float() * scale, x, atol=float(scale.max()) / 2, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_quantize_rows_gives_the_reference_codes_and_scales(dtype):
+    if not k8.native_applies(torch.zeros(1, 1)):
+        pytest.skip("no C compiler: the native kernels are not built")
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(300, 1536, generator=g) * torch.rand(300, 1, generator=g) * 10).to(dtype)
+    x[0] = 0
+    x = torch.cat([x, x], dim=1)[:, ::2]  # a strided view: the kernel reads rows by stride
+    codes, scale = k8.quantize_rows(x)
+    ncodes, nscale = k8.quantize_rows_native(x)
+    assert torch.equal(ncodes, codes) and torch.equal(nscale, scale)
+    acc = torch.randint(-(2**20), 2**20, (300, 96), dtype=torch.int32, generator=g)
+    ws = torch.rand(96, generator=g)
+    ref = k8._rescale(acc, scale, ws, torch.float32)
+    got = k8.rescale_native(acc, scale, ws, dtype)
+    assert got.dtype == dtype
+    assert _rel(got, ref) < (1e-6 if dtype == torch.float32 else 4e-3)
+
+
 @pytest.mark.parametrize("rows,k,n", [(1, 64, 48), (5, 96, 64), (17, 576, 192), (64, 256, 704)])
 def test_int_mm_is_exact_against_the_int64_reference(rows, k, n):
     xq, wq = _int8((rows, k), rows), _int8((n, k), n)
@@ -58,7 +77,7 @@ def test_int_mm_is_exact_against_the_int64_reference(rows, k, n):
     assert torch.equal(k8.int_mm(xq, wq), ref)
 
 
-@pytest.mark.parametrize("kernel", ["int_mm", "dequant"])
+@pytest.mark.parametrize("kernel", ["int_mm", "int_mm_native", "dequant"])
 def test_w8a8_linear_kernels_match_the_reference(kernel):
     x = torch.randn(9, 96)
     wq, ws = _int8((64, 96), 1), torch.rand(64) * 1e-2 + 1e-3
@@ -66,7 +85,7 @@ def test_w8a8_linear_kernels_match_the_reference(kernel):
     ref = k8.int_mm_reference(xq, wq).double() * xs.double() * ws.double()
     y = k8.w8a8_linear(x, wq, ws, kernel)
     assert y.dtype == x.dtype and y.shape == (9, 64)
-    tol = 1e-6 if kernel == "int_mm" else 1e-5  # exact int32 sums vs float32 accumulation
+    tol = 1e-6 if kernel != "dequant" else 1e-5  # exact int32 sums vs float32 accumulation
     assert _rel(y, ref) < tol
     yb = k8.w8a8_linear(x.bfloat16(), wq, ws, kernel)
     assert yb.dtype == torch.bfloat16 and _rel(yb, ref) < 2e-2
@@ -85,7 +104,7 @@ def _unpacked_int8(out_f, in_f, seed=0):
     return UnpackedLinear(q + 128, scales, zeros, g_idx, 8, in_f, int8_activations=True)
 
 
-@pytest.mark.parametrize("kernel", [None, "int_mm", "dequant"])
+@pytest.mark.parametrize("kernel", [None, "int_mm", "int_mm_native", "dequant"])
 def test_int8_linear_matches_quantized_activations_times_dequantized_weight(kernel):
     u = _unpacked_int8(48, 64)
     layer = Int8Linear.from_unpacked(u, torch.float32)

@@ -92,6 +92,12 @@ def _signatures() -> dict[str, dict[str, tuple[list, object]]]:
                 INT,
             ),
         },
+        "linear_int8": {
+            # (x, ldx, bf16, M, K, q, scale, threads)
+            "quant_rows_int8": ([P, I64, I32, I64, I64, P, P, I32], None),
+            # (acc, M, N, xs, ws, out, bf16, threads)
+            "rescale_int32": ([P, I64, I64, P, P, P, I32, I32], None),
+        },
     }
 
 
@@ -108,6 +114,7 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
     "linear_amx": ("cpu_linear_amx.c",),
     "rope": ("cpu_rope.c",),
     "prefill": ("cpu_prefill_attention.c",),
+    "linear_int8": ("cpu_linear_int8.c",),
 }
 
 

@@ -5,7 +5,9 @@ Owns: `quantize_rows` (x [M, K] float -> int8 codes [M, K] and one float32 scale
 symmetric: scale = max|x_row| / 127, codes in [-127, 127], as compressed-tensors' dynamic token
 strategy and vLLM's CPU path compute them), `int_mm_reference` (the exact int32 products, what
 every kernel is tested against), the candidates (`INT8_KERNELS`: `int_mm`, PyTorch's
-`torch._int_mm`, oneDNN's u8s8 VNNI/AMX-INT8 GEMM on CPU; `dequant`, the weight dequantized to
+`torch._int_mm`, oneDNN's u8s8 VNNI/AMX-INT8 GEMM on CPU, between PyTorch's quantize and rescale;
+`int_mm_native`, the same GEMM between the one-pass C versions of them, csrc/cpu_linear_int8.c;
+`dequant`, the weight dequantized to
 the compute dtype and a dense matmul of the quantize-dequantized activations, for CPUs and devices
 where int8 does not pay), `w8a8_linear` (one call) and `choose_kernel` (both candidates timed
 on random data of the layer's shape at a row bucket; the faster one serves that bucket).
@@ -27,12 +29,54 @@ TIMED_CALLS = 3  # calls per candidate per measurement (the fastest counts: a sh
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (codes int8 [M, K], scales float32 [M, 1]) with x ~ codes * scales; an all-zero
-    row gets scale 1 (codes 0) rather than a division by zero."""
+    row gets scale 1 (codes 0) rather than a division by zero. The codes are round(x * (127 /
+    amax)) (one division per row, as the C kernel computes them, so both give the same codes)."""
     xf = x.float()
-    scale = xf.abs().amax(dim=1, keepdim=True) / QMAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round(xf / scale).clamp_(-QMAX, QMAX).to(torch.int8)
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    some = amax > 0
+    one = torch.ones_like(amax)
+    qmax = torch.full_like(amax, QMAX)
+    # tensor / tensor: correctly rounded divisions (ATen computes 127 / t as reciprocal(t) * 127)
+    scale = torch.where(some, amax / qmax, one)
+    inv = torch.where(some, qmax / torch.where(some, amax, one), one)
+    codes = torch.round(xf * inv).clamp_(-QMAX, QMAX).to(torch.int8)
     return codes, scale
+
+
+def _native():
+    from llmctl.kernels.cpu.library import load
+
+    return load("linear_int8")
+
+
+def quantize_rows_native(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows in one C pass per row (csrc/cpu_linear_int8.c); x float32 or bfloat16 on the
+    CPU with unit column stride."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    codes = torch.empty(m, k, dtype=torch.int8)
+    scale = torch.empty(m, 1, dtype=torch.float32)
+    bf16 = int(x.dtype == torch.bfloat16)
+    threads = torch.get_num_threads()
+    _native().quant_rows_int8(
+        x.data_ptr(), x.stride(0), bf16, m, k, codes.data_ptr(), scale.data_ptr(), threads
+    )
+    return codes, scale
+
+
+def rescale_native(
+    acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, dtype
+) -> torch.Tensor:
+    """_rescale in one C pass (float32 or bfloat16 out); acc int32 [M, N] contiguous."""
+    m, n = acc.shape
+    out = torch.empty(m, n, dtype=dtype)
+    acc, xs, ws = acc.contiguous(), x_scale.contiguous(), w_scale.contiguous()
+    bf16 = int(dtype == torch.bfloat16)
+    _native().rescale_int32(
+        acc.data_ptr(), m, n, xs.data_ptr(), ws.data_ptr(), out.data_ptr(), bf16,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
 
 
 def int_mm_reference(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
@@ -76,7 +120,22 @@ def _run_dequant(x, wq, w_scale):
     return F.linear((xq.float() * xs).to(dt), w)
 
 
-INT8_KERNELS: dict[str, Callable] = {"int_mm": _run_int_mm, "dequant": _run_dequant}
+def _run_int_mm_native(x, wq, w_scale):
+    xq, xs = quantize_rows_native(x)
+    return rescale_native(int_mm(xq, wq), xs, w_scale, x.dtype)
+
+
+def native_applies(x: torch.Tensor) -> bool:
+    """The C passes serve float32 and bfloat16 rows on the CPU, where the library builds."""
+    ok_dtype = x.dtype in (torch.float32, torch.bfloat16)
+    return x.device.type == "cpu" and ok_dtype and _native() is not None
+
+
+INT8_KERNELS: dict[str, Callable] = {
+    "int_mm": _run_int_mm,
+    "dequant": _run_dequant,
+    "int_mm_native": _run_int_mm_native,
+}
 
 
 def w8a8_linear(
@@ -84,9 +143,9 @@ def w8a8_linear(
 ) -> torch.Tensor:
     """y [M, N] = Q(x) Q(W)^T for x [M, K] (float), wq [N, K] int8, w_scale float32 [N];
     `kernel` int_mm falls back to dequant where torch._int_mm cannot take the shape."""
-    if kernel == "int_mm" and not _int_mm_applies(x[:1], wq):
-        kernel = "dequant"
-    if kernel == "int_mm" and x.device.type == "cuda" and x.shape[0] <= 16:
+    if kernel == "int_mm_native" and not native_applies(x):
+        kernel = "int_mm"
+    if kernel.startswith("int_mm") and not _int_mm_applies(x, wq):
         kernel = "dequant"
     return INT8_KERNELS[kernel](x, wq, w_scale)
 
@@ -116,8 +175,9 @@ def choose_kernel(n: int, k: int, rows: int, dtype: torch.dtype, device: str = "
     x = torch.randn(rows, k, generator=gen).to(device, dtype)
     if not _int_mm_applies(x, wq):
         return "dequant"
+    names = [n for n in INT8_KERNELS if n != "int_mm_native" or native_applies(x)]
     try:
-        times = {name: _time(lambda f=f: f(x, wq, ws)) for name, f in INT8_KERNELS.items()}
+        times = {n: _time(lambda f=INT8_KERNELS[n]: f(x, wq, ws)) for n in names}
     except RuntimeError:  # an int8 GEMM this build or CPU lacks
         return "dequant"
     return min(times, key=times.get)
