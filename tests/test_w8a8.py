@@ -221,6 +221,19 @@ def test_quantize_w8a8_writes_int_quantized_that_loads_as_int8_linears(tiny_dir,
     assert _rel(model.forward_dense(ids), orig.forward_dense(ids)) < 0.03
 
 
+def test_transformers_loads_our_w8a8_output(tiny_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "w8a8-hf"
+    assert _quantize(tiny_dir, out, "--rtn", "--scheme", "w8a8")[0] == 0
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ours, _ = load_model(out, "float32", "cpu")
+    ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids).logits.float()
+    assert _rel(ours.forward_dense(ids), ref) < 0.03
+
+
 def test_quantize_w8a8_smoothquant_runs_and_stays_close(tiny_dir, tmp_path):
     out = tmp_path / "sq"
     rc, report = _quantize(
