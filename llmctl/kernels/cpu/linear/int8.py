@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 QMAX = 127
 ROW_BUCKETS = (1, 16, 128, 512)  # rows timed by choose_kernel; a call uses the nearest at or below
-TIMED_CALLS = 3  # calls per candidate per measurement (the fastest counts: a shared host's noise)
+TIMED_CALLS = 5  # rounds per measurement (the fastest counts: a shared host's noise)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,13 +155,18 @@ def bucket(rows: int) -> int:
     return max([b for b in ROW_BUCKETS if b <= rows] or [ROW_BUCKETS[0]])
 
 
-def _time(fn: Callable[[], torch.Tensor]) -> float:
-    fn()  # warm (oneDNN builds its primitive on the first call)
-    best = float("inf")
+def _time_all(fns: dict[str, Callable[[], torch.Tensor]]) -> dict[str, float]:
+    """Seconds per call of each candidate: the fastest of TIMED_CALLS rounds, the candidates taken
+    in turn within each round (on a shared host the load drifts: one block per candidate let the
+    drift pick the kernel)."""
+    for fn in fns.values():
+        fn()  # warm (oneDNN builds its primitive on the first call)
+    best = dict.fromkeys(fns, float("inf"))
     for _ in range(TIMED_CALLS):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t)
     return best
 
 
@@ -177,7 +182,7 @@ def choose_kernel(n: int, k: int, rows: int, dtype: torch.dtype, device: str = "
         return "dequant"
     names = [n for n in INT8_KERNELS if n != "int_mm_native" or native_applies(x)]
     try:
-        times = {n: _time(lambda f=INT8_KERNELS[n]: f(x, wq, ws)) for n in names}
+        times = _time_all({n: lambda f=INT8_KERNELS[n]: f(x, wq, ws) for n in names})
     except RuntimeError:  # an int8 GEMM this build or CPU lacks
         return "dequant"
     return min(times, key=times.get)
