@@ -11,12 +11,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmctl.kernels.cpu.linear.int8 import quantize_rows
+from llmctl.kernels.cpu.linear.int8 import native_applies, quantize_rows, quantize_rows_native
 
 
 def fake_quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] with each row replaced by Q(row) * scale (symmetric int8, scale max|row|/127)."""
-    codes, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    """x [..., K] with each row replaced by Q(row) * scale (symmetric int8, scale max|row|/127;
+    the C pass where it applies: the same codes, one pass)."""
+    rows = x.reshape(-1, x.shape[-1])
+    quantize = quantize_rows_native if native_applies(rows) else quantize_rows
+    codes, scale = quantize(rows)
     return (codes.float() * scale).to(x.dtype).reshape(x.shape)
 
 
