@@ -24,6 +24,10 @@ import torch.nn.functional as F
 
 QMAX = 127
 ROW_BUCKETS = (1, 16, 128, 512)  # rows timed by choose_kernel; a call uses the nearest at or below
+# The C passes run on the calling thread: they are a few percent of the GEMM, and an OpenMP
+# region of their own would start the compiler's libgomp pool beside PyTorch's, whose threads
+# spin between calls (on a 2-core host under load, forwards measured 3-30x slower with it)
+NATIVE_THREADS = 1
 TIMED_CALLS = 5  # rounds per measurement (the fastest counts: a shared host's noise)
 
 
@@ -57,9 +61,8 @@ def quantize_rows_native(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.empty(m, k, dtype=torch.int8)
     scale = torch.empty(m, 1, dtype=torch.float32)
     bf16 = int(x.dtype == torch.bfloat16)
-    threads = torch.get_num_threads()
     _native().quant_rows_int8(
-        x.data_ptr(), x.stride(0), bf16, m, k, codes.data_ptr(), scale.data_ptr(), threads
+        x.data_ptr(), x.stride(0), bf16, m, k, codes.data_ptr(), scale.data_ptr(), NATIVE_THREADS
     )
     return codes, scale
 
@@ -73,8 +76,7 @@ def rescale_native(
     acc, xs, ws = acc.contiguous(), x_scale.contiguous(), w_scale.contiguous()
     bf16 = int(dtype == torch.bfloat16)
     _native().rescale_int32(
-        acc.data_ptr(), m, n, xs.data_ptr(), ws.data_ptr(), out.data_ptr(), bf16,
-        torch.get_num_threads(),
+        acc.data_ptr(), m, n, xs.data_ptr(), ws.data_ptr(), out.data_ptr(), bf16, NATIVE_THREADS,
     )  # fmt: skip
     return out
 
