@@ -1,5 +1,10 @@
-"""compressed-tensors `pack-quantized` layout, written and read with the `compressed-tensors`
-package (vLLM and transformers load it).
+"""compressed-tensors `pack-quantized` layout, and `int-quantized` for W8A8, written and read with
+the `compressed-tensors` package (vLLM and transformers load both).
+
+W8A8 (`QuantSpec.int8_activations`): llm-compressor's W8A8 preset scheme (int8 weights symmetric
+per channel, input activations int8 dynamic per token) in format int-quantized: name.weight int8
+[out, in] and name.weight_scale [out, 1] (IntQuantizationCompressor); `unpack_int8` reads it,
+ours or llm-compressor's, into UnpackedLinear with `int8_activations` set.
 
 Per linear `name` [out, in], b in 2, 3, 4 or 8: name.weight_packed int32 [out, ceil(in * b / 32)]
 (signed codes q - 2^(b-1) offset back to unsigned and packed densely, value j of a row at bit j * b,
