@@ -188,6 +188,45 @@ def test_llmcompressor_quantization_modifiers(mods, want):
     assert want.items() <= q["stages"]["quantize"].items()
 
 
+def test_llmcompressor_w8a8_with_smoothquant():
+    mods = {
+        "SmoothQuantModifier": {"smoothing_strength": 0.8},
+        "GPTQModifier": {"targets": "Linear", "scheme": "W8A8", "ignore": ["lm_head"]},
+    }
+    doc, origins = translate({"quant_stage": {"quant_modifiers": mods}})
+    assert doc["stages"]["quantize"] == {
+        "method": "gptq",
+        "scheme": "w8a8",
+        "bits": 8,
+        "symmetric": True,
+        "group_size": "channel",
+        "ignore": [],
+        "smoothquant": True,
+        "smoothquant_strength": 0.8,
+    }
+    assert origins["stages.quantize.smoothquant_strength"].endswith("smoothing_strength")
+    # SmoothQuant in a stage of its own before the quantization, with llm-compressor's default
+    doc, _ = translate(
+        {
+            "smooth_stage": {"m_modifiers": {"SmoothQuantModifier": {}}},
+            "quant_stage": {"m_modifiers": {"QuantizationModifier": {"scheme": "W8A8"}}},
+        }
+    )
+    q = doc["stages"]["quantize"]
+    assert q["method"] == "rtn" and q["smoothquant_strength"] == 0.5
+
+
+def test_our_recipe_takes_scheme_w8a8_and_refuses_other_bits(tmp_path):
+    from llmctl.recipes.sections import QuantizeSection
+
+    s = QuantizeSection.model_validate({"scheme": "W8A8", "smoothquant_strength": 0.6})
+    assert (s.scheme, s.smoothquant, s.smoothquant_strength) == ("w8a8", True, 0.6)
+    with pytest.raises(ValueError, match="stores 8-bit weights, not bits 4"):
+        QuantizeSection.model_validate({"scheme": "w8a8", "bits": 4})
+    with pytest.raises(ValueError, match="unknown scheme 'w4a4'"):
+        QuantizeSection.model_validate({"scheme": "w4a4"})
+
+
 def test_llmcompressor_pruning_then_quantization(tmp_path):
     doc = {
         "sparsity_stage": {
@@ -219,11 +258,23 @@ def test_llmcompressor_pruning_then_quantization(tmp_path):
 @pytest.mark.parametrize(
     ("doc", "want"),
     [
-        ({"s_stage": {"m_modifiers": {"SmoothQuantModifier": {}}}}, "does not implement Smooth"),
         (
-            {"s_stage": {"m_modifiers": {"GPTQModifier": {"scheme": "W8A8"}}}},
-            "s_stage.m_modifiers.GPTQModifier.scheme: W8A8 is not a weight-only",
+            {"s_stage": {"m_modifiers": {"SmoothQuantModifier": {}}}},
+            "SmoothQuantModifier: SmoothQuant prepares int8 activations",
         ),
+        (
+            {"s_stage": {"m_modifiers": {"GPTQModifier": {"scheme": "FP8"}}}},
+            "s_stage.m_modifiers.GPTQModifier.scheme: FP8 is not an integer scheme",
+        ),
+        (
+            {
+                "s_stage": {
+                    "m_modifiers": {"GPTQModifier": {"scheme": "W4A16"}, "SmoothQuantModifier": {}}
+                }
+            },
+            "SmoothQuant prepares int8 activations",
+        ),
+        ({"s_stage": {"m_modifiers": {"FooModifier": {}}}}, "does not implement FooModifier"),
         (
             {"s_stage": {"m_modifiers": {"GPTQModifier": {"scheme": "W4A16", "foo": 1}}}},
             "s_stage.m_modifiers.GPTQModifier.foo: unknown key",

@@ -1,5 +1,5 @@
 """`llmctl quantize`: weight-only AWQ, GPTQ or RTN quantization into compressed-tensors, AWQ or
-GPTQ folders.
+GPTQ folders, and W8A8 int8 (`--scheme w8a8`, optionally after SmoothQuant) into compressed-tensors.
 
 The work is in llmctl.compress.quantize_job. Owns: quantize's option records (`QuantizeJob`,
 `SchemeFlags`, `TuningFlags`; the calibration and run flags are `_compress_options`'), defaulting
@@ -29,7 +29,8 @@ from llmctl.commands._output import fmt_ppl
 from llmctl.commands._records import record_command
 from llmctl.compress.args import QuantizeArgs
 
-HELP = """Quantize MODEL's linear layers to 2, 3, 4 or 8 bits (weights only) with AWQ, GPTQ or RTN.
+HELP = """Quantize MODEL's linear layers to 2, 3, 4 or 8 bits (weights only) with AWQ, GPTQ or RTN,
+or to W8A8 int8 (--scheme w8a8: int8 activations too, optionally after SmoothQuant).
 
 \b
 Examples (on the embedded demo model; use your own model folder or hub id):
@@ -39,6 +40,8 @@ Examples (on the embedded demo model; use your own model folder or hub id):
       --calib examples/prompts.jsonl --num-samples 4 --seq-len 16
   llmctl quantize llmctl/data/demo-model -o demo-w8 --rtn --bits 8 \\
       --group-size channel --num-samples 4 --seq-len 64
+  llmctl quantize llmctl/data/demo-model -o demo-w8a8 --gptq --scheme w8a8 \\
+      --smoothquant --num-samples 8 --seq-len 64
 
 \b
 --calib: JSONL (rows with prompt_token_ids, messages, prompt or text),
@@ -106,6 +109,32 @@ class SchemeFlags:
             help="Zero point fixed at the middle (default for GPTQ/RTN) or fitted (AWQ).",
         ),
     ] = None
+    scheme: Annotated[
+        Optional[str],
+        option(
+            "--scheme",
+            help="w8a8: int8 weights per output channel (with --rtn or --gptq) and int8 "
+            "activations per token at run time, as compressed-tensors int-quantized "
+            "(llm-compressor's W8A8; default: weight-only).",
+        ),
+    ] = None
+    smoothquant: Annotated[
+        Optional[bool],
+        option(
+            "--smoothquant/--no-smoothquant",
+            help="With --scheme w8a8: SmoothQuant's calibrated migration of activation "
+            "outliers into the weights first (default: off).",
+        ),
+    ] = None
+    smoothquant_strength: Annotated[
+        Optional[float],
+        _opt(
+            "smoothquant_strength",
+            "--smoothquant-strength",
+            help="SmoothQuant's migration strength a in [0, 1] (implies --smoothquant)",
+            metavar="A",
+        ),
+    ] = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +176,10 @@ def _quantize(
     tuning: TuningFlags,
     run: CompressRunFlags,
 ) -> None:
+    _check_scheme_bits(scheme)
+    smooth = scheme.smoothquant
+    if smooth is None and scheme.smoothquant_strength is not None:
+        smooth = True
     args = QuantizeArgs(
         model=job.model,
         output=str(job.output),
@@ -155,6 +188,9 @@ def _quantize(
         **calib_given(calibration),
         **given(
             bits=scheme.bits,
+            scheme=scheme.scheme,
+            smoothquant=smooth,
+            smoothquant_strength=scheme.smoothquant_strength,
             group_size=scheme.group_size,
             symmetric=scheme.symmetric,
             format=tuning.fmt,
@@ -169,6 +205,15 @@ def _quantize(
         ),
     )
     _run(args, run.quiet)
+
+
+def _check_scheme_bits(scheme: SchemeFlags) -> None:
+    """--scheme w8a8 with an explicit --bits other than 8 (QuantizeArgs cannot tell a given 4
+    from its default)."""
+    from llmctl.errors import UsageError
+
+    if scheme.scheme is not None and scheme.bits not in (None, 8):
+        raise UsageError(f"--scheme {scheme.scheme} stores 8-bit weights, not --bits {scheme.bits}")
 
 
 def _one_method(**flags: bool) -> str:
@@ -214,8 +259,12 @@ def _summary_rows(r) -> list[tuple[str, str]]:
     calib = r.calibration
     probe = r.perplexity_rtn_probe
     rtn = "" if probe is None else f"; round-to-nearest: {fmt_ppl(probe)}"
+    scheme = ""
+    if r.scheme:
+        smooth = f", SmoothQuant {r.smoothquant_strength}" if r.smoothquant_strength else ""
+        scheme = f" ({r.scheme.upper()}: int8 activations per token{smooth})"
     return [
-        ("method", f"{r.method} {r.bits}-bit, group {r.group_size}, {kind}"),
+        ("method", f"{r.method} {r.bits}-bit, group {r.group_size}, {kind}{scheme}"),
         ("format", r.format),
         ("wall time", f"{r.wall_time_s:.1f} s"),
         ("size", f"{_fmt_size(r.size_before_bytes)} -> {_fmt_size(r.size_after_bytes)}"),

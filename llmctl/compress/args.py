@@ -24,8 +24,9 @@ CALIBRATION_KEYS = ("calib", "eval_data", "num_samples", "seq_len")
 SPARSIFY_KEYS = ("method", "pattern", "sparsity", "ignore", "dampening", "column_block")
 QUANTIZE_KEYS = (
     "method", "bits", "group_size", "symmetric", "format", "ignore", "act_order", "observer",
-    "dampening", "column_block",
+    "dampening", "column_block", "scheme", "smoothquant", "smoothquant_strength",
 )  # fmt: skip
+SCHEMES = ("w8a8",)  # llm-compressor's scheme names llmctl writes (weight-only needs none)
 
 
 def check_column_block(column_block: int, pattern=None) -> None:
@@ -68,6 +69,11 @@ class QuantizeArgs:
     overwrite: bool = False
     report_json: str | None = None
     max_shard_size: str = DEFAULT_MAX_SHARD_SIZE  # weights above it go into several files
+    # "w8a8": int8 weights per channel and int8 activations per token at run time (None:
+    # weight-only); SmoothQuant's migration before it, with its strength
+    scheme: str | None = None
+    smoothquant: bool = False
+    smoothquant_strength: float = 0.8  # llm-compressor's SmoothQuantModifier default
 
     def resolve(self) -> "QuantizeArgs":
         """Every check that needs no model; raises UsageError naming the flag."""
@@ -82,6 +88,7 @@ class QuantizeArgs:
 
         if self.method not in QUANT_METHODS:
             raise UsageError(f"unknown method {self.method!r}; use --awq, --gptq or --rtn")
+        self._resolve_scheme()
         if self.format not in FORMATS:
             raise UsageError(
                 f"unknown --format {self.format!r}; choose one of {', '.join(FORMATS)}"
@@ -105,6 +112,40 @@ class QuantizeArgs:
         if self.observer not in OBSERVERS:
             raise UsageError(f"--observer must be mse or minmax, got {self.observer!r}")
         return self
+
+    def _resolve_scheme(self) -> None:
+        """--scheme w8a8 fixes the weights (8-bit symmetric per channel, compressed-tensors) and
+        takes RTN or GPTQ; --smoothquant needs it. The default --bits 4 becomes 8."""
+        if self.scheme is not None:
+            self.scheme = str(self.scheme).lower()
+            if self.scheme not in SCHEMES:
+                raise UsageError(f"unknown --scheme {self.scheme!r}; choose w8a8")
+        if self.scheme is None:
+            if self.smoothquant:
+                raise UsageError("--smoothquant needs --scheme w8a8 (it helps int8 activations)")
+            return
+        strength = self.smoothquant_strength
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)):
+            raise UsageError(f"--smoothquant-strength must be a number in [0, 1], got {strength!r}")
+        if not 0.0 <= strength <= 1.0:
+            raise UsageError(f"--smoothquant-strength must be in [0, 1], got {strength}")
+        if self.method == "awq":
+            raise UsageError("--scheme w8a8 takes --rtn or --gptq, not --awq (use --smoothquant)")
+        if self.format != "compressed-tensors":
+            raise UsageError(
+                f"--scheme w8a8 is written as compressed-tensors int-quantized, not --format "
+                f"{self.format}"
+            )
+        if self.bits not in (4, 8):  # 4: the default, not chosen (the command refuses --bits 4)
+            raise UsageError(f"--scheme w8a8 stores 8-bit weights, not --bits {self.bits}")
+        if str(self.group_size).lower() not in ("auto", "channel"):
+            raise UsageError(
+                f"--scheme w8a8 has one weight scale per output channel, not --group-size "
+                f"{self.group_size}"
+            )
+        if self.symmetric is False:
+            raise UsageError("--scheme w8a8 is symmetric (vLLM's int8 kernels), not --asymmetric")
+        self.bits, self.group_size, self.symmetric = 8, "channel", True
 
     @property
     def spec_group_size(self) -> int | None:

@@ -46,6 +46,8 @@ class QuantizeReport:
     # held-out perplexity round-to-nearest reaches with the same settings (GPTQ/AWQ, when
     # perplexity is measured): a warning says when perplexity_after is worse
     perplexity_rtn_probe: float | None = None
+    scheme: str | None = None  # "w8a8": int8 activations per token too (perplexity_after with them)
+    smoothquant_strength: float | None = None  # SmoothQuant's strength when it ran, else None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,6 +80,8 @@ def quantize_report(job: Oneshot, outcome: StepOutcome) -> QuantizeReport:
         warnings=job.notes.items,
         group_size_note=step.group_note,
         perplexity_rtn_probe=step.rtn_probe,
+        scheme=args.scheme,
+        smoothquant_strength=args.smoothquant_strength if args.smoothquant else None,
     )
 
 

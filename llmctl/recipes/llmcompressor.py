@@ -8,11 +8,15 @@ Owns: `translate(doc) -> (our document, origins)`. Their file is a mapping of `*
         dampening_frac (SparseGPT), block_size
     GPTQModifier -> quantize gptq; AWQModifier (alone, or with a QuantizationModifier that gives
     the scheme) -> quantize awq; QuantizationModifier alone -> quantize rtn:
-        targets, ignore, scheme (W4A16, W4A16_ASYM, W8A16: 128-column groups) or one of
+        targets, ignore, scheme (W4A16, W4A16_ASYM, W8A16: 128-column groups; W8A8: int8
+        weights per channel and int8 activations per token, GPTQ or RTN) or one of
         config_groups' weights {num_bits, type: int, symmetric, strategy: group|channel,
         group_size, actorder, observer}, dampening_frac and actorder (GPTQ), block_size
+    SmoothQuantModifier (beside a W8A8 GPTQModifier or QuantizationModifier) -> quantize's
+        smoothquant: smoothing_strength (default 0.5, llm-compressor's), ignore; mappings only
+        as llm-compressor's defaults (left out)
 
-Any other modifier, an activation scheme (W8A8, FP8...) or a target other than the decoder's
+Any other modifier, another activation scheme (FP8...) or a target other than the decoder's
 linear layers is refused by name. `lm_head` in `ignore` is dropped: llmctl never compresses it.
 `origins` maps each of our keys to the key of their file it came from, for error messages.
 """
@@ -30,6 +34,9 @@ SPARSITY = {"SparseGPTModifier": "sparsegpt", "WandaPruningModifier": "wanda"}
 QUANT = {"GPTQModifier": "gptq", "AWQModifier": "awq", "QuantizationModifier": "rtn"}
 SCHEMES = {"W4A16": (4, True), "W4A16_ASYM": (4, False), "W8A16": (8, True)}  # (bits, symmetric)
 SCHEME_GROUP = 128  # compressed-tensors' preset schemes quantize groups of 128 columns
+W8A8 = {"scheme": "w8a8", "bits": 8, "symmetric": True, "group_size": "channel"}
+SMOOTH = "SmoothQuantModifier"
+SMOOTH_STRENGTH = 0.5  # SmoothQuantModifier's default smoothing_strength
 ALL_LINEARS = ("Linear", "re:model.layers.\\d*$", "re:model.layers.\\d+$")
 LM_HEAD = ("lm_head", "re:.*lm_head", "re:.*lm_head.*", "re:lm_head", "re:.*lm_head$")
 IGNORED_TOP = ("version", "metadata")
@@ -77,6 +84,13 @@ class _Quant(_Lc):
     actorder: str | bool | None = None
     block_size: int | None = None
     sequential_update: bool | None = None
+
+
+class _Smooth(_Lc):
+    smoothing_strength: float = SMOOTH_STRENGTH
+    mappings: None = None
+    ignore: list[str] = []
+    num_calibration_steps: int | None = None
 
 
 def _parse(cls: type[_Lc], args: Any, where: str) -> Any:
@@ -146,11 +160,13 @@ def _scheme(a: _Quant, where: str) -> dict:
     """bits, symmetric, group_size (and act_order, observer) from `scheme` or `config_groups`."""
     if (a.scheme is None) == (a.config_groups is None):
         raise UsageError(f"recipe {where}: give one of scheme (W4A16, W8A16...) or config_groups")
+    if a.scheme == "W8A8":
+        return dict(W8A8)
     if a.scheme is not None:
         if a.scheme not in SCHEMES:
             raise UsageError(
-                f"recipe {where}.scheme: {a.scheme} is not a weight-only integer scheme llmctl "
-                f"writes; use one of {', '.join(SCHEMES)}"
+                f"recipe {where}.scheme: {a.scheme} is not an integer scheme llmctl writes; use "
+                f"one of {', '.join(SCHEMES)} or W8A8"
             )
         bits, sym = SCHEMES[a.scheme]
         return {"bits": bits, "symmetric": sym, "group_size": SCHEME_GROUP}
@@ -203,12 +219,29 @@ def _quantize(mods: dict[str, Any], where: str, origins: dict[str, str]) -> dict
         out["act_order"] = a.actorder in ACT_ORDER_ON
     if a.block_size is not None:
         out["column_block"] = a.block_size
-    for ours in ("bits", "symmetric", "group_size"):
+    for ours in ("bits", "symmetric", "group_size", "scheme"):
         origins[f"stages.quantize.{ours}"] = f"{at}.{'scheme' if a.scheme else 'config_groups'}"
     for ours, theirs in (("dampening", "dampening_frac"), ("act_order", "actorder"),
                          ("column_block", "block_size"), ("ignore", "ignore")):  # fmt: skip
         origins[f"stages.quantize.{ours}"] = f"{at}.{theirs}"
     return out
+
+
+def _smooth(args: Any, where: str, quantize: dict | None, origins: dict[str, str]) -> None:
+    """SmoothQuantModifier's settings into the quantize stage (which must be W8A8)."""
+    a: _Smooth = _parse(_Smooth, args, where)
+    if quantize is None or quantize.get("scheme") != "w8a8":
+        raise UsageError(
+            f"recipe {where}: SmoothQuant prepares int8 activations; llmctl runs it before a "
+            "W8A8 GPTQModifier or QuantizationModifier in the same modifiers"
+        )
+    if not 0 <= a.smoothing_strength <= 1:
+        raise UsageError(
+            f"recipe {where}.smoothing_strength: in [0, 1], got {a.smoothing_strength}"
+        )
+    quantize.update(smoothquant=True, smoothquant_strength=a.smoothing_strength)
+    quantize["ignore"] = sorted({*quantize.get("ignore", []), *_ignore(a.ignore)})
+    origins["stages.quantize.smoothquant_strength"] = f"{where}.smoothing_strength"
 
 
 def _modifier_groups(doc: dict):
@@ -238,11 +271,12 @@ def translate(doc: dict) -> tuple[dict, dict[str, str]]:
     """(the recipe in llmctl's format, our key path -> theirs)."""
     stages: dict[str, Any] = {}
     origins: dict[str, str] = {}
+    smooth: list[tuple[Any, str]] = []
     for stage, key, mods in _modifier_groups(doc):
         where = f"{stage}.{key}"
         for name in mods:
-            if name not in SPARSITY and name not in QUANT:
-                supported = ", ".join((*SPARSITY, *QUANT))
+            if name not in SPARSITY and name not in QUANT and name != SMOOTH:
+                supported = ", ".join((*SPARSITY, *QUANT, SMOOTH))
                 raise UsageError(
                     f"recipe {where}.{name}: llmctl does not implement {name}; it reads {supported}"
                 )
@@ -259,6 +293,10 @@ def translate(doc: dict) -> tuple[dict, dict[str, str]]:
             stages["sparsify"] = _sparsify(name, mods[name], f"{where}.{name}", origins)
         if quant:
             stages["quantize"] = _quantize(quant, where, origins)
+        if SMOOTH in mods:  # applied once the quantization is known (it may come later)
+            smooth.append((mods[SMOOTH], f"{where}.{SMOOTH}"))
+    for args, where in smooth:
+        _smooth(args, where, stages.get("quantize"), origins)
     if not stages:
         raise UsageError("recipe: no modifier llmctl implements (e.g. GPTQModifier)")
     return {FORMAT_KEY: FORMAT_VERSION, "stages": stages}, origins

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from llmctl.compress.args import OBSERVERS, PRUNE_METHODS, QUANT_METHODS
+from llmctl.compress.args import OBSERVERS, PRUNE_METHODS, QUANT_METHODS, SCHEMES
 from llmctl.compress.sparse.masks import parse_pattern
 from llmctl.errors import UsageError
 from llmctl.runtime.formats import FORMATS
@@ -95,6 +95,23 @@ class QuantizeSection(Section):
     observer: str | None = None
     dampening: float | None = Field(None, gt=0, lt=1)
     column_block: int | None = Field(None, ge=1)
+    scheme: str | None = None  # "w8a8": int8 activations too (compressed-tensors int-quantized)
+    smoothquant: bool | None = None
+    smoothquant_strength: float | None = Field(None, ge=0, le=1)
+
+    @field_validator("scheme")
+    @classmethod
+    def _scheme(cls, v):
+        return _one_of(v if v is None else str(v).lower(), SCHEMES, "scheme")
+
+    @model_validator(mode="after")
+    def _w8a8_bits(self):
+        """bits other than 8 with scheme w8a8: refused here, where a given 4 is not the default."""
+        if self.scheme is not None and self.bits not in (None, 8):
+            raise ValueError(f"scheme {self.scheme} stores 8-bit weights, not bits {self.bits}")
+        if self.smoothquant_strength is not None and self.smoothquant is None:
+            self.smoothquant = True  # a strength means SmoothQuant on, as on the command line
+        return self
 
     @field_validator("method")
     @classmethod

@@ -62,7 +62,8 @@ class QuantizeStep:
 
     def __init__(self, args: QuantizeArgs):
         self.args = args
-        self.calibrates = args.method != "rtn"  # RTN reads only the weights
+        # RTN reads only the weights; SmoothQuant's pass reads the activations
+        self.calibrates = args.method != "rtn" or bool(args.smoothquant)
         self.group_note: str | None = None
         self.spec: QuantSpec | None = None
         self.records: dict[str, Any] = {}
@@ -81,6 +82,11 @@ class QuantizeStep:
                 "--awq folds scales into the operation before each linear, which llmctl knows "
                 f"for llama, mistral, qwen2 and qwen3 only, not {prep.config.model_type}; use "
                 "--gptq or --rtn"
+            )
+        if self.args.smoothquant and not prep.config.llama_layout:
+            raise UsageError(
+                "--smoothquant folds scales into the norm before each linear group, which llmctl "
+                f"knows for llama, mistral, qwen2 and qwen3 only, not {prep.config.model_type}"
             )
         ignored = make_ignore(self.args.ignore)
         self.group_note = check_layers(self.args, [t for t in prep.linears if not ignored(t[0])])
@@ -109,8 +115,12 @@ class QuantizeStep:
     def run(self, model: torch.nn.Module, calib_ids, ctx) -> DriverResult:
         a = self.args
         scale_dtype = torch.float16 if a.format in ("awq", "gptq") else ctx.out_dtype
-        self.spec = QuantSpec(a.bits, a.spec_group_size, bool(a.symmetric), scale_dtype)
-        if self.calibrates and ctx.score is not None:
+        w8a8 = a.scheme == "w8a8"
+        self.spec = QuantSpec(a.bits, a.spec_group_size, bool(a.symmetric), scale_dtype, w8a8)
+        if a.smoothquant:
+            self._smooth(model, calib_ids, ctx)
+        # the probe is weight-only: against W8A8's perplexity (int8 activations) it would mislead
+        if a.method != "rtn" and not w8a8 and ctx.score is not None:
             from llmctl.compress.quant.probe import rtn_probe
 
             ignored = make_ignore(a.ignore)
@@ -129,7 +139,22 @@ class QuantizeStep:
         )
         self.records = result.records
         self.warn = ctx.warn
+        if w8a8:  # the perplexity after is measured with int8 activations, as the engine runs it
+            from llmctl.compress.quant.w8a8 import quantize_inputs
+
+            quantize_inputs(model, list(self.records))
         return result
+
+    def _smooth(self, model: torch.nn.Module, calib_ids, ctx) -> None:
+        """SmoothQuant's pass over the calibration data (llm-compressor's SmoothQuantModifier
+        before its quantization modifier): folds the scales into the model, quantizes nothing."""
+        from llmctl.compress.quant.smoothquant import SmoothQuantMethod
+
+        a = self.args
+        method = SmoothQuantMethod(a.smoothquant_strength)
+        calibrate_layers(
+            model, calib_ids, method, device=ctx.device, ignore=make_ignore(a.ignore), warn=ctx.warn
+        )
 
     def review(self, perplexity_after: float | None) -> list[str]:
         """The RTN probe's verdict: a warning when this method did worse than RTN would have."""

@@ -101,6 +101,12 @@ def _signatures() -> dict[str, dict[str, tuple[list, object]]]:
             # (x, ldx, y, ldy, a, bt, row_slot, ranks, T, K, N, R, bf16, threads) -> failed
             "lora_apply": ([P, I64, P, I64, P, P, P, P, I64, I64, I64, I64, I32, I32], INT),
         },
+        "linear_int8": {
+            # (x, ldx, bf16, M, K, q, scale, threads)
+            "quant_rows_int8": ([P, I64, I32, I64, I64, P, P, I32], None),
+            # (acc, M, N, xs, ws, out, bf16, threads)
+            "rescale_int32": ([P, I64, I64, P, P, P, I32, I32], None),
+        },
     }
 
 
@@ -118,6 +124,7 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
     "rope": ("cpu_rope.c",),
     "prefill": ("cpu_prefill_attention.c",),
     "lora": ("cpu_lora.c",),
+    "linear_int8": ("cpu_linear_int8.c",),
 }
 
 

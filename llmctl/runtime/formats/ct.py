@@ -1,5 +1,10 @@
-"""compressed-tensors `pack-quantized` layout, written and read with the `compressed-tensors`
-package (vLLM and transformers load it).
+"""compressed-tensors `pack-quantized` layout, and `int-quantized` for W8A8, written and read with
+the `compressed-tensors` package (vLLM and transformers load both).
+
+W8A8 (`QuantSpec.int8_activations`): llm-compressor's W8A8 preset scheme (int8 weights symmetric
+per channel, input activations int8 dynamic per token) in format int-quantized: name.weight int8
+[out, in] and name.weight_scale [out, 1] (IntQuantizationCompressor); `unpack_int8` reads it,
+ours or llm-compressor's, into UnpackedLinear with `int8_activations` set.
 
 Per linear `name` [out, in], b in 2, 3, 4 or 8: name.weight_packed int32 [out, ceil(in * b / 32)]
 (signed codes q - 2^(b-1) offset back to unsigned and packed densely, value j of a row at bit j * b,
@@ -32,6 +37,7 @@ ASYMMETRIC_NOTE = (
     "(packed weight_zero_point shapes, vllm-project/llm-compressor#1618); use --symmetric, or "
     "--format awq, for transformers"
 )
+INT_FORMAT = "int-quantized"  # W8A8: int8 weights stored one per byte, activations dynamic
 MIN_VERSION = "0.15"  # the first release with compressors.pack_quantized (pyproject's lower bound)
 
 
@@ -54,8 +60,16 @@ def require_package(error: type[Exception] = ModelLoadError, hint: str = "") -> 
 
 
 def _scheme(spec: QuantSpec):
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationScheme,
+        preset_name_to_scheme,
+    )
 
+    if spec.int8_activations:  # llm-compressor's W8A8 preset, as it writes it
+        scheme = preset_name_to_scheme("W8A8", ["Linear"])
+        scheme.format = INT_FORMAT
+        return scheme
     if spec.group_size is None:  # per channel: one scale (and zero point) per output row
         args = QuantizationArgs(
             num_bits=spec.bits, type="int", symmetric=spec.symmetric, strategy="channel"
@@ -80,9 +94,10 @@ def quantization_config(spec: QuantSpec, ignore: list[str]) -> dict:
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig
 
+    scheme = _scheme(spec)
     cfg = QuantizationConfig(
-        config_groups={"group_0": _scheme(spec)},
-        format="pack-quantized",
+        config_groups={"group_0": scheme},
+        format=scheme.format,
         quantization_status="compressed",
         ignore=sorted(set(["lm_head", *ignore])),
     )
@@ -97,6 +112,11 @@ def pack_ct(name: str, r: QuantResult, spec: QuantSpec, ignore: list[str], dtype
 
     scale = r.scales.to(dtype)
     state = {"weight": r.weight.to(torch.float32), "weight_scale": scale}
+    if spec.int8_activations:  # int8 weight [out, in] and weight_scale [out, 1], unpacked
+        from compressed_tensors.compressors import IntQuantizationCompressor
+
+        compressed = IntQuantizationCompressor.compress(state, _scheme(spec))
+        return {f"{name}.{k}": v for k, v in compressed.items()}, quantization_config(spec, ignore)
     if not spec.symmetric:
         state["weight_zero_point"] = (r.zeros - spec.sym_zero).to(torch.int8)  # signed zero point
     packed = PackedQuantizationCompressor.compress(state, _scheme(spec))
@@ -111,15 +131,17 @@ def unpack_ct(tensors: dict[str, torch.Tensor], qcfg: dict):
     fmt = cfg.format
     groups = list(cfg.config_groups.values())
     if (
-        fmt not in ("pack-quantized", "mixed-precision")
+        fmt not in ("pack-quantized", "mixed-precision", INT_FORMAT)
         or len(groups) != 1
         or groups[0].weights is None
     ):
         raise ModelLoadError(
             f"compressed-tensors checkpoints in format {fmt!r} are not supported (pack-quantized "
-            "only)"
+            "or int-quantized only)"
         )
     w = groups[0].weights
+    if fmt == INT_FORMAT or (fmt == "mixed-precision" and groups[0].format == INT_FORMAT):
+        return unpack_int8(tensors, groups[0]), tensors
     if w.type != "int" or w.strategy not in ("group", "channel") or w.num_bits not in BITS:
         raise ModelLoadError(
             f"compressed-tensors weights {w.type} {w.num_bits}-bit {w.strategy} are not supported "
@@ -151,3 +173,43 @@ def unpack_ct(tensors: dict[str, torch.Tensor], qcfg: dict):
             codes, scales, zeros, g_idx, b, gs, tensors.pop(f"{n}.bias", None)
         )
     return linears, tensors
+
+
+def unpack_int8(tensors: dict[str, torch.Tensor], scheme) -> dict[str, UnpackedLinear]:
+    """`int-quantized` linears (llm-compressor's W8A8 and W8A16 int8): name.weight int8
+    [out, in] and name.weight_scale [out, 1], symmetric per channel; input_activations, when
+    present, must be dynamic per token (then the layer quantizes them at run time)."""
+    w, a = scheme.weights, scheme.input_activations
+    if w.type != "int" or w.num_bits != 8 or w.strategy != "channel" or not w.symmetric:
+        raise ModelLoadError(
+            f"int-quantized weights {w.type} {w.num_bits}-bit {w.strategy} "
+            f"{'symmetric' if w.symmetric else 'asymmetric'} are not supported "
+            "(int 8-bit symmetric per channel)"
+        )
+    if a is not None and not (
+        a.type == "int" and a.num_bits == 8 and a.dynamic is True and a.strategy == "token"
+    ):
+        raise ModelLoadError(
+            f"int-quantized input activations {a.type} {a.num_bits}-bit {a.strategy} "
+            f"(dynamic={a.dynamic}) are not supported (int 8-bit dynamic per token)"
+        )
+    names = [k[: -len(".weight_scale")] for k in tensors if k.endswith(".weight_scale")]
+    linears = {}
+    for n in names:
+        q = tensors.get(f"{n}.weight")
+        if q is None or q.dtype != torch.int8:
+            continue  # not a quantized linear (e.g. a weight_scale of some other module)
+        tensors.pop(f"{n}.weight")
+        out_f, in_f = q.shape
+        scales = tensors.pop(f"{n}.weight_scale").float().reshape(out_f, 1)
+        linears[n] = UnpackedLinear(
+            q.to(torch.int32) + 128,  # codes in [1, 255] around the zero point 128
+            scales,
+            torch.full((out_f, 1), 128, dtype=torch.int32),
+            torch.zeros(in_f, dtype=torch.int32),
+            8,
+            in_f,
+            tensors.pop(f"{n}.bias", None),
+            int8_activations=a is not None,
+        )
+    return linears

@@ -1,5 +1,8 @@
 """Loading a quantized checkpoint into our model with packed `QuantLinear` layers.
 
+W8A8 linears (compressed-tensors int-quantized with dynamic per-token activations) become
+`Int8Linear` instead.
+
 Owns: `load_quantized(model, path, config, quant, dtype, device)`, the hook
 llmctl/runtime/loader.py calls when config.json has a `quantization_config` (any of the three
 formats, whichever tool wrote it), and `swap_in`, the QuantLinear swap by module name it shares
@@ -14,6 +17,7 @@ import torch
 
 from llmctl.errors import ModelLoadError
 from llmctl.models.qlinear import QuantLinear
+from llmctl.models.qlinear_int8 import Int8Linear
 from llmctl.runtime.formats.registry import read_quantized
 from llmctl.runtime.tensors import assign_dense
 
@@ -52,6 +56,5 @@ def swap_in(model, linears: dict, path: Path, dtype: torch.dtype, device: str) -
             raise ModelLoadError(
                 f"{name}: quantized shape {tuple(u.codes.shape)}, expected {_shape(old)}"
             )
-        setattr(
-            model.get_submodule(parent_name), child, QuantLinear.from_unpacked(u, dtype, device)
-        )
+        cls = Int8Linear if u.int8_activations else QuantLinear  # W8A8: int8 activations too
+        setattr(model.get_submodule(parent_name), child, cls.from_unpacked(u, dtype, device))

@@ -30,6 +30,9 @@ class UnpackedLinear:
     bits: int
     group_size: int
     bias: torch.Tensor | None = None
+    # W8A8: activations quantized per token to int8 at run time (compressed-tensors
+    # `int-quantized` with dynamic token-strategy input_activations)
+    int8_activations: bool = False
 
     def dequantize(self) -> torch.Tensor:
         return dequantize(self.codes, self.scales, self.zeros, self.g_idx)

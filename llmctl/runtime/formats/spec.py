@@ -34,6 +34,9 @@ class QuantSpec:
     # Scales are rounded to this dtype as soon as they are computed, so the integer codes are
     # exactly the ones a checkpoint storing scales in this dtype reproduces.
     scale_dtype: torch.dtype = torch.float16
+    # W8A8 (`--scheme w8a8`): the consumer also quantizes each token's activations to int8 at
+    # run time (dynamic, symmetric); the weights are 8-bit symmetric per channel
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in BITS:
