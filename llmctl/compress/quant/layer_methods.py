@@ -17,14 +17,12 @@ from torch import nn
 from llmctl.compress.driver import HessianMethod, SubLayerGroup, relative_name
 from llmctl.compress.hessian import HessianAccumulator
 from llmctl.compress.quant.awq import (
-    fold_into_linear_output,
-    fold_into_norm,
     quantize_awq,
-    scale_linear_input,
     search_scales,
 )
 from llmctl.compress.quant.gptq import quantize_gptq
 from llmctl.compress.quant.rtn import quantize_rtn
+from llmctl.compress.quant.smoothquant import apply_smoothing
 from llmctl.compress.records import LinearRecord, relative_output_error
 from llmctl.runtime.formats.spec import QuantResult, QuantSpec
 
@@ -194,12 +192,7 @@ class AwqMethod:
             )
             s = found.scales
             if found.alpha > 0:
-                if isinstance(prev, nn.Linear):
-                    fold_into_linear_output(prev.weight, prev.bias, s)
-                else:
-                    fold_into_norm(prev.weight, s)
-                for lin in linears:
-                    scale_linear_input(lin.weight, s)
+                apply_smoothing(prev, linears, s)  # the same fold as SmoothQuant's
                 x = x / s[None, :]
                 H = H / (s[:, None] * s[None, :])
             alpha = found.alpha

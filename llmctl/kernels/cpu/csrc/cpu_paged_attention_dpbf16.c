@@ -205,14 +205,10 @@ INLINE void pv(const uint16_t *v, const int64_t *off, int64_t len, const uint16_
         }
 }
 
-/* One (sequence, KV head): q, out [G, D]; k, v this KV head's slot 0. Scratch: s, p [G, stride],
- * off [stride]. Up to 4 heads take 64 columns per pass over V, more take 32 (8 heads a pass). */
-INLINE void item(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *table,
-                 int64_t len, uint16_t *out, int G, const int D, int bs, float scale, float *s,
-                 uint16_t *p, int64_t *off, int64_t stride) {
-    float inv[G];
-    score_pass(q, k, v, table, len, G, D, bs, s, stride, off);
-    softmax(s, p, len, G, scale, stride, inv);
+/* out [G, D] = P V / sum for all G heads: up to 4 heads take 64 columns per pass over V, more
+ * take 32 (8 heads a pass). */
+INLINE void pv_heads(const uint16_t *v, const int64_t *off, int64_t len, const uint16_t *p,
+                     int64_t stride, int G, const int D, const float *inv, uint16_t *out) {
     if (G <= 4) {
         for (int c = 0; c < D; c += 64) pv(v, off, len, p, stride, G, D, c, 2, inv, out);
         return;
@@ -221,6 +217,17 @@ INLINE void item(const uint16_t *q, const uint16_t *k, const uint16_t *v, const 
         for (int c = 0; c < D; c += 32)
             pv(v, off, len, p + g * stride, stride, G - g < 8 ? G - g : 8, D, c, 1, inv + g,
                out + g * D);
+}
+
+/* One (sequence, KV head): q, out [G, D]; k, v this KV head's slot 0. Scratch: s, p [G, stride],
+ * off [stride]. Up to 4 heads take 64 columns per pass over V, more take 32 (8 heads a pass). */
+INLINE void item(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *table,
+                 int64_t len, uint16_t *out, int G, const int D, int bs, float scale, float *s,
+                 uint16_t *p, int64_t *off, int64_t stride) {
+    float inv[G];
+    score_pass(q, k, v, table, len, G, D, bs, s, stride, off);
+    softmax(s, p, len, G, scale, stride, inv);
+    pv_heads(v, off, len, p, stride, G, D, inv, out);
 }
 
 /* fp8 caches (--kv-cache-dtype fp8: e4m3fn, or e5m2), read as bytes and widened tile by tile
@@ -323,14 +330,7 @@ INLINE void item_fp8(const uint16_t *q, const uint8_t *k, const uint8_t *v, cons
     softmax(s, p, len, G, e4m3 ? scale * 256.f : scale, stride, inv);
     if (e4m3)
         for (int g = 0; g < G; ++g) inv[g] *= 256.f;
-    if (G <= 4) {
-        for (int c = 0; c < D; c += 64) pv(vb, off, len, p, stride, G, D, c, 2, inv, out);
-        return;
-    }
-    for (int g = 0; g < G; g += 8)
-        for (int c = 0; c < D; c += 32)
-            pv(vb, off, len, p + g * stride, stride, G - g < 8 ? G - g : 8, D, c, 1, inv + g,
-               out + g * D);
+    pv_heads(vb, off, len, p, stride, G, D, inv, out);
 }
 
 /* paged_decode_dpbf16's contract over a bf16 cache (fmt FMT_BF16) or a quantized one (bytes). */
