@@ -157,6 +157,32 @@ def test_apply_smoothing_keeps_the_function_and_flattens_the_activations():
     torch.testing.assert_close(o(prev(x)), ref, rtol=1e-4, atol=1e-5)
 
 
+def test_down_proj_is_smoothed_through_up_proj():
+    """mlp_out, beyond llm-compressor's default mappings: down_proj's input act(gate) * up is
+    smoothed by dividing up_proj's rows (legal: one to one); the MLP is unchanged and its
+    outliers flatter (on SmolLM2 this took W8A8 from +3.2% to +1.75% perplexity)."""
+    import torch.nn.functional as F
+
+    from llmctl.models.layout import SUBLAYER_GROUPS
+
+    group = next(g for g in SUBLAYER_GROUPS if g.name == "mlp_out")
+    torch.manual_seed(0)
+    gate, up = nn.Linear(8, 16, bias=False), nn.Linear(8, 16, bias=False)
+    down = nn.Linear(16, 8, bias=False)
+    up.weight.data[3] *= 40  # an outlier channel of down's input
+
+    def mlp(x):
+        return down(F.silu(gate(x)) * up(x))
+
+    x = torch.randn(64, 8)
+    ref, spread = mlp(x), (F.silu(gate(x)) * up(x)).abs().amax(0)
+    assert sq.can_smooth(group, up, [down])
+    sq.apply_smoothing(up, [down], sq.smoothing_scales(spread, [down.weight], 0.8))
+    torch.testing.assert_close(mlp(x), ref, rtol=1e-4, atol=1e-5)
+    after = (F.silu(gate(x)) * up(x)).abs().amax(0)
+    assert after.max() / after.min() < spread.max() / spread.min()
+
+
 # --- quantize --scheme w8a8 end to end ---------------------------------------------------------
 
 

@@ -9,9 +9,11 @@ llm-compressor's SmoothQuantModifier does. It quantizes nothing: `llmctl quantiz
 --smoothquant` runs it as a pass of its own before the RTN or GPTQ pass.
 
 Mappings (llmctl.models.layout.SUBLAYER_GROUPS): q/k/v from input_layernorm and gate/up from
-post_attention_layernorm (llm-compressor's default Llama mappings), and o_proj from v_proj where
-that is legal (v's outputs are o's inputs one to one: no grouped-query sharing). down_proj is
-left alone (its input is act(gate) * up, which llm-compressor's default mappings do not smooth).
+post_attention_layernorm (llm-compressor's default Llama mappings), o_proj from v_proj where
+that is legal (v's outputs are o's inputs one to one: no grouped-query sharing), and, beyond
+llm-compressor's defaults, down_proj from up_proj (its input act(gate) * up is up's output
+channel by channel): on SmolLM2-135M-Instruct down_proj's input carried most of W8A8's loss, and
+smoothing it took held-out perplexity from +3.2% to +1.75% of bf16 (BENCHMARKS.md, run W8A).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from llmctl.compress.quant.awq import fold_into_linear_output, fold_into_norm, s
 from llmctl.models.layout import SubLayerGroup
 
 DEFAULT_STRENGTH = 0.8  # SmoothQuantModifier's smoothing_strength default in llm-compressor
-SMOOTHED_GROUPS = ("attn_in", "attn_out", "mlp_in")
+SMOOTHED_GROUPS = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 MIN_SCALE = 1e-5  # s is clamped here (llm-compressor's floor), so no channel divides by zero
 
 
