@@ -47,23 +47,32 @@ def _rows_of_heads(x: torch.Tensor, cache: torch.Tensor) -> bool:
     )
 
 
-def use_write_kv(k_cache, v_cache, k, v, slots) -> bool:
-    """Whether `write_kv` should serve: at least WRITE_KV_MIN_ROWS tokens, CPU caches [KVH, slots,
-    D] of one dtype, contiguous; k and v [T, KVH, D] with contiguous heads; slots int64 [T]."""
+def _caches_and_slots(k_cache, v_cache, k, slots) -> bool:
+    """What both C writes need of the caches and slots: CPU caches [KVH, slots, w] of one shape
+    and dtype, contiguous; slots int64 [T], contiguous, one per row of k; the library built."""
     return (
-        slots.numel() >= WRITE_KV_MIN_ROWS
-        and k_cache.device.type == "cpu"
+        k_cache.device.type == "cpu"
         and k_cache.dim() == 3
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
         and v_cache.shape == k_cache.shape
         and v_cache.dtype is k_cache.dtype
-        and _rows_of_heads(k, k_cache)
-        and _rows_of_heads(v, k_cache)
-        and k.shape[0] == v.shape[0] == slots.numel()
+        and k.shape[0] == slots.numel()
         and slots.dtype is torch.int64
         and slots.is_contiguous()
         and load("core") is not None
+    )
+
+
+def use_write_kv(k_cache, v_cache, k, v, slots) -> bool:
+    """Whether `write_kv` should serve: at least WRITE_KV_MIN_ROWS tokens, CPU caches [KVH, slots,
+    D] of one dtype, contiguous; k and v [T, KVH, D] with contiguous heads; slots int64 [T]."""
+    return (
+        slots.numel() >= WRITE_KV_MIN_ROWS
+        and _caches_and_slots(k_cache, v_cache, k, slots)
+        and _rows_of_heads(k, k_cache)
+        and _rows_of_heads(v, k_cache)
+        and v.shape[0] == k.shape[0]
     )
 
 
@@ -72,12 +81,7 @@ def use_write_kv_i8(k_cache, v_cache, k, v, slots) -> bool:
     shape, contiguous; k and v [T, KVH, D] float32 or bf16 with contiguous heads; slots int64."""
     return (
         k_cache.dtype is torch.int8
-        and k_cache.device.type == "cpu"
-        and k_cache.dim() == 3
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
-        and v_cache.shape == k_cache.shape
-        and v_cache.dtype is torch.int8
+        and _caches_and_slots(k_cache, v_cache, k, slots)
         and k.dtype in (torch.float32, torch.bfloat16)
         and v.dtype is k.dtype
         and k.dim() == v.dim() == 3
@@ -85,10 +89,6 @@ def use_write_kv_i8(k_cache, v_cache, k, v, slots) -> bool:
         and k.shape[1:] == (k_cache.shape[0], k_cache.shape[2] - 4)
         and heads_contiguous(k)
         and heads_contiguous(v)
-        and k.shape[0] == slots.numel()
-        and slots.dtype is torch.int64
-        and slots.is_contiguous()
-        and load("core") is not None
     )
 
 
