@@ -221,3 +221,18 @@ def test_the_vllm_backend_gets_the_adapters_by_name(
     assert names == [None, ("mlp", 2, paths["mlp"]), ("attn", 1, paths["attn"])]
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert got[3]["error"]["code"] == "unknown_model"
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_the_vllm_cpu_build_gets_the_mixed_batch_notice(monkeypatch, device_type):
+    """vLLM 0.32's CPU build decodes base rows beside adapter rows with an adapter's update
+    (benchmarks/check_vllm_lora.py): the job says so there, and only there."""
+    import vllm_stub
+
+    from llmctl.batch.vllm_backend import CPU_MIXED_LORA_NOTE, VllmEngine
+
+    vllm_stub.install(monkeypatch, device_type=device_type)
+    engine = VllmEngine(engine=None, vllm=None)
+    note = engine.register_loras({"a": "/adapters/a"})
+    assert note == (CPU_MIXED_LORA_NOTE if device_type == "cpu" else None)
+    assert engine.register_loras({}) is None

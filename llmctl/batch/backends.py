@@ -97,8 +97,8 @@ def load_engine(
         targets = tuple(sorted(set().union(*(a.targets for a in adapters))))
         engine_config = dataclasses.replace(engine_config, lora_targets=targets)
     engine = runtime.start_engine(engine_config)
-    if modules and on_vllm:
-        engine.register_loras(modules)
+    if modules and on_vllm and (note := engine.register_loras(modules)):
+        ui.info(note)
     for adapter in adapters:
         engine.lora.register(adapter)
     warm_up = getattr(engine, "warm_up", None)  # our engine: one-time costs before the job clock

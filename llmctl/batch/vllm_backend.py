@@ -93,6 +93,15 @@ class VllmRuntime(TextMethods):
         return VllmEngine(engine, vllm)
 
 
+# Found by benchmarks/check_vllm_lora.py and reproduced with vLLM's own LLM.generate (BENCHMARKS
+# LORA3): on vLLM 0.32's CPU build a base row decoded in the same step as adapter rows gets an
+# adapter's update from its second token on; adapter rows are right.
+CPU_MIXED_LORA_NOTE = (
+    "vLLM's CPU build (0.32 checked) gives base-model rows decoded beside adapter rows an "
+    "adapter's output: run base rows as a job of their own, or use --backend llmctl"
+)
+
+
 def load_vllm_runtime(
     model: str | None, dtype: str, device: str, engine_args: dict[str, Any]
 ) -> VllmRuntime:
@@ -151,12 +160,14 @@ class VllmEngine:
         except ImportError:
             self._refusals = (ValueError, TypeError)
 
-    def register_loras(self, modules: dict[str, str]) -> None:
-        """The job's --lora-modules as vLLM's LoRARequests (ids from 1, in the given order)."""
+    def register_loras(self, modules: dict[str, str]) -> str | None:
+        """The job's --lora-modules as vLLM's LoRARequests (ids from 1, in the given order);
+        returns what the user must know about vLLM's adapters on this platform, if anything."""
         from vllm.lora.request import LoRARequest
 
         for i, (name, path) in enumerate(modules.items()):
             self.loras[name] = LoRARequest(name, i + 1, str(path))
+        return CPU_MIXED_LORA_NOTE if modules and _platform_device() == "cpu" else None
 
     def vllm_params(self, p: SamplingParams) -> Any:
         """vLLM's SamplingParams for llmctl's; outputs come as deltas (first-token times)."""
