@@ -91,7 +91,8 @@ def hf_config(file: Path, arch: str, meta: dict, tied: bool):
     model_type = values.pop("model_type")
     for key in ("rope_parameters", "rope_scaling"):  # rebuilt from the file's rope keys
         values.pop(key, None)
-    values.update({attr: meta[key] for key, attr in EXTRA_KEYS.get(arch, {}).items() if key in meta})
+    extra = EXTRA_KEYS.get(arch, {})
+    values.update({attr: meta[key] for key, attr in extra.items() if key in meta})
     values.update(_rope(file, arch, meta, values))
     if arch in GEMMA_27B_LAYERS:
         big = values["num_hidden_layers"] == GEMMA_27B_LAYERS[arch]

@@ -156,7 +156,8 @@ def _unpermute_qk(name: str, w, config):
     if not name.endswith(("attn_q.weight", "attn_k.weight")):
         return w
     heads = config.num_attention_heads if "attn_q" in name else config.num_key_value_heads
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    pairs = w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:])
+    return pairs.swapaxes(1, 2).reshape(w.shape)
 
 
 def _unshift_norms(name: str, w, config):
