@@ -15,6 +15,8 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
+
 # transformers model_type -> general.architecture (MistralForCausalLM is registered on
 # LlamaModel, so Mistral is written as llama)
 GGUF_ARCH = {
@@ -28,6 +30,7 @@ GGUF_ARCH = {
     "starcoder2": "starcoder2",
     "stablelm": "stablelm",
     "gpt2": "gpt2",
+    "falcon": "falcon",
 }
 EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(\w+)\.weight")
 
@@ -80,6 +83,16 @@ def _params(w, arch: str, c: dict) -> None:
         w.add_head_count(c["n_head"])
         w.add_layer_norm_eps(c["layer_norm_epsilon"])
         return
+    if arch == "falcon":  # FalconModel.set_gguf_parameters: its own keys only
+        w.add_context_length(2048)  # "not in config.json"
+        w.add_tensor_data_layout("jploski")
+        w.add_embedding_length(c["hidden_size"])
+        w.add_feed_forward_length(4 * c["hidden_size"])
+        w.add_block_count(c["num_hidden_layers"])
+        w.add_head_count(c["num_attention_heads"])
+        w.add_head_count_kv(c["num_kv_heads"])
+        w.add_layer_norm_eps(c["layer_norm_epsilon"])
+        return
     _common(w, c)
     if arch == "llama":  # LlamaModel.set_gguf_parameters
         w.add_rope_dimension_count(head_dim)
@@ -116,10 +129,19 @@ def _permute(w, n_head: int):
     )
 
 
+def _group_qkv(a, c: dict):
+    # FalconModel.modify_tensors: per key/value group [q heads, k, v] -> all q, all k, all v
+    heads, groups = c["num_attention_heads"], c["num_kv_heads"]
+    head_dim = c["hidden_size"] // heads
+    qkv = a.reshape(groups, heads // groups + 2, head_dim, *a.shape[1:])
+    q = qkv[:, :-2].reshape(heads * head_dim, *a.shape[1:])
+    k = qkv[:, -2].reshape(groups * head_dim, *a.shape[1:])
+    v = qkv[:, -1].reshape(groups * head_dim, *a.shape[1:])
+    return np.concatenate([q, k, v]).reshape(a.shape)
+
+
 def _tensors(arch: str, c: dict, weights: dict):
     """(HF name, array) as each family's modify_tensors yields them, experts stacked."""
-    import numpy as np
-
     experts: dict[tuple[str, str], list] = {}
     for name, t in weights.items():
         a = t.float().numpy()
@@ -131,6 +153,8 @@ def _tensors(arch: str, c: dict, weights: dict):
             a = a + 1  # Gemma2Model / Gemma3Model.modify_tensors: norms stored as 1 + weight
         if arch == "gpt2" and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             a = a.T  # GPT2Model.modify_tensors: Conv1D [in, out] -> [out, in]
+        if arch == "falcon" and "query_key_value" in name:
+            a = _group_qkv(a, c)
         m = EXPERT.fullmatch(name)
         if m:  # Qwen2MoeModel.modify_tensors: per-expert weights stacked, index dropped
             experts.setdefault((m.group(1), m.group(3)), []).append((int(m.group(2)), a))
@@ -145,7 +169,6 @@ def _tensors(arch: str, c: dict, weights: dict):
 def write_gguf(folder: Path, path: Path, quantize: bool = False) -> Path:
     """`folder` (a saved transformers model with the demo tokenizer) as a llama.cpp GGUF."""
     import gguf
-    import numpy as np
     from safetensors.torch import load_file
 
     c = json.loads((folder / "config.json").read_text())

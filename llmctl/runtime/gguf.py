@@ -48,7 +48,7 @@ INSTALL_HINT = "pip install 'llmctl[gguf]'"
 # general.architecture values converted (llama.cpp writes mistral as llama)
 ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3",
-    "starcoder2", "stablelm", "gpt2",
+    "starcoder2", "stablelm", "gpt2", "falcon",
 )  # fmt: skip
 
 
@@ -115,13 +115,15 @@ def _convert(file: Path, out: Path) -> None:
             f"{', '.join(ARCHITECTURES)} (llama covers mistral)"
         )
     meta = arch_metadata(reader, arch)
-    tied = all(t.name != "output.weight" for t in reader.tensors)
+    if arch == "llama" and "expert_count" in meta:
+        raise ModelLoadError(f"{file.name}: GGUF llama with experts (Mixtral) is not supported")
+    names = {t.name for t in reader.tensors}
     dtype = _target_dtype(reader)
     del reader  # transformers reads the metadata again below: do not hold two copies
-    config = hf_config(file, arch, meta, tied)
+    config = hf_config(file, arch, meta, names)
     table, hf_class = name_table(config, arch)
     tensors = read_tensors(_open(file), file, arch, config, table, dtype)
-    missing = missing_tensors(table, tensors, tied)
+    missing = missing_tensors(table, tensors, config.tie_word_embeddings)
     if missing:
         raise ModelLoadError(
             f"{file.name}: the GGUF file has no tensor for {len(missing)} weights of its "

@@ -17,7 +17,9 @@ positions). `hf_config` takes transformers' config and adds, from the file's own
     or by 1/sqrt(hidden/heads) for the 27B models it recognizes by their layer count
     (llama-model.cpp, `f_attention_scale`), so `query_pre_attn_scalar` is set the same way;
   - Mistral without a sliding window: llama.cpp writes Mistral as `llama` and attends over the
-    whole context, as the GGUF's author ran it.
+    whole context, as the GGUF's author ran it;
+  - Falcon's block layout (new decoder architecture, norms per block, multi-query), which
+    llama.cpp reads off the tensors present.
 The config is rebuilt through its class (`AutoConfig.for_model`) so that transformers 5 folds
 the rope keys into `rope_parameters` as it does for a config.json.
 """
@@ -42,7 +44,13 @@ EXTRA_KEYS = {
         "final_logit_softcapping": "final_logit_softcapping",
     },
     "phi3": {"attention.sliding_window": "sliding_window"},
+    "gemma3": {"rope.freq_base_swa": "rope_local_base_freq"},
     "gpt2": {"context_length": "n_positions", "feed_forward_length": "n_inner"},
+    "falcon": {
+        "attention.head_count_kv": "num_kv_heads",
+        "attention.layer_norm_epsilon": "layer_norm_epsilon",
+        "feed_forward_length": "ffn_hidden_size",
+    },
 }
 PARTIAL_ROTARY = ("stablelm", "phi3")  # rope.dimension_count = partial_rotary_factor * head_dim
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -76,8 +84,9 @@ def first_line(e: Exception) -> str:
     return text[0][:200] if text else "no detail"
 
 
-def hf_config(file: Path, arch: str, meta: dict, tied: bool):
-    """transformers' config for `file`, completed from `meta` (see the module docstring)."""
+def hf_config(file: Path, arch: str, meta: dict, tensor_names: set[str]):
+    """transformers' config for `file`, completed from `meta` and the names of its tensors
+    (see the module docstring); tied embeddings where the file has no output tensor."""
     from transformers import AutoConfig
 
     try:
@@ -102,8 +111,26 @@ def hf_config(file: Path, arch: str, meta: dict, tied: bool):
         )
     if model_type == "mistral":
         values["sliding_window"] = None
-    values["tie_word_embeddings"] = tied
+    if arch == "falcon":
+        values.update(_falcon_layout(values, tensor_names))
+    values["tie_word_embeddings"] = "output.weight" not in tensor_names
     return AutoConfig.for_model(model_type, **values)
+
+
+def _falcon_layout(values: dict, tensor_names: set[str]) -> dict:
+    """Falcon's block layout, which llama.cpp reads off the tensors rather than the metadata:
+    two norms per block (attn_norm_2: Falcon-40B/180B) or grouped keys/values (Falcon2) mean
+    the "new decoder architecture"; without it, Falcon-7B's one key/value head (multi-query)."""
+    two_norms = "blk.0.attn_norm_2.weight" in tensor_names
+    kv_heads = values.get("num_kv_heads", 1)
+    return {
+        "new_decoder_architecture": two_norms or kv_heads > 1,
+        "num_ln_in_parallel_attn": 2 if two_norms else 1,
+        "multi_query": True,  # read only without the new architecture: Falcon-7B's one k/v head
+        "parallel_attn": True,
+        "alibi": False,
+        "bias": False,
+    }
 
 
 def _rope(file: Path, arch: str, meta: dict, values: dict) -> dict:

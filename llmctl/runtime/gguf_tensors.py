@@ -18,7 +18,9 @@ What the converter changed besides names is undone per family (FIXUPS):
     (`LlamaModel.permute`);
   - gemma2, gemma3: every RMSNorm weight stored as weight + 1, since Gemma's norm multiplies
     by 1 + weight (`Gemma2Model.modify_tensors`, `Gemma3Model.modify_tensors`);
-  - gpt2: Conv1D weights ([in, out]) stored transposed (`GPT2Model.modify_tensors`).
+  - gpt2: Conv1D weights ([in, out]) stored transposed (`GPT2Model.modify_tensors`);
+  - falcon: fused qkv rows regrouped from per key/value group to q, k, v
+    (`FalconModel.modify_tensors`).
 A tensor whose element count matches its Hugging Face shape is reshaped to it (Qwen2-MoE's
 shared-expert gate is [H] in some files, [1, H] in the model); any other shape difference is a
 one-line error naming the tensor, as is a tensor the model has no place for.
@@ -152,8 +154,9 @@ def _to_shape(w, shape: tuple, name: str, file: Path):
 
 
 def _unpermute_qk(name: str, w, config):
-    """Undo convert_hf_to_gguf's LlamaModel.permute of q/k rows (rotary pairs interleaved)."""
-    if not name.endswith(("attn_q.weight", "attn_k.weight")):
+    """Undo convert_hf_to_gguf's LlamaModel.permute of q/k rows (rotary pairs interleaved),
+    weights and biases alike."""
+    if not name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
         return w
     heads = config.num_attention_heads if "attn_q" in name else config.num_key_value_heads
     pairs = w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:])
@@ -171,9 +174,27 @@ def _untranspose_conv1d(name: str, w, config):
     return w.T if name.endswith(conv1d) else w
 
 
+def _ungroup_falcon_qkv(name: str, w, config):
+    """Falcon's fused qkv rows are per key/value group: each group's query heads, then its key
+    and its value head; llama.cpp stores all queries, then all keys, then all values
+    (FalconModel.modify_tensors). An identity for one key/value head (Falcon-7B)."""
+    import numpy as np
+
+    if not name.endswith(("attn_qkv.weight", "attn_qkv.bias")):
+        return w
+    heads, groups = config.num_attention_heads, config.num_kv_heads
+    head_dim = config.hidden_size // heads
+    q_rows, kv_rows = heads * head_dim, groups * head_dim
+    q = w[:q_rows].reshape(groups, heads // groups, head_dim, *w.shape[1:])
+    k = w[q_rows : q_rows + kv_rows].reshape(groups, 1, head_dim, *w.shape[1:])
+    v = w[q_rows + kv_rows :].reshape(groups, 1, head_dim, *w.shape[1:])
+    return np.concatenate([q, k, v], axis=1).reshape(w.shape)
+
+
 FIXUPS = {
     "llama": _unpermute_qk,
     "gemma2": _unshift_norms,
     "gemma3": _unshift_norms,
     "gpt2": _untranspose_conv1d,
+    "falcon": _ungroup_falcon_qkv,
 }
