@@ -4,9 +4,10 @@ converter's `map_tensor_name` uses), its tensor changes and the metadata keys it
 `set_gguf_parameters` writes, family by family (the function each step follows is named
 beside it; checked against ggml-org/llama.cpp's convert_hf_to_gguf.py).
 
-`write_gguf(folder, path, quantize=False)`: float32 tensors, or Q8_0 for every matrix whose
-rows are whole Q8_0 blocks when `quantize`. `add_tokenizer(writer, folder)`: a tokenizer.json
-BPE vocabulary (and chat template) as the converter's `_set_vocab_gpt2` stores one.
+`write_gguf(folder, path, quantize=False, extra=None)`: float32 tensors, or Q8_0 for every
+matrix whose rows are whole Q8_0 blocks when `quantize`; `extra(writer)` adds metadata.
+`add_tokenizer(writer, folder)`: a tokenizer.json BPE vocabulary (and chat template) as the
+converter's `_set_vocab_gpt2` stores one.
 """
 
 from __future__ import annotations
@@ -166,8 +167,9 @@ def _tensors(arch: str, c: dict, weights: dict):
         yield f"{prefix}.{proj}.weight", np.stack([a for _, a in sorted(parts, key=lambda p: p[0])])
 
 
-def write_gguf(folder: Path, path: Path, quantize: bool = False) -> Path:
-    """`folder` (a saved transformers model with the demo tokenizer) as a llama.cpp GGUF."""
+def write_gguf(folder: Path, path: Path, quantize: bool = False, extra=None) -> Path:
+    """`folder` (a saved transformers model with the demo tokenizer) as a llama.cpp GGUF;
+    `extra(writer)` adds metadata after the converter's."""
     import gguf
     from safetensors.torch import load_file
 
@@ -179,6 +181,8 @@ def write_gguf(folder: Path, path: Path, quantize: bool = False) -> Path:
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny {c['model_type']}")
     _params(w, arch, c)
+    if extra is not None:
+        extra(w)
     add_tokenizer(w, folder)
     for name, a in _tensors(arch, c, load_file(str(folder / "model.safetensors"))):
         new = names.get_name(name, try_suffixes=(".weight", ".bias"))

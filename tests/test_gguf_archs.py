@@ -18,7 +18,7 @@ from gguf_writer import write_gguf
 from llmctl.cli import main
 from llmctl.runtime.resolve import DEMO_MODEL_DIR, resolve_model_path
 
-pytest.importorskip("gguf")
+gguf = pytest.importorskip("gguf")
 
 DEMO_VOCAB = dict(vocab_size=2048, bos_token_id=0, eos_token_id=0, pad_token_id=1)
 # what real checkpoints of the family set and llama.cpp assumes: tied Gemma and GPT-2 heads,
@@ -122,3 +122,21 @@ def test_quantized_stacked_experts_split_per_expert(tmp_path):
         assert got[name].equal(torch.from_numpy(a).to(torch.bfloat16)), name
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in got
     assert len(_tokens(tmp_path, converted, "q8")) == len(PROMPTS)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN), "rope scaling 'yarn'"),
+        (lambda w: w.add_expert_count(8), "llama with experts (Mixtral) is not supported"),
+    ],
+)
+def test_what_is_not_converted_is_one_line_exit_2(tmp_path, capsys, cache, extra, message):
+    path = write_gguf(_original(tmp_path, "mistral"), tmp_path / "m.gguf", extra=extra)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    capsys.readouterr()  # save_pretrained's progress bar
+    code = main(["run-batch", str(prompts), "-o", str(tmp_path / "o.jsonl"), "-m", str(path), "-q"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0] and "m.gguf" in err[0], err
+    assert not list((cache / "gguf").iterdir())

@@ -11,13 +11,19 @@ in a temporary folder and renamed into place, so an interrupted conversion leave
 a later run could mistake for a finished one. The user's file is only read.
 
 Weights are dequantized with the `gguf` package (llama.cpp's own reader, the optional extra
-`llmctl[gguf]`), one tensor at a time, renamed to Hugging Face names here (q/k un-permuted for
-llama, as llama.cpp's converter permuted them) and kept in the file's float dtype (float32,
-float16 or bfloat16), or bfloat16 when any matrix is quantized. Config and tokenizer (with the
-chat template) come from transformers' GGUF readers (`AutoConfig` / `AutoTokenizer` with
-`gguf_file=`), public API since transformers 4.41. Not converted (one-line errors): other
-architectures than llama (mistral included), qwen2 and qwen3, and files carrying `rope_freqs`
-(llama.cpp's form of Llama 3.1 rope scaling, whose parameters the file does not keep).
+`llmctl[gguf]`), one tensor at a time, and kept in the file's float dtype (float32, float16 or
+bfloat16), or bfloat16 when any matrix is quantized. gguf_tensors.py names them (gguf-py's
+TensorNameMap inverted against the model the config builds) and undoes what llama.cpp's
+converter changed per family; gguf_config.py takes the config from transformers' GGUF reader
+(`AutoConfig` with `gguf_file=`, public API since transformers 4.41) and completes it from the
+file's metadata; the tokenizer (with the chat template) is transformers' `AutoTokenizer` with
+`gguf_file=`. Converted: ARCHITECTURES, the decoder families of transformers' GGUF reader that
+llmctl runs (llama with mistral, qwen2, qwen3, their MoE forms, gemma2, gemma3's text model,
+phi3, starcoder2, stablelm, gpt2, falcon). Not converted (one-line errors naming them): other
+architectures (bloom, mamba, nemotron, lfm2, deci, gpt-oss, minimax-m2, gemma4 among
+transformers' own, and llama with experts, i.e. Mixtral), rope scaling other than linear, and
+files carrying `rope_freqs` or `rope_factors_*` (llama.cpp's forms of Llama 3.1 and Phi-3
+long-context rope scaling, whose parameters the file does not keep).
 
 Why not transformers' `AutoModelForCausalLM.from_pretrained(gguf_file=...)` for the weights too
 (what ../shared/tools/real_model.py does), measured on SmolLM2-135M-Instruct Q4_1 (98 MB file,
