@@ -21,14 +21,13 @@ What the converter changed besides names is undone per family (FIXUPS):
   - gpt2: Conv1D weights ([in, out]) stored transposed (`GPT2Model.modify_tensors`);
   - falcon: fused qkv rows regrouped from per key/value group to q, k, v
     (`FalconModel.modify_tensors`).
-A tensor whose element count matches its Hugging Face shape is reshaped to it (Qwen2-MoE's
-shared-expert gate is [H] in some files, [1, H] in the model); any other shape difference is a
-one-line error naming the tensor, as is a tensor the model has no place for.
+A tensor that differs from its Hugging Face shape only by axes of size 1 is reshaped to it
+(Qwen2-MoE's shared-expert gate is [H] in some files, [1, H] in the model); any other shape
+difference is a one-line error naming the tensor, as is a tensor the model has no place for.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 
@@ -143,9 +142,10 @@ def _split_experts(w, name: str, n_experts: int, file: Path) -> list:
 
 
 def _to_shape(w, shape: tuple, name: str, file: Path):
+    """`w` as `shape` where they differ only by axes of size 1 ([H] for [1, H])."""
     if tuple(w.shape) == shape:
         return w
-    if w.size == math.prod(shape):
+    if [d for d in w.shape if d != 1] == [d for d in shape if d != 1]:
         return w.reshape(shape)
     raise ModelLoadError(
         f"{file.name}: tensor {name} has shape {list(w.shape)} where the file's config makes "
