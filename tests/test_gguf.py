@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gguf_writer import add_tokenizer
 
 from llmctl.cli import main
 from llmctl.errors import ModelLoadError
@@ -54,26 +55,6 @@ def _permute(w, n_head: int):
     )
 
 
-def _add_tokenizer(w, folder: Path) -> None:
-    tok = json.loads((folder / "tokenizer.json").read_text())
-    tcfg = json.loads((folder / "tokenizer_config.json").read_text())
-    vocab = tok["model"]["vocab"]
-    special = {t["id"] for t in tok["added_tokens"]}
-    tokens = [None] * len(vocab)
-    for text, i in vocab.items():
-        tokens[i] = text
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(0)
-    w.add_pad_token_id(1)
-    w.add_add_bos_token(False)
-    w.add_chat_template(tcfg["chat_template"])
-
-
 def write_demo_gguf(path: Path, quantize: bool = False) -> Path:
     """The demo model as a llama.cpp GGUF: float32 tensors (the bf16 weights exactly), or Q8_0
     matrices when `quantize`."""
@@ -94,7 +75,7 @@ def write_demo_gguf(path: Path, quantize: bool = False) -> Path:
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_vocab_size(cfg["vocab_size"])
-    _add_tokenizer(w, DEMO_MODEL_DIR)
+    add_tokenizer(w, DEMO_MODEL_DIR)
     for name, t in load_file(str(DEMO_MODEL_DIR / "model.safetensors")).items():
         a = t.float().numpy()
         if "q_proj" in name or "k_proj" in name:

@@ -11,13 +11,19 @@ in a temporary folder and renamed into place, so an interrupted conversion leave
 a later run could mistake for a finished one. The user's file is only read.
 
 Weights are dequantized with the `gguf` package (llama.cpp's own reader, the optional extra
-`llmctl[gguf]`), one tensor at a time, renamed to Hugging Face names here (q/k un-permuted for
-llama, as llama.cpp's converter permuted them) and kept in the file's float dtype (float32,
-float16 or bfloat16), or bfloat16 when any matrix is quantized. Config and tokenizer (with the
-chat template) come from transformers' GGUF readers (`AutoConfig` / `AutoTokenizer` with
-`gguf_file=`), public API since transformers 4.41. Not converted (one-line errors): other
-architectures than llama (mistral included), qwen2 and qwen3, and files carrying `rope_freqs`
-(llama.cpp's form of Llama 3.1 rope scaling, whose parameters the file does not keep).
+`llmctl[gguf]`), one tensor at a time, and kept in the file's float dtype (float32, float16 or
+bfloat16), or bfloat16 when any matrix is quantized. gguf_tensors.py names them (gguf-py's
+TensorNameMap inverted against the model the config builds) and undoes what llama.cpp's
+converter changed per family; gguf_config.py takes the config from transformers' GGUF reader
+(`AutoConfig` with `gguf_file=`, public API since transformers 4.41) and completes it from the
+file's metadata; the tokenizer (with the chat template) is transformers' `AutoTokenizer` with
+`gguf_file=`. Converted: ARCHITECTURES, the decoder families of transformers' GGUF reader that
+llmctl runs (llama with mistral, qwen2, qwen3, their MoE forms, gemma2, gemma3's text model,
+phi3, starcoder2, stablelm, gpt2, falcon). Not converted (one-line errors naming them): other
+architectures (bloom, mamba, nemotron, lfm2, deci, gpt-oss, minimax-m2, gemma4 among
+transformers' own, and llama with experts, i.e. Mixtral), rope scaling other than linear, and
+files carrying `rope_freqs` or `rope_factors_*` (llama.cpp's forms of Llama 3.1 and Phi-3
+long-context rope scaling, whose parameters the file does not keep).
 
 Why not transformers' `AutoModelForCausalLM.from_pretrained(gguf_file=...)` for the weights too
 (what ../shared/tools/real_model.py does), measured on SmolLM2-135M-Instruct Q4_1 (98 MB file,
@@ -39,32 +45,17 @@ from pathlib import Path
 
 from llmctl.cache_dir import cache_root
 from llmctl.errors import ModelLoadError
+from llmctl.runtime.gguf_config import arch_metadata, field, first_line, hf_config
+from llmctl.runtime.gguf_tensors import missing_tensors, name_table, read_tensors
 
-FORMAT = 1  # bump when the converted folder's contents change: older cache entries are then unused
+FORMAT = 2  # bump when the converted folder's contents change: older cache entries are then unused
 HEAD_BYTES = 1 << 20
 INSTALL_HINT = "pip install 'llmctl[gguf]'"
-# general.architecture values llmctl serves (llama.cpp writes mistral as llama)
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
-GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-HF_CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
-LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+# general.architecture values converted (llama.cpp writes mistral as llama)
+ARCHITECTURES = (
+    "llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3",
+    "starcoder2", "stablelm", "gpt2", "falcon",
+)  # fmt: skip
 
 
 def find_gguf(path: Path) -> Path | None:
@@ -123,22 +114,30 @@ def _cache_key(file: Path) -> str:
 
 def _convert(file: Path, out: Path) -> None:
     reader = _open(file)
-    arch = _field(reader, "general.architecture")
+    arch = field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(
-            f"{file.name}: GGUF architecture {arch!r} is not supported; supported: llama "
-            "(also mistral), qwen2, qwen3"
+            f"{file.name}: GGUF architecture {arch!r} is not supported; supported: "
+            f"{', '.join(ARCHITECTURES)} (llama covers mistral)"
         )
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
+    meta = arch_metadata(reader, arch)
+    if arch == "llama" and "expert_count" in meta:
+        raise ModelLoadError(f"{file.name}: GGUF llama with experts (Mixtral) is not supported")
+    names = {t.name for t in reader.tensors}
     dtype = _target_dtype(reader)
-    tensors = _read_tensors(reader, file, arch, heads, kv_heads, dtype)
-    tied = "lm_head.weight" not in tensors
+    del reader  # transformers reads the metadata again below: do not hold two copies
+    config = hf_config(file, arch, meta, names)
+    table, hf_class = name_table(config, arch)
+    tensors = read_tensors(_open(file), file, arch, config, table, dtype)
+    missing = missing_tensors(table, tensors, config.tie_word_embeddings)
+    if missing:
+        raise ModelLoadError(
+            f"{file.name}: the GGUF file has no tensor for {len(missing)} weights of its "
+            f"{hf_class} ({', '.join(missing[:3])}...)"
+        )
     _save_safetensors(tensors, out / "model.safetensors")
-    del tensors, reader  # transformers reads the metadata again below: do not hold two copies
-    config = _hf_config(file)
-    config.tie_word_embeddings = tied
-    config.architectures = [f"{HF_CLASSES.get(config.model_type, 'Llama')}ForCausalLM"]
+    del tensors
+    config.architectures = [hf_class]
     config.torch_dtype = dtype  # transformers 5 saves it as "dtype", 4.x as "torch_dtype"
     config.save_pretrained(out)
     _hf_tokenizer(file).save_pretrained(out)
@@ -155,23 +154,6 @@ def _open(file: Path):
         ) from None
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        if default is None:
-            raise ModelLoadError(f"the GGUF file has no {key!r} metadata")
-        return default
-    if hasattr(field, "contents"):
-        return field.contents()
-    value = field.parts[field.data[0]]  # gguf < 0.11 has no contents(): one scalar or string
-    return bytes(value).decode() if field.types[0].name == "STRING" else value[0]
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:200] if text else "no detail"
-
-
 def _target_dtype(reader):
     """The float dtype of the matrices when they share one, else bfloat16 (quantized)."""
     import torch
@@ -182,37 +164,6 @@ def _target_dtype(reader):
     if len(kinds) == 1 and next(iter(kinds)) in floats:
         return floats[next(iter(kinds))]
     return torch.bfloat16
-
-
-def _read_tensors(reader, file: Path, arch: str, heads: int, kv_heads: int, dtype) -> dict:
-    """Hugging Face name -> tensor in `dtype`, dequantizing one tensor at a time so that peak
-    memory is the converted model plus one float32 tensor."""
-    import numpy as np
-    import torch
-    from gguf import dequantize
-
-    tensors = {}
-    for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
-            raise ModelLoadError(
-                f"{file.name} carries rope_freqs (Llama 3.1-style rope scaling), which the GGUF "
-                "conversion does not map yet; convert the original Hugging Face folder instead"
-            )
-        name = _hf_name(t.name, file)
-        try:
-            w = dequantize(t.data, t.tensor_type)
-        except Exception as e:  # data cut short, unknown quantization type
-            raise ModelLoadError(
-                f"{file.name}: tensor {t.name} cannot be read ({type(e).__name__}: "
-                f"{_first_line(e)})"
-            ) from None
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            w = _unpermute(w, heads if "q_proj" in name else kv_heads)
-        w = np.ascontiguousarray(w, dtype=np.float32)
-        if not w.flags.writeable:  # a float32 tensor read straight from the memory-mapped file
-            w = w.copy()
-        tensors[name] = torch.from_numpy(w).to(dtype)
-    return tensors
 
 
 def _save_safetensors(tensors: dict, path: Path) -> None:
@@ -241,42 +192,14 @@ def _save_safetensors(tensors: dict, path: Path) -> None:
             f.write(t.contiguous().view(torch.uint8).numpy().data)
 
 
-def _hf_name(name: str, file: Path) -> str:
-    if name in GLOBAL_NAMES:
-        return GLOBAL_NAMES[name]
-    m = LAYER_RE.fullmatch(name)
-    if m and m.group(2) in LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-    raise ModelLoadError(f"{file.name}: unexpected GGUF tensor {name!r} for this architecture")
-
-
-def _unpermute(w, n_head: int):
-    """Undo llama.cpp's convert_hf_to_gguf permute of q/k rows (rotary pairs interleaved)."""
-    return (
-        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
-def _hf_config(file: Path):
-    from transformers import AutoConfig
-
-    return _read_with(AutoConfig, file, "config")
-
-
 def _hf_tokenizer(file: Path):
+    """transformers' GGUF tokenizer reader (with the chat template); a failure is one line."""
     from transformers import AutoTokenizer
 
-    return _read_with(AutoTokenizer, file, "tokenizer")
-
-
-def _read_with(auto, file: Path, what: str):
-    """transformers' `auto.from_pretrained` of the GGUF's `what`; a failure is one line."""
     try:
-        return auto.from_pretrained(str(file.parent), gguf_file=file.name)
+        return AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
     except Exception as e:
         raise ModelLoadError(
-            f"{file.name}: transformers cannot read this GGUF's {what} ({type(e).__name__}: "
-            f"{_first_line(e)})"
+            f"{file.name}: transformers cannot read this GGUF's tokenizer ({type(e).__name__}: "
+            f"{first_line(e)})"
         ) from None
