@@ -28,7 +28,9 @@ long-context rope scaling, whose parameters the file does not keep).
 Why not transformers' `AutoModelForCausalLM.from_pretrained(gguf_file=...)` for the weights too
 (what ../shared/tools/real_model.py does), measured on SmolLM2-135M-Instruct Q4_1 (98 MB file,
 2-core AMD EPYC, BENCHMARKS.md "GGUF files as MODEL"): 25.0 s and 915 MB peak RSS there, 12.4 s
-and 763 MB here, for bit-identical weights and the same tokenizer and config. It also needs
+and 763 MB here for the first, llama-only version; the generic names (a meta-device model, the
+file's metadata read twice) made it 17 s and 1010 MB (G36b), still bit-identical weights and the
+same tokenizer and config. It also needs
 `accelerate` (not an llmctl dependency), and transformers 5 keeps quantized weights packed behind
 an `hf_quantizer` that must be stripped before saving: an internal detail that has changed
 between releases (llmctl supports transformers >= 4.45).
