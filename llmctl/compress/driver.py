@@ -11,13 +11,13 @@ After each layer it checkpoints (layer weights, the method's records, the next l
 llmctl.compress.checkpoints: safetensors and JSON) into `checkpoint_dir`, so an interrupted run
 resumes after the last finished layer.
 
-MoE experts that are nn.Linear modules each calibrate on the tokens routed to them (the hooks
-see only those). An expert that saw fewer than MIN_ROUTED_TOKENS tokens (and fewer than the
-layer's busiest linear; none at all included) is `starved`: its statistics are noise, so it is
-handled as with no data: H = I for the Hessian methods (GPTQ then is round-to-nearest, SparseGPT
-magnitude pruning), equal input norms for Wanda (magnitude). llm-compressor's alternative, routing
-every token through every expert while calibrating, is not done. (transformers 5 stores most MoE
-experts as fused 3-D tensors, not linears: those stay dense, see models/linears.py.)
+MoE experts calibrate each on the tokens routed to it: each expert's projections are nn.Linear
+modules of their own (our MoE blocks; transformers 5's fused experts unfused first by
+models/unfused_experts.py, through models/linears.py `prepare_for_compression`), so the hooks see
+only an expert's own tokens and it gets its own Hessian. An expert that saw too few tokens is
+`starved` (the rule, MIN_ROUTED_TOKENS, is documented there, the one place it lives) and is
+handled as with no data. llm-compressor's alternative, routing every token through every expert
+while calibrating, is not done. Fused experts of other layouts (gpt_oss, deepseek_v3) stay dense.
 
 A method implements the `LayerMethod` protocol below; `HessianMethod` adapts a per-linear function
 `fn(name, linear, H) -> record` (GPTQ, RTN, SparseGPT, Wanda) to it.
@@ -322,14 +322,17 @@ class HessianMethod:
         return {}
 
 
-MIN_ROUTED_TOKENS = 64
+MIN_ROUTED_TOKENS = 64  # calibration tokens an MoE expert needs for statistics of its own
 
 
 def starved(acc: Any, most: int) -> bool:
-    """A linear that saw no calibration token, or fewer than MIN_ROUTED_TOKENS and fewer than the
-    layer's busiest linear (an MoE expert few tokens were routed to): its statistics are noise,
-    so it is handled as if it had none (GPTQ: round-to-nearest; SparseGPT, Wanda: magnitude).
-    A linear every token reaches is never starved, however small the calibration set."""
+    """The starved-expert rule, the one place it lives: a linear that saw no calibration token,
+    or fewer than MIN_ROUTED_TOKENS and fewer than the layer's busiest linear (an MoE expert few
+    tokens were routed to), has statistics that are noise, so it is handled as if it had none:
+    H = I for the Hessian methods (GPTQ then is round-to-nearest with GPTQ's ranges, SparseGPT
+    magnitude pruning), equal input norms for Wanda (magnitude); magnitude pruning and RTN read
+    no data anyway. A linear every token reaches is never starved, however small the
+    calibration set."""
     if acc is None:
         return True
     tokens = getattr(acc, "num_tokens", getattr(acc, "tokens", 0))
