@@ -132,7 +132,8 @@ def test_quantized_experts_load_and_match_transformers(tmp_path, text, arch, met
 
     src, out = tmp_path / "src", tmp_path / "out"
     _save(src, arch, seed)
-    _cli("quantize", src, "-o", out, f"--{method}", "--bits", bits, "--group-size", 16, *_calib(text))
+    settings = ("--bits", bits, "--group-size", 16)
+    _cli("quantize", src, "-o", out, f"--{method}", *settings, *_calib(text))
     written = load_file(str(out / "model.safetensors"))
     experts = _expert_names(arch)
     shared = ["model.layers.0.mlp.shared_expert.up_proj"] if arch == "qwen2_moe" else []
