@@ -235,3 +235,27 @@ def test_sparsify_prunes_each_expert(tmp_path, text, method):
     assert bool((gate != 0).all())
     llm = LLM(str(out), dtype="float32", device="cpu")
     assert all(len(t) == 8 for t in _llm_greedy(llm))
+
+
+def test_experts_are_observed_together_by_role(tmp_path):
+    """The traced groups of a qwen2_moe layer: q/k/v, o, the shared expert's gate/up and down,
+    then every expert's gate/up in one group and every expert's down in one (two forward passes
+    for all experts instead of two each); routers and the shared expert's gate in none."""
+    from llmctl.compress.layer_runners import TransformersRunner
+    from llmctl.models.linears import prepare_for_compression
+    from llmctl.runtime.weights import load_model
+
+    build("qwen2_moe", initializer_range=0.1).save_pretrained(tmp_path)
+    model, _ = load_model(tmp_path, "float32", "cpu", "transformers")
+    prepare_for_compression(model, lambda msg: None)
+    runner = TransformersRunner(model)
+    ids = torch.randint(3, 160, (2, 32), generator=torch.Generator().manual_seed(0))
+    hidden = runner.start(ids, 2)
+    groups = [g.linears for g in runner.groups(0, runner.layers[0], hidden, "cpu")]
+    every = [n for g in groups for n in g]
+    assert not [n for n in every if n.endswith(("gate", "shared_expert_gate"))]
+    ups = [g for g in groups if "mlp.experts.0.up_proj" in g][0]
+    downs = [g for g in groups if "mlp.experts.0.down_proj" in g][0]
+    assert {f"mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj")} == set(ups)
+    assert {f"mlp.experts.{e}.down_proj" for e in range(4)} == set(downs)
+    assert groups.index(ups) + 1 == groups.index(downs) and len(groups) == 6

@@ -305,17 +305,22 @@ class HessianMethod:
         self._last = None
         self.followers.difference_update(names)
         accs = [self.acc.pop(name, None) for name in names]
-        linears = [layer.get_submodule(relative_name(name)) for name in names]
-        if any(starved(a, self._most) for a in accs):
-            # H = I: GPTQ becomes round-to-nearest, SparseGPT magnitude pruning
-            hs = [
-                torch.eye(lin.in_features) if starved(a, self._most) else a.H
-                for lin, a in zip(linears, accs)
-            ]
-            return {n: self.fn(n, lin, h) for n, lin, h in zip(names, linears, hs)}
-        if self.group_fn is not None and len(names) > 1 and all(a is accs[0] for a in accs):
-            return self.group_fn(names, linears, accs[0].H)
-        return {n: self.fn(n, lin, a.H) for n, lin, a in zip(names, linears, accs)}
+        # the linears by shared input (q/k/v; one expert's gate/up in a group of all experts')
+        shared: dict[object, list[int]] = {}
+        for k, a in enumerate(accs):
+            shared.setdefault(id(a) if a is not None else ("unseen", k), []).append(k)
+        records: dict[str, Any] = {}
+        for ks in shared.values():
+            some = [names[k] for k in ks]
+            linears = [layer.get_submodule(relative_name(n)) for n in some]
+            acc = accs[ks[0]]
+            # starved: H = I (GPTQ becomes round-to-nearest, SparseGPT magnitude pruning)
+            H = torch.eye(linears[0].in_features) if starved(acc, self._most) else acc.H
+            if self.group_fn is not None and len(some) > 1:
+                records.update(self.group_fn(some, linears, H))
+            else:
+                records.update({n: self.fn(n, lin, H) for n, lin in zip(some, linears)})
+        return records
 
     def finish_layer(self, layer_index: int, layer: nn.Module) -> dict[str, Any]:
         self._most = 0
