@@ -62,10 +62,11 @@ class UnfusedExperts(nn.ModuleList):
         """hidden_states [T, H], top_k_index / top_k_weights [T, k] -> [T, H]."""
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
-            # [E, k, T]: mask[e, j, t] = token t's j-th choice is expert e
-            mask = F.one_hot(top_k_index, num_classes=len(self)).permute(2, 1, 0)
+            # [E + 1, k, T]: mask[e, j, t] = token t's j-th choice is expert e (index E: none,
+            # as transformers' expert-parallel masking writes it)
+            mask = F.one_hot(top_k_index, num_classes=len(self) + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        for e in hit[:, 0].tolist():
+        for e in (e for e in hit[:, 0].tolist() if e < len(self)):
             top_k_pos, token_idx = torch.where(mask[e])
             y = self[e](hidden_states[token_idx])
             y = y * top_k_weights[token_idx, top_k_pos, None]
