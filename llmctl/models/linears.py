@@ -127,8 +127,11 @@ def checkpoint_names(root: nn.Module, names: list[str]) -> dict[str, str]:
     """Module name -> the checkpoint's name of that module, for modules of `root` (a transformers
     model's renamings reverted, as `export_state` reverts them for the weights)."""
     probe = {f"{n}.weight": torch.tensor(i) for i, n in enumerate(names)}
-    back = _checkpoint_names(root, probe)
-    spelled = {int(t): k.removesuffix(".weight") for k, t in back.items()}
+    try:  # each probe tensor holds its name's index; a renaming keeps it
+        back = _checkpoint_names(root, probe)
+    except Exception:  # a family converting linear weights (a split) at load: names as they are
+        back = probe
+    spelled = {int(t): k.removesuffix(".weight") for k, t in back.items() if t.dim() == 0}
     return {n: spelled.get(i, n) for i, n in enumerate(names)}
 
 
