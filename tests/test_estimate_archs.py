@@ -13,6 +13,7 @@ from archs import NATIVE, build
 from llmctl.cli import main
 from llmctl.models.config import ModelConfig
 from llmctl.profiling import estimate as est
+from llmctl.profiling.arch_counts import arch_counts
 
 ARCHS = ("gemma3_text", "qwen3_moe", "mixtral", "deepseek_v3", "gpt2", "phi3")
 
@@ -69,11 +70,14 @@ def test_moe_active_parameters_and_decode_bytes():
     assert e.decode_bytes_per_step == e.weights.total - e.expert_weight_bytes + read + kv
     one = est.estimate(config, dtype="bf16", seq_len=64, batch=1)
     assert one.decode_experts_touched == pytest.approx(2.0)  # k of E at batch 1
-    # int4 packs attention's matrices; routed experts stay 16-bit as quantize keeps them, and
-    # the routers ([4, 64] each) too
+    # int4 packs attention's matrices and the routed experts, as quantize does (it unfuses
+    # qwen3_moe's experts); the routers ([4, 64] each) stay 16-bit
     q = est.weight_bytes(config, "int4", group_size=16)
-    assert q.linear == 2 * 12288 // 2 + 2 * 24576 * 2
+    assert q.linear == 2 * 12288 // 2 + 2 * 24576 // 2
     assert q.other == (total - 2 * 12288 - 2 * 24576 - 2 * 160 * 64) * 2
+    # deepseek_v3's experts stay fused and dense: 16-bit in the estimate too
+    ds = _config(build("deepseek_v3"))
+    assert not arch_counts(ds).experts_packed and arch_counts(config).experts_packed
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -11,13 +11,13 @@ After each layer it checkpoints (layer weights, the method's records, the next l
 llmctl.compress.checkpoints: safetensors and JSON) into `checkpoint_dir`, so an interrupted run
 resumes after the last finished layer.
 
-MoE experts that are nn.Linear modules each calibrate on the tokens routed to them (the hooks
-see only those). An expert that saw fewer than MIN_ROUTED_TOKENS tokens (and fewer than the
-layer's busiest linear; none at all included) is `starved`: its statistics are noise, so it is
-handled as with no data: H = I for the Hessian methods (GPTQ then is round-to-nearest, SparseGPT
-magnitude pruning), equal input norms for Wanda (magnitude). llm-compressor's alternative, routing
-every token through every expert while calibrating, is not done. (transformers 5 stores most MoE
-experts as fused 3-D tensors, not linears: those stay dense, see models/linears.py.)
+MoE experts calibrate each on the tokens routed to it: each expert's projections are nn.Linear
+modules of their own (our MoE blocks; transformers 5's fused experts unfused first by
+models/unfused_experts.py, through models/linears.py `prepare_for_compression`), so the hooks see
+only an expert's own tokens and it gets its own Hessian. An expert that saw too few tokens is
+`starved` (the rule, MIN_ROUTED_TOKENS, is documented there, the one place it lives) and is
+handled as with no data. llm-compressor's alternative, routing every token through every expert
+while calibrating, is not done. Fused experts of other layouts (gpt_oss, deepseek_v3) stay dense.
 
 A method implements the `LayerMethod` protocol below; `HessianMethod` adapts a per-linear function
 `fn(name, linear, H) -> record` (GPTQ, RTN, SparseGPT, Wanda) to it.
@@ -305,31 +305,39 @@ class HessianMethod:
         self._last = None
         self.followers.difference_update(names)
         accs = [self.acc.pop(name, None) for name in names]
-        linears = [layer.get_submodule(relative_name(name)) for name in names]
-        if any(starved(a, self._most) for a in accs):
-            # H = I: GPTQ becomes round-to-nearest, SparseGPT magnitude pruning
-            hs = [
-                torch.eye(lin.in_features) if starved(a, self._most) else a.H
-                for lin, a in zip(linears, accs)
-            ]
-            return {n: self.fn(n, lin, h) for n, lin, h in zip(names, linears, hs)}
-        if self.group_fn is not None and len(names) > 1 and all(a is accs[0] for a in accs):
-            return self.group_fn(names, linears, accs[0].H)
-        return {n: self.fn(n, lin, a.H) for n, lin, a in zip(names, linears, accs)}
+        # the linears by shared input (q/k/v; one expert's gate/up in a group of all experts')
+        shared: dict[object, list[int]] = {}
+        for k, a in enumerate(accs):
+            shared.setdefault(id(a) if a is not None else ("unseen", k), []).append(k)
+        records: dict[str, Any] = {}
+        for ks in shared.values():
+            some = [names[k] for k in ks]
+            linears = [layer.get_submodule(relative_name(n)) for n in some]
+            acc = accs[ks[0]]
+            # starved: H = I (GPTQ becomes round-to-nearest, SparseGPT magnitude pruning)
+            H = torch.eye(linears[0].in_features) if starved(acc, self._most) else acc.H
+            if self.group_fn is not None and len(some) > 1:
+                records.update(self.group_fn(some, linears, H))
+            else:
+                records.update({n: self.fn(n, lin, H) for n, lin in zip(some, linears)})
+        return records
 
     def finish_layer(self, layer_index: int, layer: nn.Module) -> dict[str, Any]:
         self._most = 0
         return {}
 
 
-MIN_ROUTED_TOKENS = 64
+MIN_ROUTED_TOKENS = 64  # calibration tokens an MoE expert needs for statistics of its own
 
 
 def starved(acc: Any, most: int) -> bool:
-    """A linear that saw no calibration token, or fewer than MIN_ROUTED_TOKENS and fewer than the
-    layer's busiest linear (an MoE expert few tokens were routed to): its statistics are noise,
-    so it is handled as if it had none (GPTQ: round-to-nearest; SparseGPT, Wanda: magnitude).
-    A linear every token reaches is never starved, however small the calibration set."""
+    """The starved-expert rule, the one place it lives: a linear that saw no calibration token,
+    or fewer than MIN_ROUTED_TOKENS and fewer than the layer's busiest linear (an MoE expert few
+    tokens were routed to), has statistics that are noise, so it is handled as if it had none:
+    H = I for the Hessian methods (GPTQ then is round-to-nearest with GPTQ's ranges, SparseGPT
+    magnitude pruning), equal input norms for Wanda (magnitude); magnitude pruning and RTN read
+    no data anyway. A linear every token reaches is never starved, however small the
+    calibration set."""
     if acc is None:
         return True
     tokens = getattr(acc, "num_tokens", getattr(acc, "tokens", 0))

@@ -14,7 +14,8 @@ models/transformers_backend.py), in llm-compressor's "sequential pipeline" manne
     different ones to different layers: sliding-window and full attention);
   * groups: one traced forward of the layer on the first batch records the order in which its
     nn.Linear modules are called and the tensor each one reads; linears reading the same tensor
-    form one group (q/k/v, gate/up), groups in call order; linears the trace never called (an
+    form one group (q/k/v, gate/up), groups in call order, an MoE block's experts merged by role
+    (all gate/up, then all down: `_experts_together`); linears the trace never called (an
     expert no token was routed to) come last, each its own group. Routers and gates
     (models.linears.never_compressed) are left out.
 
@@ -24,6 +25,7 @@ shared-input test too).
 
 from __future__ import annotations
 
+import re
 from typing import Any, Protocol
 
 import torch
@@ -175,8 +177,32 @@ def _group_calls(calls: list[tuple[str, torch.Tensor]], every: list[str]) -> lis
             groups.append(([rel], x))
         else:
             home[0].append(rel)
-    names = [g[0] for g in groups] + [[rel] for rel in every if rel not in seen]
+    names = _experts_together([g[0] for g in groups]) + [[rel] for rel in every if rel not in seen]
     return [SubLayerGroup(f"group{k}", tuple(n), prev="") for k, n in enumerate(names)]
+
+
+_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.([^.]+)$")
+
+
+def _experts_together(groups: list[list[str]]) -> list[list[str]]:
+    """The groups of an MoE block's experts merged by role: every expert's gate/up in one group
+    (where the first one was), every expert's down in one. An expert's down reads only its own
+    gate/up's output, so observing all downs after all gate/ups are processed is what one expert
+    at a time would see, in 2 forward passes instead of 2 per expert."""
+    merged: list[list[str]] = []
+    home: dict[tuple, list[str]] = {}
+    for names in groups:
+        matches = [_EXPERT.match(n) for n in names]
+        if not all(matches):
+            merged.append(list(names))
+            continue
+        key = (matches[0].group(1), tuple(m.group(2) for m in matches))  # type: ignore[union-attr]
+        if key in home:
+            home[key].extend(names)
+        else:
+            home[key] = list(names)
+            merged.append(home[key])
+    return merged
 
 
 def runner_for(model: nn.Module) -> LayerRunner:

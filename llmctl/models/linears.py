@@ -7,15 +7,19 @@ the transformers model inside models/transformers_backend.py's wrapper), `decode
 `num_hidden_layers`), `never_compressed` (MoE routers and gates), `compressible_linears` (name,
 out, in of every decoder linear compression may change, from a loaded model), `config_linears`
 (the same before loading: from the config alone for the native families, from the transformers
-model built on the meta device for the rest), `fused_experts` (experts stored as 3-D parameters,
-which stay dense), `linearize` and `export_state` (GPT-2's Conv1D is an nn.Linear while
-compressing and written back in its own [in, out] layout).
+model built on the meta device for the rest), `fused_experts` (experts still stored as 3-D
+parameters after `prepare_for_compression` unfused those models/unfused_experts.py knows: they
+stay dense), `linearize` and `export_state` (GPT-2's Conv1D is an nn.Linear while compressing and
+written back in its own [in, out] layout), `checkpoint_names` (a transformers module's name as
+its checkpoints spell it: mixtral's `mlp.` is `block_sparse_moe.` there).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from llmctl.models.unfused_experts import unfuse_experts
 
 # last name component of a router/gate linear (it outputs one logit per expert, or one gate
 # value): quantizing or pruning it would change which experts run
@@ -119,6 +123,18 @@ def meta_model(raw: dict):
         return transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False)
 
 
+def checkpoint_names(root: nn.Module, names: list[str]) -> dict[str, str]:
+    """Module name -> the checkpoint's name of that module, for modules of `root` (a transformers
+    model's renamings reverted, as `export_state` reverts them for the weights)."""
+    probe = {f"{n}.weight": torch.tensor(i) for i, n in enumerate(names)}
+    try:  # each probe tensor holds its name's index; a renaming keeps it
+        back = _checkpoint_names(root, probe)
+    except Exception:  # a family converting linear weights (a split) at load: names as they are
+        back = probe
+    spelled = {int(t): k.removesuffix(".weight") for k, t in back.items() if t.dim() == 0}
+    return {n: spelled.get(i, n) for i, n in enumerate(names)}
+
+
 def config_linears(config) -> list[tuple[str, int, int]]:
     """compressible_linears before loading: the native families' from the config alone, the
     others' from their transformers model built on the meta device."""
@@ -126,7 +142,9 @@ def config_linears(config) -> list[tuple[str, int, int]]:
 
     if config.llama_layout:
         return decoder_linears(config)
-    return compressible_linears(meta_model(config.raw))
+    model = meta_model(config.raw)
+    unfuse_experts(model)  # as prepare_for_compression does: each expert's linears count
+    return compressible_linears(model)
 
 
 def linearize(root: nn.Module) -> list[str]:
@@ -176,10 +194,13 @@ def _checkpoint_names(root: nn.Module, state: dict[str, torch.Tensor]) -> dict[s
 
 def prepare_for_compression(model: nn.Module, warn) -> None:
     """After loading, before any step: a transformers model's Conv1D become nn.Linear (names kept
-    on `model.linearized`), and a warning names the fused experts that stay dense."""
+    on `model.linearized`), its fused experts of a known layout one nn.Linear per projection
+    (models/unfused_experts.py: the driver calibrates each on its routed tokens), and a warning
+    names the fused experts that stay dense."""
     if not hasattr(model, "hf"):
         return
     model.linearized = linearize(model.hf)
+    unfuse_experts(model.hf)
     names, count = fused_experts(model.hf)
     if names:
         warn(
@@ -190,6 +211,7 @@ def prepare_for_compression(model: nn.Module, warn) -> None:
 
 def kept_dense(model: nn.Module) -> list[str]:
     """What the output's ignore list names beyond --ignore and lm_head: the routers and gates,
-    and the modules holding fused experts."""
+    and the modules still holding fused experts, by their checkpoint names."""
     root = weights_root(model)
-    return [*router_names(root), *fused_experts(root)[0]]
+    names = [*router_names(root), *fused_experts(root)[0]]
+    return list(checkpoint_names(root, names).values())

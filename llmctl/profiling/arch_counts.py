@@ -9,7 +9,8 @@ family transformers builds (the Llama-layout formulas serve native configs):
   `is_transposed`) as E matrices; a linear directly beside an `experts` child (a router, a shared
   expert's gate) is not one, nor are routers, norms, biases, sinks and position embeddings;
 - MoE: routed experts' parameters, experts per layer E and experts per token k (active
-  parameters = everything else + k / E of the experts);
+  parameters = everything else + k / E of the experts); `experts_packed`: quantize packs them (it
+  unfuses every fused experts module of the model: models/unfused_experts.py), else they stay dense;
 - attention: per attention layer (kv_heads, key size, value size, query heads, sliding window),
   from the same probe forward that sizes the engine's cache at load
   (models/transformers_backend.py), so the KV bytes here are what the engine allocates; MLA's
@@ -54,6 +55,7 @@ class ArchCounts:
     cache_kv_heads: int  # the engine's cache: kv_heads x cache_head_dim per attention layer
     cache_head_dim: int  # max of key and value sizes (narrower values are zero-padded)
     mla_latent: int | None  # kv_lora_rank + qk_rope_head_dim per layer per token (MLA)
+    experts_packed: bool = False  # quantize quantizes the routed experts (see the docstring)
 
     @property
     def active_parameters(self) -> int:
@@ -158,6 +160,7 @@ def _counts(raw_json: str) -> ArchCounts:
         cache_kv_heads=kv_heads,
         cache_head_dim=head_dim,
         mla_latent=latent,
+        experts_packed=_unfusable(hf),
     )
 
 
@@ -180,6 +183,14 @@ def _meta_model(raw: dict):
     # the padding warning reads a token id (.item()), which a meta tensor has not
     hf.config.pad_token_id = hf.config.get_text_config().pad_token_id = None
     return hf
+
+
+def _unfusable(hf) -> bool:
+    """Every fused experts module of `hf` is one quantize unfuses (and there is one)."""
+    from llmctl.models.unfused_experts import UNFUSABLE
+
+    fused = [m for m in hf.modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))]
+    return bool(fused) and all(type(m).__name__ in UNFUSABLE for m in fused)
 
 
 def _matrices(hf, lm_head) -> tuple[list, list]:

@@ -20,7 +20,7 @@ Conventions (stated in every estimate record):
   yields one token per sequence (per-sequence tokens/s = steps/s, aggregate = batch x steps/s).
 - Families other than llama/mistral/qwen2/qwen3 are counted on transformers' model of the config
   built on the meta device (profiling/arch_counts.py): "decoder linears" are its nn.Linear/Conv1D
-  modules and fused 3-D expert weights (routers, a shared expert's gate, norms, biases stay 16-bit).
+  modules and 3-D expert weights, packed as quantize packs them (routers, norms, biases: 16-bit).
 - MoE: `active_parameters` = all but the routed experts + k/E of them (k experts per token of E).
   A decode step of batch b reads, per MoE layer, the expected distinct experts its b tokens were
   routed to, E x (1 - (1 - k/E)^b) (uniform, independent routing), so the step's weight bytes are
@@ -118,9 +118,9 @@ def _weight_parts(
     quantized = dtype.startswith("int")
     float_bytes = 4 if dtype == "float32" else 2  # what unquantized tensors are stored in
     linear = scales = zeros = experts = 0
+    packable = llama_layout(config) or arch_counts(config).experts_packed  # as quantize does
     for out_f, in_f, count, expert in decoder_matrices(config):
-        # quantize keeps routed experts (fused 3-D tensors) at 16 bits: so does the estimate
-        packed = quantized and not expert
+        packed = quantized and (packable or not expert)
         w, s, z = _matrix_bytes(out_f, in_f, bits, group_size, packed, float_bytes)
         linear, scales, zeros = linear + count * w, scales + count * s, zeros + count * z
         experts += count * (w + s + z) if expert else 0

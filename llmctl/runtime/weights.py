@@ -10,6 +10,7 @@ from safetensors only, never with code from the model folder.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from llmctl.errors import ModelLoadError, UsageError
@@ -116,12 +117,37 @@ def _unquantized_config(path: Path):
 def _swap_quantized(hf, path: Path, torch_dtype) -> None:
     """The quantized linears of a checkpoint llmctl (or another tool) wrote, as our packed
     QuantLinear modules by name: the same swap as our own model's (formats/load.py), rather than
-    transformers' compressed-tensors quantizer, so every format llmctl reads runs on the CPU too."""
+    transformers' compressed-tensors quantizer, so every format llmctl reads runs on the CPU too.
+
+    Experts quantized one by one (`experts.E.gate_proj`, as `llmctl quantize` and llm-compressor
+    write them) have nothing to load into the fused experts transformers built: those modules
+    become per-expert linears first (models/unfused_experts.py, the forward `quantize`
+    calibrated), and checkpoint names are mapped to module names (mixtral's block_sparse_moe is
+    transformers' mlp)."""
     from llmctl.runtime.formats.load import swap_in
     from llmctl.runtime.formats.registry import read_quantized
 
     _, linears, _ = read_quantized(path)
+    if any(_PER_EXPERT.search(name) for name in linears):
+        linears = _by_module_name(hf, linears)
     swap_in(hf, linears, path, torch_dtype, "cpu")
+
+
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+def _by_module_name(hf, linears: dict) -> dict:
+    """`linears` (by checkpoint name) by the name of the module each replaces, once the experts
+    are unfused."""
+    from torch import nn
+
+    from llmctl.models.linears import checkpoint_names
+    from llmctl.models.unfused_experts import unfuse_experts
+
+    unfuse_experts(hf)
+    modules = [n for n, m in hf.named_modules() if isinstance(m, nn.Linear)]
+    module_of = {spelled: n for n, spelled in checkpoint_names(hf, modules).items()}
+    return {module_of.get(name, name): u for name, u in linears.items()}
 
 
 def _accelerate_2of4(model, config: ModelConfig) -> None:

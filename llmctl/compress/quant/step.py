@@ -168,12 +168,15 @@ class QuantizeStep:
 
     def write(self, folder: Path, rt, extra_config: dict[str, Any], out_dtype) -> None:
         """The quantized linears in --format's layout, every other weight dense in out_dtype."""
-        from llmctl.models.linears import export_state, kept_dense
+        from llmctl.models.linears import checkpoint_names, export_state, kept_dense, weights_root
         from llmctl.runtime.formats import write_quantized
         from llmctl.runtime.formats.ct import consumer_note
 
         model = rt.model
-        linears = {name: rec.result for name, rec in self.records.items()}
+        # under the checkpoint's names (mixtral's experts: block_sparse_moe.experts.E.w1), which
+        # export_state's dense tensors and vLLM use too
+        spelled = checkpoint_names(weights_root(model), list(self.records))
+        linears = {spelled[name]: rec.result for name, rec in self.records.items()}
         dense = {
             k: v.detach().to("cpu", out_dtype)
             for k, v in export_state(model).items()

@@ -64,6 +64,7 @@ class PruneStep:
         self.keep_masks = False  # keep `masks` (a later step must keep the zeros)
         self.masks: dict[str, torch.Tensor] = {}  # pruned linear -> bool [out, in], True = zero
         self.kept_dense: list[str] = []  # never pruned whatever --ignore says (after `plan`)
+        self.spelled: dict[str, str] = {}  # decoder linear -> its checkpoint name (after `plan`)
 
     @property
     def settings(self) -> SparsifySettings:
@@ -90,9 +91,12 @@ class PruneStep:
         return []
 
     def plan(self, model: torch.nn.Module, warn: Callable[[str], None]) -> None:
-        from llmctl.models.linears import kept_dense
+        from llmctl.models.linears import checkpoint_names, decoder_modules, kept_dense
 
         self.kept_dense = kept_dense(model)  # routers, gates, fused experts: the ignore list
+        root = weights_root(model)
+        # module name -> checkpoint name (mixtral's block_sparse_moe), for sparsity_config
+        self.spelled = checkpoint_names(root, [n for n, _, _ in decoder_modules(root)])
         self.targets = target_linears(model, self.settings)
         for name, why in self.targets.skipped.items():
             if not why.startswith("ignored"):
@@ -133,7 +137,7 @@ class PruneStep:
         a = self.args
         ignore = [*a.ignore, *self.kept_dense]
         lines = self.result.lines if self.result is not None else []
-        per_layer = {line.name: line.sparsity for line in lines}
+        per_layer = {self.spelled.get(line.name, line.name): line.sparsity for line in lines}
         meta = sparsity_config(
             self.settings.pattern, a.method, per_layer, ignore, self.global_sparsity
         )
