@@ -154,6 +154,10 @@ def test_quantized_experts_load_and_match_transformers(tmp_path, text, arch, met
     tokens, gap = greedy(reference, PROMPTS, 8)
     assert gap > 1e-3  # no near-tie a last-bit difference could flip
     assert _llm_greedy(llm) == tokens
+    # transformers loads the output itself (compressed-tensors decompresses the per-expert
+    # tensors into its fused experts), with the same tokens
+    direct = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert greedy(direct, PROMPTS, 8)[0] == tokens
 
 
 def test_quantized_experts_load_on_the_transformers_path(tmp_path, text):
@@ -262,3 +266,24 @@ def test_experts_are_observed_together_by_role(tmp_path):
     assert {f"mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj")} == set(ups)
     assert {f"mlp.experts.{e}.down_proj" for e in range(4)} == set(downs)
     assert groups.index(ups) + 1 == groups.index(downs) and len(groups) == 6
+
+
+def test_w8a8_quantizes_the_experts_and_loads(tmp_path, text):
+    """--scheme w8a8 on an MoE model (calibrated on transformers' model, where the linears' names
+    are under the root module): every expert is written int8 with its per-channel scale and
+    loads natively as an Int8Linear."""
+    from safetensors.torch import load_file
+
+    from llmctl.models.qlinear_int8 import Int8Linear
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    _save(src, "qwen3_moe")
+    _cli("quantize", src, "-o", out, "--rtn", "--scheme", "w8a8", *_calib(text))
+    written = load_file(str(out / "model.safetensors"))
+    for name in _expert_names("qwen3_moe"):
+        assert written[f"{name}.weight"].dtype == torch.int8 and f"{name}.weight_scale" in written
+    llm = LLM(str(out), dtype="float32", device="cpu")
+    modules = dict(llm.runtime.model.named_modules())
+    experts = [n for n, m in modules.items() if ".experts." in n and isinstance(m, Int8Linear)]
+    assert len(experts) == len(_expert_names("qwen3_moe"))
+    assert all(len(t) == 8 for t in _llm_greedy(llm))

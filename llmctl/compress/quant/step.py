@@ -141,8 +141,9 @@ class QuantizeStep:
         self.warn = ctx.warn
         if w8a8:  # the perplexity after is measured with int8 activations, as the engine runs it
             from llmctl.compress.quant.w8a8 import quantize_inputs
+            from llmctl.models.linears import weights_root
 
-            quantize_inputs(model, list(self.records))
+            quantize_inputs(weights_root(model), list(self.records))  # names are under the root
         return result
 
     def _smooth(self, model: torch.nn.Module, calib_ids, ctx) -> None:
