@@ -202,6 +202,7 @@ class PagedAttentionMetadata:
         "workspace",
         "decode_max_len",
         "batch_invariant",
+        "derived",
     )
 
     def __init__(
@@ -230,6 +231,9 @@ class PagedAttentionMetadata:
         # Every token is a "decode" row (prefill tokens too, each with its own context length),
         # and linears and the MLP take the fixed-order paths of kernels/invariant.py.
         self.batch_invariant = batch_invariant
+        # views of these fields that every layer of a step would otherwise derive again (a
+        # window's shifted block tables: attention_features.py), keyed by what derives them
+        self.derived: dict = {}
 
 
 def _triton_kernels(t: torch.Tensor):

@@ -9,10 +9,11 @@ key j when j <= i and, with a window w, j > i - w; soft-capping is cap * tanh(sc
 scaling; a sink is a column of the softmax that is then dropped.
 
 A window alone takes the fast kernels of kernels/attention.py: decode rows whose context fits in
-the window read the cache in place; when some do not, each row's last w positions are gathered
-into a scratch cache of consecutive blocks (w x kv_heads x D a row: about what the attention
-reads anyway) and the same decode kernel reads that; a prefill chunk whose whole context fits is
-plain chunk attention. Everything else (soft-capping, sinks, chunks longer than the window) runs
+the window read the cache in place; when some do not and the C `vdpbf16ps` kernel runs (bf16),
+every row is read in place by its variant that skips a row's first tokens (each row's block table
+shifted to its window's first block); elsewhere each row's last w positions are gathered into a
+scratch cache of consecutive blocks (w x kv_heads x D a row) that the decode kernel reads. A
+prefill chunk whose whole context fits is plain chunk attention. Everything else (soft-capping, sinks, chunks longer than the window) runs
 `attend` over only the positions a query can see.
 """
 
@@ -30,6 +31,7 @@ from llmctl.kernels.attention import (
     write_kv,
 )
 from llmctl.kernels.config import KernelConfig
+from llmctl.kernels.cpu import attention as cpu_attention
 from llmctl.kernels.kv_dtype import to_cache, widen
 
 
@@ -129,6 +131,8 @@ def _decodes(q, k_cache, v_cache, meta: PagedAttentionMetadata, f: Features, ker
         vv = widen(v_cache[:, slots].permute(1, 2, 0, 3), q.dtype)
         valid = torch.arange(width, device=q.device)[None] < counts[:, None]
         return attend(q[:, None], kk, vv, (lens - 1)[:, None], pos, f, valid)[:, 0]
+    if kernels.native and cpu_attention.skips_served(q, k_cache, kernels.decode_attention):
+        return _windows_in_place(q, k_cache, v_cache, meta, f, kernels)
     # rows within the window read the cache in place; the others their gathered windows
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     inside = lens <= window
@@ -138,6 +142,33 @@ def _decodes(q, k_cache, v_cache, meta: PagedAttentionMetadata, f: Features, ker
     rows = (~inside).nonzero().squeeze(1)
     out[rows] = _gathered_windows(q[rows], k_cache, v_cache, _rows(meta, rows), f, kernels)
     return out
+
+
+def _windows_in_place(q, k_cache, v_cache, meta: PagedAttentionMetadata, f: Features, kernels):
+    """Every decode row over its window, read in place by the C kernel that skips each row's
+    first tokens: the row's table starts at the block of its window's first position, and the
+    positions of that block before it are skipped (P = 0). One call, no gather."""
+    tables, lens, skips, longest = _window_tables(meta, f.sliding_window)
+    return cpu_attention.paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, f.scale, meta.block_size, longest,
+        kernels.decode_attention, skips=skips,
+    )  # fmt: skip
+
+
+def _window_tables(meta: PagedAttentionMetadata, window: int):
+    """(tables [n, blocks], lens [n], skips [n], max len) of the decode rows shifted to their
+    windows' first blocks; derived once a step, for every layer with this window."""
+    key = ("window", window)
+    if key not in meta.derived:
+        bs, tables, lens = meta.block_size, meta.decode_block_tables, meta.decode_context_lens
+        first = (lens - window).clamp(min=0)  # the first position a row's query sees
+        shift = first // bs * bs  # [n]: positions before the window's first block
+        width = min(tables.shape[1], -(-(window + bs - 1) // bs))
+        cols = (shift // bs)[:, None] + torch.arange(width, device=lens.device)
+        shifted = tables.gather(1, cols.clamp(max=tables.shape[1] - 1))
+        longest = min(meta.decode_max_len or int(lens.max()), window + bs - 1)
+        meta.derived[key] = (shifted, lens - shift, first - shift, longest)
+    return meta.derived[key]
 
 
 def _gathered_windows(q, k_cache, v_cache, meta: PagedAttentionMetadata, f: Features, kernels):

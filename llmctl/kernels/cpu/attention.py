@@ -35,6 +35,7 @@ _DPBF16_FP8 = {
     torch.int8: "paged_decode_dpbf16_i8",
 }
 _BF16_QUERY = ("paged_decode_amx", "paged_decode_dpbf16", *_DPBF16_FP8.values())
+SKIP_KERNEL = "paged_decode_dpbf16_skip"  # rows that leave out their first tokens (windows)
 
 
 def _rows_of_heads(x: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -155,6 +156,18 @@ def decode_kernel(q_dtype: torch.dtype, cache_dtype: torch.dtype, choice: str = 
     return _GENERIC[cache_dtype]
 
 
+def skips_served(q: torch.Tensor, k_cache: torch.Tensor, choice: str = "auto") -> bool:
+    """Whether `paged_decode_attention(..., skips=...)` runs here: a bf16 query and cache where
+    the `vdpbf16ps` kernel runs and the choice is not generic."""
+    return (
+        q.dtype is torch.bfloat16
+        and k_cache.dtype is torch.bfloat16
+        and choice != "generic"
+        and supports(q, k_cache)
+        and dpbf16_available()
+    )
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether paged_decode_attention can serve these tensors: CPU, an fp32, bf16 or fp8 cache,
     D % 16 == 0."""
@@ -189,25 +202,28 @@ def paged_decode_attention(
     max_len: int,  # max(context_lens), known to the caller without a tensor read
     choice: str = "auto",  # KernelConfig.decode_attention
     out: torch.Tensor | None = None,  # [B, heads, D] contiguous, q's dtype: written where used
+    skips: torch.Tensor | None = None,  # [B] int64: row b attends to [skips[b], context_lens[b])
 ) -> torch.Tensor:
     """The same contract as attention.decode_attention, without gathering K/V; returns [B, heads, D]
     in q's dtype (`out` where given and the kernel reads q as it is). Call only where
-    `supports(q, k_cache)`."""
+    `supports(q, k_cache)`, and with `skips` only where `skips_served(q, k_cache, choice)`."""
     b, heads, d = q.shape
     kvh, slots, _ = k_cache.shape
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype):
         raise ValueError("paged_decode_attention needs contiguous K/V caches of one dtype")
     check_decode_shapes(heads, d, kvh, block_tables.shape[1], block_size, max_len)
-    kernel = decode_kernel(q.dtype, k_cache.dtype, choice)
-    bf16_query = kernel in _BF16_QUERY
+    kernel = decode_kernel(q.dtype, k_cache.dtype, choice) if skips is None else SKIP_KERNEL
+    bf16_query = kernel in _BF16_QUERY or kernel == SKIP_KERNEL
     qf = q.contiguous() if bf16_query else q.to(torch.float32).contiguous()
     tables, lens = _int64(block_tables), _int64(context_lens)
     if out is None or not bf16_query:
         out = torch.empty_like(qf)
+    sk = None if skips is None else _int64(skips)  # held: the call reads its memory
+    args = [] if sk is None else [sk.data_ptr()]
     failed = getattr(load("core"), kernel)(
         qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(), b, heads, kvh, d, slots, tables.shape[1], block_size, scale, max_len,
-        torch.get_num_threads(),
+        torch.get_num_threads(), *args,
     )  # fmt: skip
     if failed:
         raise MemoryError("paged_decode_attention: out of memory for its score buffers")

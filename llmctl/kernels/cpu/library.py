@@ -55,6 +55,7 @@ def _signatures() -> dict[str, dict[str, tuple[list, object]]]:
         "core": {
             **dict.fromkeys(_DECODE_KERNELS, _DECODE),
             "paged_decode_dpbf16_built": ([], INT),
+            "paged_decode_dpbf16_skip": (_DECODE[0] + [P], INT),  # ..., skips [B] int64
             "paged_decode_amx_available": ([], INT),
             # (x, ldx, w, bias, out, M, N, K, w_bf16, threads)
             "linear": ([P, I64, P, P, P, I64, I64, I64, I32, I32], None),

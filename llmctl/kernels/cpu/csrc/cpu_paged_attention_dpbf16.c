@@ -136,20 +136,29 @@ INLINE void score_pass(const uint16_t *q, const uint16_t *k, const uint16_t *v,
 
 /* Softmax of the raw scores s [G, stride] (len each, times scale) into bf16 p [G, stride], zero
  * from len up to the next multiple of 16; inv[g] = 1 / the sum of the rounded p[g]. */
+/* Lanes [t, t + 16) of a context of len tokens whose first `skip` are left out. */
+INLINE __mmask16 lanes(int64_t t, int64_t len, int64_t skip) {
+    const __mmask16 m = len - t >= 16 ? 0xffff : (__mmask16)((1u << (len - t)) - 1);
+    return skip <= t ? m : skip >= t + 16 ? 0 : m & (__mmask16)~((1u << (skip - t)) - 1);
+}
+
+/* P = exp(scale s - max) over tokens [skip, len) rounded to bf16 (tokens before skip get P = 0
+ * exactly, so they add nothing to the sum or to P V: a sliding window's tokens before its start,
+ * which share the window's first block), inv = 1 / the sum of the rounded P. */
 INLINE void softmax(const float *s, uint16_t *p, int64_t len, int G, float scale,
-                    int64_t stride, float *inv) {
+                    int64_t stride, float *inv, int64_t skip) {
     for (int g = 0; g < G; ++g) {
         const float *sg = s + g * stride;
         uint16_t *pg = p + g * stride;
         __m512 mx = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
         for (int64_t t = 0; t < len; t += 16) {
-            const __mmask16 m = len - t >= 16 ? 0xffff : (__mmask16)((1u << (len - t)) - 1);
+            const __mmask16 m = lanes(t, len, skip);
             mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, sg + t));
         }
         const __m512 sc = _mm512_set1_ps(scale);
         const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * scale);
         for (int64_t t = 0; t < len; t += 16) {
-            const __mmask16 m = len - t >= 16 ? 0xffff : (__mmask16)((1u << (len - t)) - 1);
+            const __mmask16 m = lanes(t, len, skip);
             const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, sg + t), sc, top);
             const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(m, exp_neg(x)));
             _mm256_storeu_si256((__m256i *)(pg + t), h);
@@ -223,10 +232,10 @@ INLINE void pv_heads(const uint16_t *v, const int64_t *off, int64_t len, const u
  * off [stride]. Up to 4 heads take 64 columns per pass over V, more take 32 (8 heads a pass). */
 INLINE void item(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *table,
                  int64_t len, uint16_t *out, int G, const int D, int bs, float scale, float *s,
-                 uint16_t *p, int64_t *off, int64_t stride) {
+                 uint16_t *p, int64_t *off, int64_t stride, int64_t skip) {
     float inv[G];
     score_pass(q, k, v, table, len, G, D, bs, s, stride, off);
-    softmax(s, p, len, G, scale, stride, inv);
+    softmax(s, p, len, G, scale, stride, inv, skip);
     pv_heads(v, off, len, p, stride, G, D, inv, out);
 }
 
@@ -327,7 +336,7 @@ INLINE void item_fp8(const uint16_t *q, const uint8_t *k, const uint8_t *v, cons
     /* e4m3 tiles hold K and V times 2^-8: scale and 1 / sum take the 256 (powers of two: the
      * results equal the bf16 items' over the widened cache, bit for bit) */
     const int e4m3 = fmt == FMT_E4M3;
-    softmax(s, p, len, G, e4m3 ? scale * 256.f : scale, stride, inv);
+    softmax(s, p, len, G, e4m3 ? scale * 256.f : scale, stride, inv, 0);
     if (e4m3)
         for (int g = 0; g < G; ++g) inv[g] *= 256.f;
     pv_heads(vb, off, len, p, stride, G, D, inv, out);
@@ -337,7 +346,7 @@ INLINE void item_fp8(const uint16_t *q, const uint8_t *k, const uint8_t *v, cons
 static int decode_items(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
                         const int64_t *tables, const int64_t *lens, uint16_t *out, int B, int H,
                         int KVH, int D, int64_t slots, int max_blocks, int bs, float scale,
-                        int64_t max_len, int threads, const int fmt) {
+                        int64_t max_len, int threads, const int fmt, const int64_t *skips) {
     const int G = H / KVH, quant = fmt != FMT_BF16;
     const int64_t stride = ((max_len > 0 ? max_len : 1) + 31) & ~(int64_t)31;
     const int64_t R = fmt == FMT_BF16 ? 2 * D : D + (fmt == FMT_I8 ? 4 : 0); /* row bytes */
@@ -361,12 +370,12 @@ static int decode_items(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
             }
             const int64_t b = it / KVH, h = it % KVH, r = (b * H + h * G) * D;
             const uint8_t *k = kc + h * slots * R, *v = vc + h * slots * R;
-            const int64_t *tb = tables + b * max_blocks, n = lens[b];
+            const int64_t *tb = tables + b * max_blocks, n = lens[b], skip = skips ? skips[b] : 0;
             const uint16_t *qr = q + r, *kh = (const uint16_t *)k, *vh = (const uint16_t *)v;
             uint16_t *o = out + r;
             /* chosen inside the loop: GCC outlines the parallel region before inlining */
 #define ITEM(F, DD)                                                                              \
-    (F) == FMT_BF16 ? item(qr, kh, vh, tb, n, o, G, DD, bs, scale, s, p, off, stride)            \
+    (F) == FMT_BF16 ? item(qr, kh, vh, tb, n, o, G, DD, bs, scale, s, p, off, stride, skip)      \
                     : item_fp8(qr, k, v, tb, n, o, G, DD, bs, scale, s, p, off, stride, kt, vb, F)
 #define ITEMS(F)                                                                                 \
     if (fmt == F && D == 64) ITEM(F, 64);                                                        \
@@ -390,7 +399,7 @@ static int decode_items(const uint16_t *q, const uint8_t *kc, const uint8_t *vc,
              const int64_t *lens, uint16_t *out, int B, int H, int KVH, int D, int64_t slots,   \
              int max_blocks, int bs, float scale, int64_t max_len, int threads) {               \
         return decode_items(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs, \
-                          scale, max_len, threads, fmt);                                       \
+                          scale, max_len, threads, fmt, NULL);                                 \
     }
 QUANT_DECODE(paged_decode_dpbf16_e4m3, FMT_E4M3)
 QUANT_DECODE(paged_decode_dpbf16_e5m2, FMT_E5M2)
@@ -404,7 +413,18 @@ int paged_decode_dpbf16(const uint16_t *q, const uint16_t *kc, const uint16_t *v
                         int KVH, int D, int64_t slots, int max_blocks, int bs, float scale,
                         int64_t max_len, int threads) {
     return decode_items(q, (const uint8_t *)kc, (const uint8_t *)vc, tables, lens, out, B, H, KVH,
-                        D, slots, max_blocks, bs, scale, max_len, threads, FMT_BF16);
+                        D, slots, max_blocks, bs, scale, max_len, threads, FMT_BF16, NULL);
+}
+
+/* paged_decode_dpbf16 with skips [B]: row b attends to tokens [skips[b], lens[b]) of its table,
+ * so a sliding window is served in place (its table starting at the window's first block, the
+ * tokens before the window in that block skipped) rather than gathered into a scratch cache. */
+int paged_decode_dpbf16_skip(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
+                             const int64_t *tables, const int64_t *lens, uint16_t *out, int B,
+                             int H, int KVH, int D, int64_t slots, int max_blocks, int bs,
+                             float scale, int64_t max_len, int threads, const int64_t *skips) {
+    return decode_items(q, (const uint8_t *)kc, (const uint8_t *)vc, tables, lens, out, B, H, KVH,
+                        D, slots, max_blocks, bs, scale, max_len, threads, FMT_BF16, skips);
 }
 
 
@@ -553,7 +573,7 @@ INLINE void amx_item(const uint16_t *q, const uint16_t *k, const uint16_t *v,
     float inv[16];
     q_tiles(q, G, D, w->qb);
     amx_scores(k, v, table, len, G, D, bs, stride, w);
-    softmax(w->s, w->p, len, G, scale, stride, inv);
+    softmax(w->s, w->p, len, G, scale, stride, inv, 0);
     const int64_t l16 = (len + 15) & ~(int64_t)15;
     if (l16 & 31) /* P tiles read 32 tokens: zero the last 16 (softmax zeroed up to l16) */
         for (int g = 0; g < G; ++g) memset(w->p + g * stride + l16, 0, 32);
@@ -625,6 +645,14 @@ int paged_decode_dpbf16_built(void) { return 0; }
 QUANT_STUB(paged_decode_dpbf16_e4m3)
 QUANT_STUB(paged_decode_dpbf16_e5m2)
 QUANT_STUB(paged_decode_dpbf16_i8)
+int paged_decode_dpbf16_skip(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
+                             const int64_t *tables, const int64_t *lens, uint16_t *out, int B,
+                             int H, int KVH, int D, int64_t slots, int max_blocks, int bs,
+                             float scale, int64_t max_len, int threads, const int64_t *skips) {
+    (void)skips;
+    return paged_decode_dpbf16(q, kc, vc, tables, lens, out, B, H, KVH, D, slots, max_blocks, bs,
+                               scale, max_len, threads);
+}
 #endif
 
 #ifndef HAVE_DECODE_AMX /* no AMX-BF16 here: the vdpbf16ps items (or their stub) serve */
