@@ -98,3 +98,42 @@ def test_zero_skips_is_the_plain_kernel():
         skips=torch.zeros(len(LENS), dtype=torch.int64),
     )
     assert torch.equal(plain, skipped)
+
+
+def _chunk_reference(q, kc, vc, slots, done: int, window: int) -> torch.Tensor:
+    """float32: query i at position done + i over keys max(0, p - window + 1) .. p."""
+    out = torch.empty(q.shape)
+    for i in range(q.shape[0]):
+        p = done + i
+        s = slots[max(0, p - window + 1) : p + 1]
+        k, v = kc[:, s].float(), vc[:, s].float()
+        w = torch.softmax(q[i].float().view(KVH, G, D) @ k.transpose(1, 2) * D**-0.5, -1)
+        out[i] = (w @ v).view(-1, D)
+    return out
+
+
+@pytest.mark.parametrize(("done", "n", "window"), [(0, 70, 32), (40, 50, 33), (600, 48, 512)])
+def test_a_chunk_longer_than_its_window_takes_the_prefill_kernel(done, n, window):
+    """The C prefill kernel with a window (P = 0 before each query's window) equals a float32
+    reference over exactly each query's window, as closely as the masked-SDPA path it replaced."""
+    from llmctl.kernels.attention import PrefillChunk
+    from llmctl.kernels.cpu import prefill as cpu_prefill
+
+    if not cpu_prefill.supports(torch.zeros(1, 2, D, dtype=torch.bfloat16),
+                                torch.zeros(1, 1, D, dtype=torch.bfloat16)):  # fmt: skip
+        pytest.skip("needs the C prefill kernel")
+    g = torch.Generator().manual_seed(done + n)
+    kc = torch.randn(KVH, BLOCKS * BS, D, generator=g).to(torch.bfloat16)
+    vc = torch.randn(KVH, BLOCKS * BS, D, generator=g).to(torch.bfloat16)
+    slots = torch.randperm(BLOCKS * BS, generator=g)[: done + n]
+    q = torch.randn(n, KVH * G, D, generator=g).to(torch.bfloat16)
+    k, v = kc[:, slots[done:]].transpose(0, 1), vc[:, slots[done:]].transpose(0, 1)
+    chunk = PrefillChunk(0, n, done, slots)
+    f = af.Features(D**-0.5, window, None)
+    got = af._windowed_chunk(q, k, v, kc, vc, chunk, f, KernelConfig())
+    sdpa = af._windowed_chunk(q, k, v, kc, vc, chunk, f, KernelConfig(native=False))
+    ref = _chunk_reference(q, kc, vc, slots, done, window)
+    err, sdpa_err = (got.float() - ref).abs().max(), (sdpa.float() - ref).abs().max()
+    assert err <= max(2 * sdpa_err, 1e-2), (err, sdpa_err)
+    wider = _chunk_reference(q, kc, vc, slots, done, window + 1)
+    assert (got.float() - wider).abs().max() > 4 * err  # one key more is visible

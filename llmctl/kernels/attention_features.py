@@ -13,8 +13,9 @@ the window read the cache in place; when some do not and the C `vdpbf16ps` kerne
 every row is read in place by its variant that skips a row's first tokens (each row's block table
 shifted to its window's first block); elsewhere each row's last w positions are gathered into a
 scratch cache of consecutive blocks (w x kv_heads x D a row) that the decode kernel reads. A
-prefill chunk whose whole context fits is plain chunk attention. Everything else (soft-capping, sinks, chunks longer than the window) runs
-`attend` over only the positions a query can see.
+prefill chunk whose whole context fits is plain chunk attention; a longer one takes the C
+prefill kernel with the window (bf16), else SDPA under the window's mask. Everything else
+(soft-capping, sinks) runs `attend` over only the positions a query can see.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from llmctl.kernels.attention import (
 )
 from llmctl.kernels.config import KernelConfig
 from llmctl.kernels.cpu import attention as cpu_attention
+from llmctl.kernels.cpu import prefill as cpu_prefill
 from llmctl.kernels.kv_dtype import to_cache, widen
 
 
@@ -210,8 +212,18 @@ def _chunk(q, k, v, k_cache, v_cache, chunk, f: Features, kernels) -> torch.Tens
 def _windowed_chunk(q, k, v, k_cache, v_cache, chunk, f: Features, kernels) -> torch.Tensor:
     """A chunk longer than the window, no other feature: its queries at positions below the
     window see every key before them (plain chunk attention, the fast kernels); the rest run
-    SDPA with the window as a mask, [1, H, m, D] over [1, KVH, keys, D]."""
+    SDPA with the window as a mask, [1, H, m, D] over [1, KVH, keys, D]. Where the C prefill
+    kernel runs (bf16), the whole chunk is one call of it with the window, over the keys from the
+    first one any of its queries sees."""
     done, n, window = chunk.num_computed, chunk.length, f.sliding_window
+    if kernels.native and cpu_prefill.supports(q, k, kernels.prefill_attention):
+        first = max(0, done + 1 - window)  # the first key any query of the chunk sees
+        kk = k_cache.index_select(1, chunk.slots[first : done + n]).transpose(0, 1)
+        vv = v_cache.index_select(1, chunk.slots[first : done + n]).transpose(0, 1)
+        kk, vv = widen(kk, q.dtype), widen(vv, q.dtype)  # [done + n - first, KVH, D]
+        return cpu_prefill.prefill_attention(
+            q, kk, vv, done - first, f.scale, kernels.prefill_attention, window
+        )
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     split = max(0, min(n, window - done))  # queries [0, split) have no lower bound
     if split:

@@ -92,9 +92,9 @@ def _signatures() -> dict[str, dict[str, tuple[list, object]]]:
         "prefill": {
             "prefill_amx_available": ([], INT),
             "prefill_dpbf16_available": ([], INT),
-            # (q, k, v, out, Tq, nc, heads, KVH, D, 6 strides, scale, threads, amx) -> failed
+            # (q, k, v, out, Tq, nc, heads, KVH, D, 6 strides, scale, threads, amx, window)
             "prefill_attention_bf16": (
-                [P] * 4 + [I64] * 2 + [I32] * 3 + [I64] * 6 + [F32, I32, I32],
+                [P] * 4 + [I64] * 2 + [I32] * 3 + [I64] * 6 + [F32, I32, I32, I64],
                 INT,
             ),
         },

@@ -59,9 +59,12 @@ def prefill_attention(
     num_computed: int,
     scale: float,
     choice: str = "auto",  # KernelConfig.prefill_attention
+    window: int = 0,  # a sliding window: query at position p sees keys p - window + 1 .. p
 ) -> torch.Tensor:
     """Causal attention of the chunk over its prefix and itself; returns [Tq, heads, D] bf16.
-    Any strides with a contiguous last dimension. Call only where `supports(q, k, choice)`."""
+    Any strides with a contiguous last dimension. Call only where `supports(q, k, choice)`.
+    Positions are relative to k's first key, so with a window k may start at the first key any
+    query sees."""
     tq, heads, d = q.shape
     if k.shape[0] != num_computed + tq or v.shape != k.shape:
         raise ValueError(f"prefill_attention: {tuple(k.shape)} keys for {num_computed} + {tq}")
@@ -72,7 +75,7 @@ def prefill_attention(
     failed = load("prefill").prefill_attention_bf16(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), tq, num_computed, heads,
         k.shape[1], d, q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0),
-        out.stride(1), scale, torch.get_num_threads(), mode(choice) == "amx",
+        out.stride(1), scale, torch.get_num_threads(), mode(choice) == "amx", window,
     )  # fmt: skip
     if failed == 2:
         raise ValueError(f"prefill_attention: head_dim {d}, {heads} heads over {k.shape[1]}")

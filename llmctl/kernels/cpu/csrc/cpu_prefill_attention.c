@@ -7,7 +7,9 @@
  * Layouts (element strides; bfloat16 passed as its uint16 bits):
  *   q, out   [Tq, H, D]   token stride qt / ot, head stride qh / oh
  *   k, v     [L, KVH, D]  token stride kt, head stride kh (L = nc + Tq keys)
- * Query i sits at position nc + i and attends keys 0 .. nc + i. D must be a multiple of 64.
+ * Query i sits at position nc + i and attends keys 0 .. nc + i; with a sliding window w > 0 only
+ * keys nc + i - w + 1 .. nc + i (the others get P = 0 exactly; the caller passes keys from the
+ * first one any query of the chunk sees). D must be a multiple of 64.
  *
  * Why: PyTorch's CPU flash kernel ran at a fraction of the matmul peak on the engine's prefill
  * shapes (one call per sequence and layer, head_dim 64). Here K and V are packed once per call
@@ -110,32 +112,48 @@ static void pack_v(const uint16_t *v, int64_t kt, int64_t L, int D, int64_t j, u
         }
 }
 
+/* Lanes [t, t + 16) of keys [lo, n). */
+static inline __mmask16 key_lanes(int64_t t, int64_t n, int64_t lo) {
+    const __mmask16 k = n - t >= 16 ? 0xffff : n > t ? (__mmask16)((1u << (n - t)) - 1) : 0;
+    return lo <= t ? k : lo >= t + 16 ? 0 : k & (__mmask16)~((1u << (lo - t)) - 1);
+}
+
 /* Softmax of the 16 score rows s [16, stride] into p (bf16 [16, pstride], unnormalised, zero up to
- * 32 nkb); row m may see keys 0 .. first + m (rows at or past `rows` see none). Row sums into
- * sum[16]. */
+ * 32 nkb); row m may see keys 0 .. first + m, or with window > 0 the last `window` of them (rows
+ * at or past `rows` see none). Row sums into sum[16]. */
 static void softmax_rows(const float *s, uint16_t *p, int64_t stride, int64_t pstride,
-                         int64_t nkb, int64_t first, int rows, float scale, float *sum) {
+                         int64_t nkb, int64_t first, int rows, float scale, float *sum,
+                         int64_t window) {
     for (int m = 0; m < 16; ++m) {
         const float *sm = s + m * stride;
         uint16_t *pm = p + m * pstride;
         const int64_t n = m < rows ? first + m + 1 : 0;
+        const int64_t lo = window > 0 && n > window ? n - window : 0;
         __m512 mx = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
-        for (int64_t t = 0; t < n; t += 16) {
-            const __mmask16 k = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+        for (int64_t t = lo & ~(int64_t)15; t < n; t += 16) {
+            const __mmask16 k = key_lanes(t, n, lo);
             mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, sm + t));
         }
         /* scores to log2 units in one step: y = (s - max) scale log2(e) */
         const float l2 = scale * 1.44269504f;
         const __m512 sc = _mm512_set1_ps(l2);
         const __m512 off = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * l2);
-        const int64_t full = n & ~(int64_t)15;
-        for (int64_t t = 0; t < full; t += 16) {
+        const int64_t full = n & ~(int64_t)15, clear = lo & ~(int64_t)15;
+        memset(pm, 0, (size_t)clear * 2); /* whole tiles before the window */
+        for (int64_t t = clear; t < full && t < lo; t += 16) { /* the tile holding lo */
+            const __mmask16 k = key_lanes(t, n, lo);
+            const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, sm + t), sc, off);
+            const __m512 e = _mm512_maskz_mov_ps(k, exp2_neg(x));
+            total = _mm512_add_ps(total, e);
+            _mm256_storeu_si256((__m256i *)(pm + t), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        for (int64_t t = lo > clear ? clear + 16 : clear; t < full; t += 16) {
             const __m512 e = exp2_neg(_mm512_fmsub_ps(_mm512_loadu_ps(sm + t), sc, off));
             total = _mm512_add_ps(total, e);
             _mm256_storeu_si256((__m256i *)(pm + t), (__m256i)_mm512_cvtneps_pbh(e));
         }
         for (int64_t t = full; t < 32 * nkb; t += 16) { /* the tail, then zeros up to 32 nkb */
-            const __mmask16 k = n > t ? (__mmask16)((1u << (n - t)) - 1) : 0;
+            const __mmask16 k = key_lanes(t, n, lo);
             const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, sm + t), sc, off);
             const __m512 e = _mm512_maskz_mov_ps(k, exp2_neg(x));
             total = _mm512_add_ps(total, e);
@@ -148,7 +166,7 @@ static void softmax_rows(const float *s, uint16_t *p, int64_t stride, int64_t ps
 typedef struct {
     const uint16_t *q, *kp, *vp;
     uint16_t *out;
-    int64_t qt, qh, ot, oh, tq, nc, nk32;
+    int64_t qt, qh, ot, oh, tq, nc, nk32, window;
     int H, G, D;
     float scale;
 } job;
@@ -184,7 +202,7 @@ static void item(const job *J, int hq, int64_t i0, float *s, uint16_t *p, float 
         _tile_stored(1, s + 32 * j + 16, stride * 4);
     }
     float sum[16];
-    softmax_rows(s, p, stride, pstride, nkb, J->nc + i0, rows, J->scale, sum);
+    softmax_rows(s, p, stride, pstride, nkb, J->nc + i0, rows, J->scale, sum, J->window);
     for (int c4 = 0; c4 < D / 64; ++c4) {
         _tile_zero(4);
         _tile_zero(5);
@@ -292,7 +310,7 @@ static void item_dp(const job *J, int hq, int64_t i0, float *s, uint16_t *p) {
     }
 #undef S_CASE
     float sum[16];
-    softmax_rows(s, p, stride, pstride, nkb, J->nc + i0, rows, J->scale, sum);
+    softmax_rows(s, p, stride, pstride, nkb, J->nc + i0, rows, J->scale, sum, J->window);
 #define O_CASE(M)                                                                               \
     case M: o_rows(p + m0 * pstride, pstride, vp, D, 16 * nkb, c4, M, sum + m0, om, J->ot); break;
     for (int c4 = 0; c4 < D / 64; ++c4)
@@ -303,12 +321,13 @@ static void item_dp(const job *J, int hq, int64_t i0, float *s, uint16_t *p) {
 #undef O_CASE
 }
 
-/* amx: 1 for AMX tiles (where prefill_amx_available() said 1), 0 for vdpbf16ps.
- * Returns 0, 1 when scratch could not be allocated, 2 when D or the mode is unsupported. */
+/* amx: 1 for AMX tiles (where prefill_amx_available() said 1), 0 for vdpbf16ps; window: 0, or
+ * the sliding window in tokens. Returns 0, 1 when scratch could not be allocated, 2 when D or the
+ * mode is unsupported. */
 int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
                            int64_t tq, int64_t nc, int H, int KVH, int D, int64_t qt, int64_t qh,
                            int64_t kt, int64_t kh, int64_t ot, int64_t oh, float scale,
-                           int threads, int amx) {
+                           int threads, int amx, int64_t window) {
 #ifndef HAVE_AMX
     if (amx) return 2;
 #endif
@@ -317,7 +336,7 @@ int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t 
     const size_t head = (size_t)nk32 * 32 * D;
     uint16_t *kp = aligned_alloc(64, head * KVH * 2), *vp = aligned_alloc(64, head * KVH * 2);
     int failed = kp == NULL || vp == NULL;
-    job J = {q, kp, vp, out, qt, qh, ot, oh, tq, nc, nk32, H, H / KVH, D, scale};
+    job J = {q, kp, vp, out, qt, qh, ot, oh, tq, nc, nk32, window, H, H / KVH, D, scale};
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         if (!failed) {
@@ -372,8 +391,8 @@ int prefill_dpbf16_available(void) { return 0; }
 int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
                            int64_t tq, int64_t nc, int H, int KVH, int D, int64_t qt, int64_t qh,
                            int64_t kt, int64_t kh, int64_t ot, int64_t oh, float scale,
-                           int threads, int amx) {
-    (void)q, (void)k, (void)v, (void)out, (void)tq, (void)nc, (void)H, (void)KVH, (void)D;
+                           int threads, int amx, int64_t window) {
+    (void)window, (void)q, (void)k, (void)v, (void)out, (void)tq, (void)nc, (void)H, (void)KVH, (void)D;
     (void)qt, (void)qh, (void)kt, (void)kh, (void)ot, (void)oh, (void)scale, (void)threads;
     (void)amx;
     return 2;
