@@ -24,10 +24,12 @@ import torch.nn.functional as F
 
 QMAX = 127
 ROW_BUCKETS = (1, 16, 128, 512)  # rows timed by choose_kernel; a call uses the nearest at or below
-# The C passes run on the calling thread: they are a few percent of the GEMM, and an OpenMP
-# region of their own would start the compiler's libgomp pool beside PyTorch's, whose threads
-# spin between calls (on a 2-core host under load, forwards measured 3-30x slower with it)
-NATIVE_THREADS = 1
+# The C passes take PyTorch's thread count, as the other C kernels do: the library's libgomp is
+# the one PyTorch loaded (same soname), so their OpenMP regions reuse its threads. Measured on a
+# quiet 2-core Zen 4 (BENCHMARKS W8A, 2026-12-07): a 512-token W8A8 forward 0.517 s against 0.553 s
+# on the calling thread alone. (An earlier measurement on a host loaded 2-5x over its cores had
+# found forwards 3-30x slower with 2 threads: oversubscribed spinning threads, which hurt every
+# OpenMP kernel there alike.)
 TIMED_CALLS = 5  # rounds per measurement (the fastest counts: a shared host's noise)
 
 
@@ -62,8 +64,9 @@ def quantize_rows_native(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(m, 1, dtype=torch.float32)
     bf16 = int(x.dtype == torch.bfloat16)
     _native().quant_rows_int8(
-        x.data_ptr(), x.stride(0), bf16, m, k, codes.data_ptr(), scale.data_ptr(), NATIVE_THREADS
-    )
+        x.data_ptr(), x.stride(0), bf16, m, k, codes.data_ptr(), scale.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
     return codes, scale
 
 
@@ -76,7 +79,8 @@ def rescale_native(
     acc, xs, ws = acc.contiguous(), x_scale.contiguous(), w_scale.contiguous()
     bf16 = int(dtype == torch.bfloat16)
     _native().rescale_int32(
-        acc.data_ptr(), m, n, xs.data_ptr(), ws.data_ptr(), out.data_ptr(), bf16, NATIVE_THREADS,
+        acc.data_ptr(), m, n, xs.data_ptr(), ws.data_ptr(), out.data_ptr(), bf16,
+        torch.get_num_threads(),
     )  # fmt: skip
     return out
 
