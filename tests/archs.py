@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 COMMON = dict(
     vocab_size=160,
     hidden_size=64,
@@ -136,3 +138,43 @@ def save_clear_model(folder: Path, arch: str, prompts=PROMPTS, max_new_tokens: i
             model.save_pretrained(folder)
             return folder, tokens
     raise AssertionError(f"no seed of {arch} gives clear greedy margins")
+
+
+WORDS = 150  # the word-level tokenizer's words w0..w149 (ids 3..152, after <unk>, <s>, </s>)
+
+
+def save_word_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer (each w<i> one token) into `folder`, for tests whose commands read
+    text (calibration, eval) on the tiny models."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(folder)
+
+
+def write_words(path: Path, lines: int = 16, words: int = 40) -> Path:
+    """A text file of random words w0..w149 (seeded), one token each with save_word_tokenizer's."""
+    import random
+
+    rnd = random.Random(0)
+    text = (" ".join(f"w{rnd.randrange(WORDS)}" for _ in range(words)) for _ in range(lines))
+    path.write_text("\n".join(text) + "\n")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Autouse where imported: the test runs at one thread (the compress tests' sums in one
+    order, and no oversubscription beside other jobs)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -6,11 +6,10 @@ silently writes wrong weights fails."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
-from archs import ARCHS, build
+from archs import ARCHS, build, one_thread, save_word_tokenizer, write_words  # noqa: F401
 
 from llmctl import LLM, SamplingParams
 from llmctl.cli import main
@@ -28,38 +27,17 @@ IDS = torch.tensor(
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def text(tmp_path_factory):
     """A text file of words w0..w149 (the tokenizer below reads each as one token)."""
-    rnd = random.Random(0)
-    path = tmp_path_factory.mktemp("text") / "text.txt"
-    lines = (" ".join(f"w{rnd.randrange(150)}" for _ in range(40)) for _ in range(16))
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_words(tmp_path_factory.mktemp("text") / "text.txt")
 
 
 def _save(folder, arch: str):
     """The tiny model of `arch` with a word-level tokenizer (eval reads text)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     model = build(arch, initializer_range=0.1)  # 0.3's chaos would flip MoE routing on rounding
     model.save_pretrained(folder)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(150)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
-    fast.save_pretrained(folder)
+    save_word_tokenizer(folder)
     with torch.no_grad():  # the state in checkpoint form: MoE experts one tensor each
         return export_state(model), model(IDS).logits.float()
 

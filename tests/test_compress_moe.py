@@ -6,11 +6,10 @@ names, and loaded back natively and on the transformers path."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
-from archs import PROMPTS, build, greedy
+from archs import PROMPTS, build, greedy, one_thread, save_word_tokenizer, write_words  # noqa: F401
 
 from llmctl import LLM, SamplingParams
 from llmctl.cli import main
@@ -32,37 +31,16 @@ def _expert_names(arch: str, layers: int = 2, experts: int = 4) -> list[str]:
     ]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def text(tmp_path_factory):
     """Words w0..w149 (one token each with the tokenizer of `_save`)."""
-    rnd = random.Random(0)
-    path = tmp_path_factory.mktemp("text") / "text.txt"
-    lines = (" ".join(f"w{rnd.randrange(150)}" for _ in range(40)) for _ in range(16))
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_words(tmp_path_factory.mktemp("text") / "text.txt")
 
 
 def _save(folder, arch: str, seed: int = 0):
     """The tiny model of `arch` (routing that rounding does not flip) with a word tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     build(arch, seed, initializer_range=0.1).save_pretrained(folder)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(150)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
-    fast.save_pretrained(folder)
+    save_word_tokenizer(folder)
 
 
 def _cli(*args) -> None:
