@@ -157,15 +157,10 @@ def decode_kernel(q_dtype: torch.dtype, cache_dtype: torch.dtype, choice: str = 
 
 
 def skips_served(q: torch.Tensor, k_cache: torch.Tensor, choice: str = "auto") -> bool:
-    """Whether `paged_decode_attention(..., skips=...)` runs here: a bf16 query and cache where
-    the `vdpbf16ps` kernel runs and the choice is not generic."""
-    return (
-        q.dtype is torch.bfloat16
-        and k_cache.dtype is torch.bfloat16
-        and choice != "generic"
-        and supports(q, k_cache)
-        and dpbf16_available()
-    )
+    """Whether `paged_decode_attention(..., skips=...)` runs here: where a bf16 call would take the
+    `vdpbf16ps` items (AMX's kernel takes them too, for shapes its tiles do not fit)."""
+    kernel = decode_kernel(q.dtype, k_cache.dtype, choice)
+    return kernel in ("paged_decode_amx", "paged_decode_dpbf16") and supports(q, k_cache)
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
