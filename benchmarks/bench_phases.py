@@ -46,6 +46,7 @@ def _generate(engine: str, spec: dict):
             max_model_len=spec["max_model_len"],
             max_num_seqs=256,
             enable_prefix_caching=False,
+            kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
         )
         prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
         params = [
@@ -59,7 +60,12 @@ def _generate(engine: str, spec: dict):
     from llmctl import LLM, SamplingParams
 
     llm = LLM(
-        spec["model"], dtype="bfloat16", device="cpu", max_num_seqs=256, enable_prefix_caching=False
+        spec["model"],
+        dtype="bfloat16",
+        device="cpu",
+        max_num_seqs=256,
+        enable_prefix_caching=False,
+        kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
     )
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in spec["outputs"]]
     llm.generate([spec["prompts"][0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))

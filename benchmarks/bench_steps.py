@@ -146,6 +146,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workload", default="decode", choices=sorted(WORKLOADS))
     ap.add_argument("--engines", default="vllm,llmctl")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="both engines' KV cache dtype")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.worker:
@@ -163,9 +164,15 @@ def main() -> None:
         "outputs": outs,
         "threads": args.threads,
         "max_model_len": prompt_range[1] + output_range[1] + 16,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     pythons = {"vllm": os.environ.get("VLLM_PYTHON", "/work/venvs/vllm/bin/python")}
-    report = {"config": args.config, "threads": args.threads, "workload": args.workload}
+    report = {
+        "config": args.config,
+        "threads": args.threads,
+        "workload": args.workload,
+        "kv_cache_dtype": args.kv_cache_dtype,
+    }
     for engine in args.engines.split(","):
         report[engine] = _run(engine, spec, pythons.get(engine, sys.executable))
         print(engine, json.dumps(report[engine]), flush=True)

@@ -76,6 +76,31 @@ def test_writes_saturate_and_the_c_write_equals_torchs(dtype):
     assert torch.equal(c_k[:, slots].transpose(0, 1).float(), expect)
 
 
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", FP8)
+def test_the_c_fp8_conversions_equal_torchs_for_every_value(dtype, half):
+    """`native` to_cache and widen (C table lookups) give torch's codes and values for every
+    16-bit pattern (NaN, inf, saturation, subnormals) and every fp8 code, also over a column
+    slice of a wider tensor, the q/k/v output's layout."""
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(half).view(512, 2, 64)
+    if kv.load("core") is None:
+        pytest.skip("no C compiler: the PyTorch casts serve")
+    assert kv._lut(every, dtype, narrow=True) is not None  # the C lookup, not the fallback
+    want = kv.to_cache(every, dtype).view(torch.uint8)
+    assert torch.equal(kv.to_cache(every, dtype, native=True).view(torch.uint8), want)
+    wide = torch.cat((every, every), dim=-1)[..., 64:]  # strided rows, contiguous heads
+    assert not wide.is_contiguous()
+    assert torch.equal(kv.to_cache(wide, dtype, native=True).view(torch.uint8), want)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).view(4, 64)
+    got = kv.widen(codes, half, native=True)
+    assert got.dtype is half and torch.equal(
+        got.view(torch.int16), codes.to(half).view(torch.int16)
+    )
+    gathered = torch.cat((codes, codes)).view(2, 4, 64).transpose(0, 1)  # not row-contiguous
+    bits = kv.widen(gathered, half, native=True).view(torch.int16)
+    assert torch.equal(bits, gathered.to(half).view(torch.int16))
+
+
 def test_int8_rows_carry_their_scale_and_the_c_write_equals_torchs():
     """int8: each (token, head) row is D values over amax / 127 then the scale's 4 bytes; the C
     write (which quantizes itself, float32 or bf16 rows) and to_cache + index_copy_ store the
@@ -174,10 +199,10 @@ def _rounded(dtype):
     exactly the values an fp8 cache holds."""
     real = kv.to_cache
 
-    def to_cache(x, cache_dtype):
+    def to_cache(x, cache_dtype, native=False):
         if cache_dtype is torch.float32:
             return kv.widen(real(x, dtype), torch.float32)
-        return real(x, cache_dtype)
+        return real(x, cache_dtype, native)
 
     return to_cache
 

@@ -37,7 +37,7 @@ def write_kv(
     call where `native` and it applies)."""
     if native and cpu_attention.use_write_kv_i8(k_cache, v_cache, k, v, slots):
         return cpu_attention.write_kv_i8(k_cache, v_cache, k, v, slots)
-    k, v = to_cache(k, k_cache.dtype), to_cache(v, v_cache.dtype)
+    k, v = to_cache(k, k_cache.dtype, native), to_cache(v, v_cache.dtype, native)
     if native and cpu_attention.use_write_kv(k_cache, v_cache, k, v, slots):
         return cpu_attention.write_kv(k_cache, v_cache, k, v, slots)
     write_rows(k_cache, slots, k)
@@ -146,15 +146,18 @@ def chunk_attention(
     tq = q.shape[0]
     # An fp8 cache: the chunk's own K/V as the cache holds them too (paged_attention passes them
     # so), so a prompt's outputs do not depend on how it was chunked or what the prefix cache hit.
-    k_new, v_new = widen(k_new, q.dtype), widen(v_new, q.dtype)
+    native = kernels.native
+    k_new, v_new = widen(k_new, q.dtype, native), widen(v_new, q.dtype, native)
     mode = kernels.prefill_attention
-    if kernels.native and cpu_prefill.supports(q, k_new, mode):
+    if native and cpu_prefill.supports(q, k_new, mode):
         if num_computed == 0:
             return cpu_prefill.prefill_attention(q, k_new, v_new, 0, scale, mode)
-        k = k_cache.index_select(1, slots[: num_computed + tq]).transpose(0, 1)  # [total, kvh, D]
-        v = v_cache.index_select(1, slots[: num_computed + tq]).transpose(0, 1)
-        k, v = widen(k, q.dtype), widen(v, q.dtype)  # an fp8 cache: the gathered rows only
-        return cpu_prefill.prefill_attention(q, k, v, num_computed, scale, mode)
+        # [kvh, total, D] gathered, widened (an fp8 cache: the gathered rows only), [total, kvh, D]
+        k = widen(k_cache.index_select(1, slots[: num_computed + tq]), q.dtype, native)
+        v = widen(v_cache.index_select(1, slots[: num_computed + tq]), q.dtype, native)
+        return cpu_prefill.prefill_attention(
+            q, k.transpose(0, 1), v.transpose(0, 1), num_computed, scale, mode
+        )
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, Tq, D]
     if num_computed == 0:  # nothing cached before: plain causal attention on the new K/V
         k = k_new.transpose(0, 1).unsqueeze(0)
@@ -334,7 +337,10 @@ def paged_attention(
     triton = None if out is not None else _triton_kernels(q)
     nd = meta.num_decodes
     if triton or nd < q.shape[0]:  # prefill chunks attend over K/V as the cache holds them
-        k, v = to_cache(k, k_cache.dtype), to_cache(v, v_cache.dtype)
+        k, v = (
+            to_cache(k, k_cache.dtype, kernels.native),
+            to_cache(v, v_cache.dtype, kernels.native),
+        )
     if triton:
         triton[0](k_cache, v_cache, k, v, meta.slot_mapping)
     elif out is not None and k.dtype is k_cache.dtype:

@@ -19,9 +19,12 @@ per (token, head) measured best for quality per byte.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from llmctl.kernels.config import KV_CACHE_DTYPES
+from llmctl.kernels.cpu.library import load
 
 _NAMED = {
     "bfloat16": torch.bfloat16,
@@ -35,6 +38,7 @@ _NAMED = {
 SCALE_BYTES = 4  # an int8 row's float32 scale
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _LARGEST = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_HALF = (torch.bfloat16, torch.float16)  # the 16-bit dtypes the C tables map from and to
 
 
 def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -56,12 +60,15 @@ def row_width(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + SCALE_BYTES if dtype is torch.int8 else head_dim
 
 
-def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def to_cache(x: torch.Tensor, dtype: torch.dtype, native: bool = False) -> torch.Tensor:
     """x [T, KVH, D] as the cache stores it: fp8 saturated at its largest finite value (torch's
     cast rounds to nearest even; it would make e5m2's overflow inf); int8 rounded to nearest
-    even over amax / 127 per row, [T, KVH, D + 4] with the scale's bytes."""
+    even over amax / 127 per row, [T, KVH, D + 4] with the scale's bytes. `native`: a bf16 or
+    fp16 x goes to fp8 through the C table lookup (the same codes), where the library loads."""
     if x.dtype is dtype:
         return x
+    if native and dtype in FP8 and x.dtype in _HALF and (out := _lut(x, dtype, True)) is not None:
+        return out
     if dtype is torch.int8:
         scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127.0  # [T, KVH, 1]
         q = (x.float() / scale).round().clamp(-127, 127).to(torch.int8)
@@ -80,11 +87,47 @@ def write_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> Non
     cache.index_copy_(1, slots, x)
 
 
-def widen(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def widen(x: torch.Tensor, dtype: torch.dtype, native: bool = False) -> torch.Tensor:
     """Gathered cache rows [..., row_width] in the compute dtype [..., D] (x itself where it is
-    in it already); int8 rows times their scales, in float32, then rounded once."""
+    in it already); int8 rows times their scales, in float32, then rounded once. `native`: fp8
+    to bf16 or fp16 through the C table lookup (the same values), where the library loads."""
+    if native and x.dtype in FP8 and dtype in _HALF and (out := _lut(x, dtype, False)) is not None:
+        return out
     if x.dtype is torch.int8:
         d = x.shape[-1] - SCALE_BYTES
         scale = x[..., d:].contiguous().view(torch.float32)  # [..., 1]
         return (x[..., :d].float() * scale).to(dtype)
     return x if x.dtype is dtype else x.to(dtype)
+
+
+@functools.cache
+def _table(half: torch.dtype, fp8: torch.dtype, narrow: bool) -> torch.Tensor:
+    """torch's own casts, tabulated: every 16-bit pattern of `half` -> its saturated `fp8` code
+    (uint8 [65536], indexed by the unsigned bits), or every fp8 code -> its `half` bits ([256])."""
+    if narrow:
+        every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(half)
+        return to_cache(every, fp8).view(torch.uint8).contiguous()
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).to(half).contiguous()
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int, int] | None:
+    """(rows, width, row stride) of x as rows of its trailing dims, which must be contiguous
+    (a column slice of a wider output qualifies); None where x is not so."""
+    if x.dim() == 0 or x.numel() == 0 or x.device.type != "cpu":
+        return None
+    if x.dim() == 1:
+        return (1, x.shape[0], x.shape[0]) if x.stride(0) == 1 else None
+    return (x.shape[0], x[0].numel(), x.stride(0)) if x[0].is_contiguous() else None
+
+
+def _lut(x: torch.Tensor, dtype: torch.dtype, narrow: bool) -> torch.Tensor | None:
+    """x converted to `dtype` in one C pass over `_table`'s lookup (None: not applicable)."""
+    shape, lib = _rows(x), load("core")
+    if shape is None or lib is None:
+        return None
+    rows, w, ld = shape
+    table = _table(x.dtype, dtype, True) if narrow else _table(dtype, x.dtype, False)
+    out = torch.empty(x.shape, dtype=dtype)
+    fn = lib.lut_narrow if narrow else lib.lut_widen
+    fn(x.data_ptr(), ld, rows, w, table.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out

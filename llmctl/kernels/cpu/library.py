@@ -67,6 +67,9 @@ def _signatures() -> dict[str, dict[str, tuple[list, object]]]:
             "write_kv": ([P, I64, P, I64, P, P, P, I64, I32, I32, I64, I32, I32], None),
             # (k, ldk, v, ldv, k_cache, v_cache, slots, T, KVH, D, nslots, bf16, threads)
             "write_kv_i8": ([P, I64, P, I64, P, P, P, I64, I32, I32, I64, I32, I32], None),
+            # (x, ld, rows, w, table, out, threads): fp8 codes from and to 16-bit values
+            "lut_narrow": ([P, I64, I64, I64, P, P, I32], None),
+            "lut_widen": ([P, I64, I64, I64, P, P, I32], None),
             # (x, rows, n, ld, bf16, out, threads)
             "argmax_rows": ([P, I64, I64, I64, I32, P, I32], None),
             "argmax_rows_built": ([], INT),

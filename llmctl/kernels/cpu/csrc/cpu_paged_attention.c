@@ -292,3 +292,23 @@ void write_kv_i8(const char *k, int64_t ldk, const char *v, int64_t ldv, int8_t 
         }
 }
 #pragma GCC pop_options
+
+/* An fp8 cache's rows into and out of it (kernels/kv_dtype.py to_cache and widen) through tables
+ * that torch's own casts filled (exact by construction): narrowing maps every 16-bit pattern
+ * (bf16 or fp16) to its saturated fp8 code [65536], widening every code to its 16-bit value [256].
+ * x [rows, w] with row stride ld (elements: K or V may be a column slice of the q/k/v output);
+ * out [rows, w] contiguous. torch's casts and clamp took 0.65 s and its widening about 1 s of a
+ * 40 s prefill-heavy job on an fp8 cache (BENCHMARKS KV38f); a lookup per value is bandwidth. */
+void lut_narrow(const uint16_t *x, int64_t ld, int64_t rows, int64_t w, const uint8_t *lut,
+                uint8_t *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= 64)
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < w; ++i) out[r * w + i] = lut[x[r * ld + i]];
+}
+
+void lut_widen(const uint8_t *x, int64_t ld, int64_t rows, int64_t w, const uint16_t *lut,
+               uint16_t *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= 64)
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < w; ++i) out[r * w + i] = lut[x[r * ld + i]];
+}
