@@ -52,8 +52,8 @@ def _root(
         False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
     ),
 ) -> None:
-    """llmctl: quantize, sparsify, distill, batch-serve, profile and evaluate Llama-family
-    models, alone or as the stages of a recipe."""
+    """llmctl: quantize, sparsify, distill, batch-serve, profile and evaluate decoder-only
+    language models, alone or as the stages of a recipe."""
 
 
 for module in MODULES:

@@ -17,7 +17,10 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-MODEL_HELP = "Local folder or hub id of a Llama-family model (default: the embedded demo model)."
+MODEL_HELP = (
+    "Local folder, .gguf file or hub id of a decoder-only model transformers can build (default:"
+    " the embedded demo model)."
+)
 DTYPE_HELP = (
     "Weights and activations: auto, bfloat16, float16 or float32. auto: the checkpoint's dtype; "
     "on a CPU, bfloat16 for half precision, or float32 when the CPU has no native bf16 (AVX2 "
@@ -70,9 +73,9 @@ ModelImplOpt = Annotated[
     Optional[str],
     typer.Option(
         "--model-impl",
-        help="Whose model code runs MODEL: auto (llmctl's own for llama, mistral, qwen2 and "
-        "qwen3, transformers' for every other architecture), llmctl or transformers "
-        "(default: auto).",
+        help="Whose model code runs MODEL: auto (llmctl's own for the Llama, Mistral, Qwen, "
+        "Phi-3, Gemma, Mixtral and OLMoE families, transformers' for every other "
+        "architecture), llmctl or transformers (default: auto).",
         show_default=False,
     ),
 ]
