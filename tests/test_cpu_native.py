@@ -3,6 +3,8 @@ their plain-PyTorch references, and KernelConfig.native keeping them out."""
 
 from __future__ import annotations
 
+import ctypes
+import platform
 import shutil
 import sys
 import warnings
@@ -428,6 +430,27 @@ def test_argmax_kernel_equals_torch_max(dtype, vocab):
     assert not elementwise.use_argmax(x.t()) or vocab == 1  # columns are not contiguous
     assert not elementwise.use_argmax(x[0])  # one-dimensional
     assert not elementwise.use_argmax(x.to(torch.float16))
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction sets")
+@pytest.mark.parametrize("name", sorted(library.LIBRARIES))
+def test_every_library_builds_and_loads_for_a_cpu_without_avx512(name, tmp_path, monkeypatch):
+    """On an AVX2-only CPU (-march=native there defines no AVX-512 macro) each library still
+    exports every function its signature table declares, as stubs where the instructions are
+    missing: one missing name fails the library's whole load, and every caller of it would fall
+    back to PyTorch."""
+    if library.load("core") is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(library, "COMPILE_FLAGS", [*library.COMPILE_FLAGS, "-march=haswell"])
+    lib = ctypes.CDLL(str(library.build(library.sources(name), out_dir=tmp_path)))
+    missing = [fn for fn in library._signatures()[name] if not hasattr(lib, fn)]
+    assert missing == []
+    # the stubs are reported as such (linear_dpbf16 is built with target attributes instead, and
+    # its caller checks the CPU's flags)
+    probes = ("paged_decode_dpbf16_built", "paged_decode_amx_available", "linear_amx_available")
+    for probe in (*probes, "prefill_amx_available", "prefill_dpbf16_available"):
+        if probe in library._signatures()[name]:
+            assert getattr(lib, probe)() == 0
 
 
 def test_a_kernel_that_does_not_build_is_none_with_one_warning(monkeypatch, tmp_path):

@@ -633,7 +633,16 @@ int paged_decode_amx(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
 #else /* no AVX512-BF16 on this CPU or compiler: the caller keeps paged_decode_bf16 */
 int paged_decode_dpbf16_built(void) { return 0; }
 
-/* Stubs: never called where paged_decode_dpbf16_built() is 0. */
+/* Stubs: never called where paged_decode_dpbf16_built() is 0; every name the library declares
+ * must exist, or the whole library fails to load (tests/test_cpu_native.py builds it so). */
+int paged_decode_dpbf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
+                        const int64_t *tables, const int64_t *lens, uint16_t *out, int B, int H,
+                        int KVH, int D, int64_t slots, int max_blocks, int bs, float scale,
+                        int64_t max_len, int threads) {
+    (void)q, (void)kc, (void)vc, (void)tables, (void)lens, (void)out, (void)B, (void)H, (void)KVH;
+    (void)D, (void)slots, (void)max_blocks, (void)bs, (void)scale, (void)max_len, (void)threads;
+    return 1; /* "failed": out untouched */
+}
 #define QUANT_STUB(name)                                                                         \
     int name(const uint16_t *q, const uint8_t *kc, const uint8_t *vc, const int64_t *tables,   \
              const int64_t *lens, uint16_t *out, int B, int H, int KVH, int D, int64_t slots,   \
