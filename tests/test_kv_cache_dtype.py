@@ -157,6 +157,29 @@ def test_quantized_decode_kernels_equal_the_widened_cache_bit_for_bit(dtype, d, 
     assert torch.equal(fast, slow)
 
 
+@pytest.mark.parametrize("dtype", FP8)
+def test_the_generic_fp8_kernel_reads_every_finite_code_exactly(dtype):
+    """Every finite fp8 code (subnormals, zeros of both signs, the largest values) in K and V:
+    the generic kernel's own conversion equals the cache widened to float32 by torch."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = codes[torch.isfinite(codes.view(dtype).float())]  # [n]
+    d, bs, kvh = 64, 16, 2
+    n_tok = 32  # 2,048 values: every code 8 times, at different columns
+    rows = finite.repeat(-(-n_tok * d // finite.numel()))[: n_tok * d].view(n_tok, d)
+    kc = torch.zeros(kvh, n_tok, d, dtype=torch.uint8)
+    kc[:] = rows
+    vc = kc.flip(1).contiguous()
+    kc, vc = kc.view(dtype), vc.view(dtype)
+    tables = torch.arange(n_tok // bs).view(1, -1)
+    lens = torch.tensor([n_tok])
+    q = torch.randn(1, 2 * kvh, d) * 1e-3  # small scores: the softmax keeps every V row
+    args = (tables, lens, 0.125, bs, n_tok)
+    out = cpu_attention.paged_decode_attention(q, kc, vc, *args, "generic")
+    kf, vf = kv.widen(kc, torch.float32), kv.widen(vc, torch.float32)
+    assert torch.isfinite(kf).all() and kf.abs().min() == 0 and kf.abs().max() > 400
+    assert torch.equal(out, cpu_attention.paged_decode_attention(q, kf, vf, *args, "generic"))
+
+
 def _fmt(dtype) -> str:
     return {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2", torch.int8: "i8"}[dtype]
 

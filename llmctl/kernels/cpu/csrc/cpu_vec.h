@@ -10,8 +10,6 @@ typedef float v8r __attribute__((vector_size(32)));              /* in registers
 typedef float v8f __attribute__((vector_size(32), aligned(4)));  /* loads from any float */
 typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
-typedef uint8_t v8b __attribute__((vector_size(8), aligned(1)));
-typedef _Float16 v8hf __attribute__((vector_size(16)));
 
 /* Element kinds of load8: float32, bfloat16 (as its uint16 bits), fp8 e4m3fn and fp8 e5m2 (as
  * their bytes, the KV cache's --kv-cache-dtype fp8 formats); int8 (the int8 KV cache: rows of
@@ -25,20 +23,12 @@ static inline size_t row_bytes(const int kind, int D) {
     return kind_size(kind) * (size_t)D + (kind == KIND_I8 ? 4 : 0);
 }
 
-/* 8 values from element i of p, of element kind `kind` (0/1 is the old bf16 flag). fp8 goes
- * through float16 exactly: e5m2 is the top byte of a float16; e4m3's sign, exponent and
- * mantissa placed in a float16 (sign at bit 15, the rest shifted by 7) read as the value times
- * 2^-8, subnormals included, so one multiply by 256 restores it. */
+/* 8 values from element i of p, of element kind KIND_F32 or KIND_BF16 (0/1 is the old bf16
+ * flag); fp8 and int8 rows are widened by their kernels (cpu_paged_attention.c fp8_row). */
 static inline v8r load8(const void *p, int64_t i, const int kind) {
     if (kind == KIND_BF16) {  /* bfloat16 is the top half of a float32 */
         v8u u = __builtin_convertvector(*(const v8h *)((const uint16_t *)p + i), v8u) << 16;
         return (v8r)u;
-    }
-    if (kind >= KIND_E4M3) {
-        const v8h x = __builtin_convertvector(*(const v8b *)((const uint8_t *)p + i), v8h);
-        if (kind == KIND_E5M2) return __builtin_convertvector((v8hf)(v8h)(x << 8), v8r);
-        const v8h h = ((x & 0x80) << 8) | ((x & 0x7f) << 7);
-        return __builtin_convertvector((v8hf)h, v8r) * 256.f;
     }
     return *(const v8f *)((const float *)p + i);
 }
