@@ -48,34 +48,40 @@ _DECODE_KERNELS = (
 )  # fmt: skip
 
 
+def _core_signatures() -> dict[str, tuple[list, object]]:
+    """The core library's functions (decode attention, K/V writes and conversions, linears,
+    norms, activations, argmax): {function: (argtypes, restype)}."""
+    return {
+        **dict.fromkeys(_DECODE_KERNELS, _DECODE),
+        "paged_decode_dpbf16_built": ([], INT),
+        "paged_decode_dpbf16_skip": (_DECODE[0] + [P], INT),  # ..., skips [B] int64
+        "paged_decode_amx_available": ([], INT),
+        # (x, ldx, w, bias, out, M, N, K, w_bf16, threads)
+        "linear": ([P, I64, P, P, P, I64, I64, I64, I32, I32], None),
+        "rms_norm": (_RMS_NORM, None),
+        "add_rms_norm": ([P] + _RMS_NORM, None),  # (x, r, w, out, ...): x += r first
+        "silu_mul": (_SILU, None),
+        "silu_and_mul": (_SILU, None),
+        # (k, ldk, v, ldv, k_cache, v_cache, slots, T, KVH, D, nslots, esize, threads)
+        "write_kv": ([P, I64, P, I64, P, P, P, I64, I32, I32, I64, I32, I32], None),
+        # (k, ldk, v, ldv, k_cache, v_cache, slots, T, KVH, D, nslots, bf16, threads)
+        "write_kv_i8": ([P, I64, P, I64, P, P, P, I64, I32, I32, I64, I32, I32], None),
+        # (x, ld, rows, w, table, out, threads): fp8 codes from and to 16-bit values
+        "lut_narrow": ([P, I64, I64, I64, P, P, I32], None),
+        "lut_widen": ([P, I64, I64, I64, P, P, I32], None),
+        # (x, rows, n, ld, bf16, out, threads)
+        "argmax_rows": ([P, I64, I64, I64, I32, P, I32], None),
+        "argmax_rows_built": ([], INT),
+        # (x, rows, n, ld, bf16, mask, words, threads)
+        "mask_rows": ([P, I64, I64, I64, I32, P, I64, I32], None),
+    }
+
+
 @functools.cache
 def _signatures() -> dict[str, dict[str, tuple[list, object]]]:
     """library name -> {function: (argtypes, restype)}."""
     return {
-        "core": {
-            **dict.fromkeys(_DECODE_KERNELS, _DECODE),
-            "paged_decode_dpbf16_built": ([], INT),
-            "paged_decode_dpbf16_skip": (_DECODE[0] + [P], INT),  # ..., skips [B] int64
-            "paged_decode_amx_available": ([], INT),
-            # (x, ldx, w, bias, out, M, N, K, w_bf16, threads)
-            "linear": ([P, I64, P, P, P, I64, I64, I64, I32, I32], None),
-            "rms_norm": (_RMS_NORM, None),
-            "add_rms_norm": ([P] + _RMS_NORM, None),  # (x, r, w, out, ...): x += r first
-            "silu_mul": (_SILU, None),
-            "silu_and_mul": (_SILU, None),
-            # (k, ldk, v, ldv, k_cache, v_cache, slots, T, KVH, D, nslots, esize, threads)
-            "write_kv": ([P, I64, P, I64, P, P, P, I64, I32, I32, I64, I32, I32], None),
-            # (k, ldk, v, ldv, k_cache, v_cache, slots, T, KVH, D, nslots, bf16, threads)
-            "write_kv_i8": ([P, I64, P, I64, P, P, P, I64, I32, I32, I64, I32, I32], None),
-            # (x, ld, rows, w, table, out, threads): fp8 codes from and to 16-bit values
-            "lut_narrow": ([P, I64, I64, I64, P, P, I32], None),
-            "lut_widen": ([P, I64, I64, I64, P, P, I32], None),
-            # (x, rows, n, ld, bf16, out, threads)
-            "argmax_rows": ([P, I64, I64, I64, I32, P, I32], None),
-            "argmax_rows_built": ([], INT),
-            # (x, rows, n, ld, bf16, mask, words, threads)
-            "mask_rows": ([P, I64, I64, I64, I32, P, I64, I32], None),
-        },
+        "core": _core_signatures(),
         "linear_dpbf16": {
             "linear_dpbf16_built": ([], INT),
             # (x, ldx, w, bias, out, M, N, K, threads)
