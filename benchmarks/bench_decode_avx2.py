@@ -9,6 +9,7 @@ of bench_decode_attention.py (batch 64, contexts 16-900, SmolLM2-135M's heads, K
 build and flags, for comparison in the same session.
 
     python benchmarks/bench_decode_avx2.py --threads 2
+    AVX2_TORCH=1 python benchmarks/bench_decode_avx2.py --llmctl run-batch ...  # the CLI, emulated
 """
 
 from __future__ import annotations
@@ -26,8 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def emulate_avx2() -> None:
-    """Before any kernel loads: AVX2 code in a fresh cache folder, AVX-512 and AMX flags hidden."""
+    """Before torch is imported and any kernel loads: AVX2 code in a fresh cache folder, AVX-512
+    and AMX flags hidden from llmctl; with `AVX2_TORCH=1` PyTorch's ATen and oneDNN kernels
+    capped at AVX2 too (their own switches), for whole-engine runs."""
     os.environ["LLMCTL_CACHE_DIR"] = tempfile.mkdtemp(prefix="llmctl-avx2-")
+    if os.environ.get("AVX2_TORCH") == "1":
+        os.environ["ATEN_CPU_CAPABILITY"], os.environ["ONEDNN_MAX_CPU_ISA"] = "avx2", "AVX2"
     import llmctl.kernels.cpu.features as features
     import llmctl.kernels.cpu.library as library
 
@@ -76,4 +81,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--llmctl"]:  # `... --llmctl ARGS`: the llmctl CLI, emulated
+        emulate_avx2()
+        from llmctl.cli import main as cli
+
+        sys.exit(cli(sys.argv[2:]))
     main()

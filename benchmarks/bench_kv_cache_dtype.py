@@ -180,7 +180,7 @@ def speed(args) -> dict:
     for label, memory in (("default_kv", None), (f"kv_{args.kv_mib}mib", args.kv_mib << 20)):
         seconds: dict[str, list[float]] = {kv: [] for kv in ("auto", "fp8", "int8")}
         engines = {
-            kv: LLM(str(folder), dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory=memory)
+            kv: LLM(str(folder), dtype=args.dtype, kv_cache_dtype=kv, kv_cache_memory=memory)
             for kv in seconds
         }
         for llm in engines.values():  # warm-up
@@ -222,6 +222,7 @@ def main() -> None:
     s.add_argument("--prompt-range", type=int, nargs=2, default=(200, 600))
     s.add_argument("--output-range", type=int, nargs=2, default=(300, 500))
     s.add_argument("--kv-mib", type=int, default=256, help="the constrained run's KV memory")
+    s.add_argument("--dtype", default="bfloat16", help="the model's (auto cache: the same)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     report = {"environment": environment(), args.what: (quality if args.what == "quality"

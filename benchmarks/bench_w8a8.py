@@ -7,6 +7,9 @@ is compared pairwise. The CPU kind is printed with the numbers.
 
     python benchmarks/bench_w8a8.py --base /tmp/smollm2-135m-instruct \
         --w8a8 /tmp/w8/smol-gptq --text ../shared/data/tinyshakespeare.txt
+
+With --emulate-avx2 both legs run as on a CPU without AVX-512 (bench_decode_avx2.py: llmctl's
+kernels built for AVX2, PyTorch's capped at AVX2), with --dtype float32 as such CPUs run.
 """
 
 from __future__ import annotations
@@ -38,14 +41,19 @@ def write_prompts(text_file: Path, out: Path, n: int, chars: int) -> None:
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def run(model: str, prompts: Path, work: Path, max_tokens: int) -> dict:
+def run(model: str, prompts: Path, work: Path, max_tokens: int, dtype: str, avx2: bool) -> dict:
     report = work / "report.json"
+    cli = (
+        [str(ROOT / "benchmarks" / "bench_decode_avx2.py"), "--llmctl"]
+        if avx2
+        else ["-m", "llmctl.cli"]
+    )
     cmd = [
-        sys.executable, "-m", "llmctl.cli", "run-batch", str(prompts), "-o",
-        str(work / "out.jsonl"), "-m", model, "--dtype", "bfloat16", "--max-tokens",
+        sys.executable, *cli, "run-batch", str(prompts), "-o",
+        str(work / "out.jsonl"), "-m", model, "--dtype", dtype, "--max-tokens",
         str(max_tokens), "--no-prefix-caching", "--overwrite", "-q", "--report-json", str(report),
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **({"AVX2_TORCH": "1"} if avx2 else {})}
     subprocess.run(cmd, check=True, cwd=ROOT, env=env)
     return json.loads(report.read_text())
 
@@ -59,6 +67,8 @@ def main() -> None:
     ap.add_argument("--chars", type=int, default=2000)  # about 500 SmolLM2 tokens
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", default="bfloat16", help="both legs' activations")
+    ap.add_argument("--emulate-avx2", action="store_true", help="see bench_decode_avx2.py")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     print(cpu_kind())
@@ -69,17 +79,18 @@ def main() -> None:
         write_prompts(a.text, prompts, a.prompts, a.chars)
         for r in range(a.rounds):
             pair = {}
-            for name, model in (("bf16", a.base), ("w8a8", a.w8a8)):
-                rep = run(model, prompts, work, a.max_tokens)
+            for name, model in (("base", a.base), ("w8a8", a.w8a8)):
+                rep = run(model, prompts, work, a.max_tokens, a.dtype, a.emulate_avx2)
                 pair[name] = rep["elapsed_s"]
                 pair["prompt_tokens"] = rep["prompt_tokens"]
-            pair["ratio"] = round(pair["bf16"] / pair["w8a8"], 3)
+            pair["ratio"] = round(pair["base"] / pair["w8a8"], 3)
             print(json.dumps({"round": r, **pair}), flush=True)
             results.append(pair)
     ratios = sorted(p["ratio"] for p in results)
-    print(f"bf16 / w8a8 elapsed, per round: {ratios} (median {ratios[len(ratios) // 2]})")
+    print(f"base / w8a8 elapsed, per round: {ratios} (median {ratios[len(ratios) // 2]})")
     if a.json:
-        a.json.write_text(json.dumps({"cpu": cpu_kind(), "rounds": results}, indent=1))
+        out = {"cpu": cpu_kind(), "dtype": a.dtype, "emulated_avx2": a.emulate_avx2}
+        a.json.write_text(json.dumps({**out, "rounds": results}, indent=1))
 
 
 if __name__ == "__main__":
