@@ -71,10 +71,44 @@ def test_native_quantize_rows_gives_the_reference_codes_and_scales(dtype):
 
 @pytest.mark.parametrize("rows,k,n", [(1, 64, 48), (5, 96, 64), (17, 576, 192), (64, 256, 704)])
 def test_int_mm_is_exact_against_the_int64_reference(rows, k, n):
+    if not k8.int_mm_exact():
+        pytest.skip("torch._int_mm saturates on this CPU (no VNNI): the int8 kernels are not used")
     xq, wq = _int8((rows, k), rows), _int8((n, k), n)
     ref = k8.int_mm_reference(xq, wq)
     assert ref.dtype == torch.int32
     assert torch.equal(k8.int_mm(xq, wq), ref)
+
+
+def _saturating_int_mm(xq: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """oneDNN's u8 x s8 GEMM on x86 without VNNI: x + 128 as u8 times w, neighbouring products
+    added into int16 with saturation (vpmaddubsw), the 128 * sum(w) compensation taken after."""
+    u, w = xq.to(torch.int64) + 128, wt.t().to(torch.int64)  # [M, K], [N, K]
+    pairs = (u[:, None, 0::2] * w[None, :, 0::2] + u[:, None, 1::2] * w[None, :, 1::2]).clamp(
+        -(2**15), 2**15 - 1
+    )  # [M, N, K / 2]
+    return (pairs.sum(-1) - 128 * w.sum(-1)[None, :]).to(torch.int32)
+
+
+def test_a_saturating_int8_gemm_is_detected_and_served_by_dequant(monkeypatch):
+    """Where torch._int_mm saturates (an x86 CPU without VNNI; measured with PyTorch capped at
+    AVX2, BENCHMARKS W8A-e), the probe finds it, no int8 kernel is chosen, and an explicit int8
+    kernel falls back to dequant: W8A8 outputs stay right."""
+    xq, wq = _int8((4, 64), 1), _int8((8, 64), 2)
+    xq[0], wq[0] = 127, 127
+    assert not torch.equal(_saturating_int_mm(xq, wq.t()), k8.int_mm_reference(xq, wq))
+    monkeypatch.setattr(torch, "_int_mm", _saturating_int_mm)
+    assert not k8.int_mm_exact.__wrapped__("cpu")
+    monkeypatch.setattr(k8, "int_mm_exact", lambda device="cpu": False)
+    k8.choose_kernel.cache_clear()
+    try:
+        assert k8.choose_kernel(64, 96, 16, torch.float32) == "dequant"
+        x, ws = torch.randn(9, 96), torch.rand(64) * 1e-2 + 1e-3
+        wq = _int8((64, 96), 3)
+        want = k8.w8a8_linear(x, wq, ws, "dequant")
+        for kernel in ("int_mm", "int_mm_native"):
+            assert torch.equal(k8.w8a8_linear(x, wq, ws, kernel), want)
+    finally:
+        k8.choose_kernel.cache_clear()
 
 
 @pytest.mark.parametrize("kernel", ["int_mm", "int_mm_native", "dequant"])

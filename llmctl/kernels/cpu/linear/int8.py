@@ -91,12 +91,32 @@ def int_mm_reference(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     return (xq.to(torch.int64) @ wq.to(torch.int64).t()).to(torch.int32)
 
 
-def _int_mm_applies(xq: torch.Tensor, wq: torch.Tensor) -> bool:
+@functools.cache
+def int_mm_exact(device: str = "cpu") -> bool:
+    """Whether torch._int_mm's int32 sums are exact on this device, probed once per process on
+    codes of +-127 and random ones against int_mm_reference. oneDNN's int8 GEMM on an x86 CPU
+    without VNNI (AVX2 alone: Haswell to Skylake client, AMD Zen 2 and 3) adds pairs of u8 x s8
+    products into int16 (vpmaddubsw), which saturates: with PyTorch capped at AVX2, sums came out
+    wrong by up to 30,000 (BENCHMARKS W8A-e). Where it is not exact, W8A8 layers take `dequant`."""
     if not hasattr(torch, "_int_mm"):
         return False
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(-QMAX, QMAX + 1, (32, 256), dtype=torch.int8, generator=gen)
+    w = torch.randint(-QMAX, QMAX + 1, (64, 256), dtype=torch.int8, generator=gen)
+    x[:8], x[8:16], w[:16], w[16:32] = QMAX, -QMAX, QMAX, -QMAX  # every sign pairing saturates
+    try:
+        got = torch._int_mm(x.to(device), w.to(device).t()).cpu()
+    except RuntimeError:  # no int8 GEMM in this build or on this device
+        return False
+    return torch.equal(got, int_mm_reference(x, w))
+
+
+def _int_mm_applies(xq: torch.Tensor, wq: torch.Tensor) -> bool:
+    """torch._int_mm can take these operands and sums them exactly here."""
     if xq.device.type == "cuda":  # cuBLASLt's int8 GEMM: more than 16 rows, widths of 8
-        return xq.shape[0] > 16 and xq.shape[1] % 8 == 0 and wq.shape[0] % 8 == 0
-    return xq.device.type == "cpu"
+        shapes = xq.shape[0] > 16 and xq.shape[1] % 8 == 0 and wq.shape[0] % 8 == 0
+        return shapes and int_mm_exact(str(xq.device))
+    return xq.device.type == "cpu" and int_mm_exact("cpu")
 
 
 def int_mm(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
