@@ -97,7 +97,8 @@ def test_a_saturating_int8_gemm_is_detected_and_served_by_dequant(monkeypatch):
     xq[0], wq[0] = 127, 127
     assert not torch.equal(_saturating_int_mm(xq, wq.t()), k8.int_mm_reference(xq, wq))
     monkeypatch.setattr(torch, "_int_mm", _saturating_int_mm)
-    assert not k8.int_mm_exact.__wrapped__("cpu")
+    with pytest.warns(RuntimeWarning, match="saturates"):
+        assert not k8.int_mm_exact.__wrapped__("cpu")
     monkeypatch.setattr(k8, "int_mm_exact", lambda device="cpu": False)
     k8.choose_kernel.cache_clear()
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from typing import Callable
 
 import torch
@@ -108,7 +109,16 @@ def int_mm_exact(device: str = "cpu") -> bool:
         got = torch._int_mm(x.to(device), w.to(device).t()).cpu()
     except RuntimeError:  # no int8 GEMM in this build or on this device
         return False
-    return torch.equal(got, int_mm_reference(x, w))
+    exact = torch.equal(got, int_mm_reference(x, w))
+    if not exact:
+        warnings.warn(
+            f"W8A8: the int8 matrix multiply on this {device} saturates (an x86 CPU without VNNI),"
+            " so int8 layers run on dequantized weights: correct, but slower than the unquantized"
+            " model here (BENCHMARKS.md W8A-e)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return exact
 
 
 def _int_mm_applies(xq: torch.Tensor, wq: torch.Tensor) -> bool:
