@@ -361,7 +361,11 @@ def test_measurements_start_past_the_last_ones_weights():
     (those sit in the cache)."""
     layers = [layer(24, 16, seed=i) for i in range(40)]
     read = []
-    record = lambda x, w, b, p: read.append(id(w))  # noqa: E731
+
+    def record(x, w, b, p):
+        read.append(id(w))
+        return F.linear(x, w, b)
+
     alive = [autotune.Candidate(n, record, lambda w: True) for n in ("a", "b")]
     g = autotune._Group("k", 1, list(range(40)), alive, {})
     firsts = []
@@ -376,7 +380,22 @@ def test_measurements_start_past_the_last_ones_weights():
     times = autotune._time_bucket(g, layers, 1, measure, lambda: False)
     assert set(times) == {"a", "b"}
     assert len(firsts) == 2 * autotune.ROUNDS and len(set(firsts)) == len(firsts)
-    assert set(firsts).isdisjoint(read[: autotune.MAX_CALLS + 1][1:])  # not the first's weights
+    measured = read[len(alive) :]  # after each candidate's one checked call (autotune._agrees)
+    assert set(firsts).isdisjoint(measured[: autotune.MAX_CALLS + 1][1:])  # not the first's
+
+
+def test_a_candidate_giving_a_wrong_result_is_never_timed():
+    """Checked once against F.linear before timing: a wrong shape (oneDNN's packed bf16 linear
+    under an AVX2 cap returned [rows, 0]) or wrong values drop the candidate, however fast."""
+    layers = [layer(24, 16, seed=1)]
+    right = lambda x, w, b, p: F.linear(x, w, b)  # noqa: E731
+    empty = lambda x, w, b, p: x.new_empty(x.shape[0], 0)  # noqa: E731
+    off = lambda x, w, b, p: F.linear(x, w, b) * 1.1  # noqa: E731
+    cands = [("right", right), ("empty", empty), ("off", off)]
+    alive = [autotune.Candidate(n, fn, lambda w: True) for n, fn in cands]
+    g = autotune._Group("k", 1, [0], alive, {})
+    times = autotune._time_bucket(g, layers, 4, lambda key, name, rows, run: 1.0, lambda: False)
+    assert set(times) == {"right"}
 
 
 def _included(source) -> set:

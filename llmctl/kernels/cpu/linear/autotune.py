@@ -249,7 +249,8 @@ def _time_bucket(g: _Group, layers, rows: int, measure: Measure, over: Callable[
             m = picked[i % len(picked)]
             return cand.run(x, m.weight, m.bias, packs[i % len(picked)] if packs else None)
 
-        runs[cand.name] = run
+        if _agrees(run(0), x, picked[0]):
+            runs[cand.name] = run
     times = dict.fromkeys(runs, 0.0)
     order = list(runs)
     # each measurement starts at the weight after the last one's: not those just read
@@ -263,6 +264,19 @@ def _time_bucket(g: _Group, layers, rows: int, measure: Measure, over: Callable[
             times[name] += seconds / ROUNDS
         order.reverse()
     return times
+
+
+def _agrees(y: Any, x: torch.Tensor, layer) -> bool:
+    """A candidate's output for x through `layer` is F.linear's in float32, to the rounding of
+    its dtype (relative error of the whole output). Checked before a candidate is timed: a
+    library that returns a wrong result fast must not win (oneDNN's packed bf16 linear with its
+    ISA capped below AVX-512 returned an empty [rows, 0] tensor; BENCHMARKS.md KV38j)."""
+    b = layer.bias.float() if layer.bias is not None else None
+    ref = torch.nn.functional.linear(x.float(), layer.weight.float(), b)
+    if not isinstance(y, torch.Tensor) or y.shape != ref.shape:
+        return False
+    tol = 1e-4 if x.dtype is torch.float32 else 2e-2
+    return bool((y.float() - ref).norm() <= tol * ref.norm() + 1e-6)
 
 
 def _rechoose_packed(g: _Group) -> dict[int, str]:
