@@ -270,7 +270,7 @@ def _agrees(y: Any, x: torch.Tensor, layer) -> bool:
     """A candidate's output for x through `layer` is F.linear's in float32, to the rounding of
     its dtype (relative error of the whole output). Checked before a candidate is timed: a
     library that returns a wrong result fast must not win (oneDNN's packed bf16 linear with its
-    ISA capped below AVX-512 returned an empty [rows, 0] tensor; BENCHMARKS.md KV38j)."""
+    ISA capped below AVX-512 returned an empty [rows, 0] tensor; BENCHMARKS.md, run AVX2-T)."""
     b = layer.bias.float() if layer.bias is not None else None
     ref = torch.nn.functional.linear(x.float(), layer.weight.float(), b)
     if not isinstance(y, torch.Tensor) or y.shape != ref.shape:
