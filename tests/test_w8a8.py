@@ -91,8 +91,9 @@ def _saturating_int_mm(xq: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
 
 def test_a_saturating_int8_gemm_is_detected_and_served_by_dequant(monkeypatch):
     """Where torch._int_mm saturates (an x86 CPU without VNNI; measured with PyTorch capped at
-    AVX2, BENCHMARKS W8A-e), the probe finds it, no int8 kernel is chosen, and an explicit int8
-    kernel falls back to dequant: W8A8 outputs stay right."""
+    AVX2, BENCHMARKS W8A-e), the probe finds it, neither torch._int_mm kernel is chosen (only the
+    exact C GEMM or dequant), and an explicit one falls back to dequant: W8A8 outputs stay
+    right."""
     xq, wq = _int8((4, 64), 1), _int8((8, 64), 2)
     xq[0], wq[0] = 127, 127
     assert not torch.equal(_saturating_int_mm(xq, wq.t()), k8.int_mm_reference(xq, wq))
@@ -102,7 +103,8 @@ def test_a_saturating_int8_gemm_is_detected_and_served_by_dequant(monkeypatch):
     monkeypatch.setattr(k8, "int_mm_exact", lambda device="cpu": False)
     k8.choose_kernel.cache_clear()
     try:
-        assert k8.choose_kernel(64, 96, 16, torch.float32) == "dequant"
+        exact = "int8_c" if k8.c_gemm_applies(torch.zeros(1, 1)) else "dequant"
+        assert k8.choose_kernel(64, 96, 16, torch.float32) in (exact, "dequant")
         x, ws = torch.randn(9, 96), torch.rand(64) * 1e-2 + 1e-3
         wq = _int8((64, 96), 3)
         want = k8.w8a8_linear(x, wq, ws, "dequant")
@@ -112,7 +114,19 @@ def test_a_saturating_int8_gemm_is_detected_and_served_by_dequant(monkeypatch):
         k8.choose_kernel.cache_clear()
 
 
-@pytest.mark.parametrize("kernel", ["int_mm", "int_mm_native", "dequant"])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 48), (3, 33, 7), (17, 576, 193), (130, 1536, 64)])
+def test_the_c_int8_gemm_is_exact(m, k, n):
+    """The C GEMM (for CPUs whose torch._int_mm saturates): exact int32 sums, with rows of x not
+    a multiple of its 4-row tile, an odd number of weight rows and K not a multiple of 16, and
+    codes of +-127 (where the saturating GEMM fails)."""
+    if not k8.c_gemm_applies(torch.zeros(1, 1)):
+        pytest.skip("the C int8 GEMM needs AVX2 and a C compiler")
+    xq, wq = _int8((m, k), m), _int8((n, k), n)
+    xq[0], wq[0], wq[-1] = 127, 127, -127
+    assert torch.equal(k8.int_mm_c(xq, wq), k8.int_mm_reference(xq, wq))
+
+
+@pytest.mark.parametrize("kernel", ["int_mm", "int_mm_native", "dequant", "int8_c"])
 def test_w8a8_linear_kernels_match_the_reference(kernel):
     x = torch.randn(9, 96)
     wq, ws = _int8((64, 96), 1), torch.rand(64) * 1e-2 + 1e-3

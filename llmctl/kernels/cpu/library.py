@@ -114,6 +114,9 @@ def _signatures() -> dict[str, dict[str, tuple[list, object]]]:
         "linear_int8": {
             # (x, ldx, bf16, M, K, q, scale, threads)
             "quant_rows_int8": ([P, I64, I32, I64, I64, P, P, I32], None),
+            # (x, M, K, w, N, out, threads) -> failed: the exact int8 GEMM (AVX2 vpmaddwd)
+            "gemm_int8_exact": ([P, I64, I64, P, I64, P, I32], INT),
+            "gemm_int8_exact_built": ([], INT),
             # (acc, M, N, xs, ws, out, bf16, threads)
             "rescale_int32": ([P, I64, I64, P, P, P, I32, I32], None),
         },

@@ -90,3 +90,76 @@ void rescale_int32(const int32_t *acc, int64_t M, int64_t N, const float *xs, co
         }
     }
 }
+
+/* gemm_int8_exact: out int32 [M, N] = x int8 [M, K] . w int8 [N, K]^T, exact (int32 sums of
+ * int16 products: 127 * 127 * K stays far inside int32 for any K a model has). For CPUs whose
+ * int8 GEMM in torch._int_mm saturates (x86 without VNNI: oneDNN's vpmaddubsw adds u8 x s8 pairs
+ * into int16, kernels/cpu/linear/int8.py int_mm_exact), where the alternative was dequantized
+ * weights. x is widened to int16 once; each weight row is widened 16 values at a time and
+ * multiplied with vpmaddwd (16 products added in pairs into 8 int32 lanes, no saturation: two
+ * products of at most 127 * 127 each), 4 rows of x by 2 weight rows per register tile; the
+ * threads split the weight rows (the weight, 1 byte a value, is read once per 64 rows of x). */
+#if defined(__AVX2__)
+#include <immintrin.h>
+#include <stdlib.h>
+
+static inline int32_t hsum8(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* rows r0 .. r0 + nr (nr <= 4) of x16 [*, K] against weight rows n, n + 1 (the second only if
+ * two): out[r][n..]; K16 = K rounded down to 16, the tail in scalar. */
+static inline void tile(const int16_t *x16, int64_t K, int64_t r0, int nr, const int8_t *w,
+                        int64_t n, int two, int32_t *out, int64_t N) {
+    const int64_t K16 = K & ~(int64_t)15;
+    __m256i acc[4][2];
+    for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    const int8_t *w0 = w + n * K, *w1 = w + (n + two) * K;
+    for (int64_t k = 0; k < K16; k += 16) {
+        const __m256i b0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w0 + k)));
+        const __m256i b1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w1 + k)));
+        for (int r = 0; r < 4; ++r) {
+            if (r >= nr) break;
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(x16 + (r0 + r) * K + k));
+            acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(a, b0));
+            acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(a, b1));
+        }
+    }
+    for (int r = 0; r < nr; ++r) {
+        int32_t s0 = hsum8(acc[r][0]), s1 = hsum8(acc[r][1]);
+        for (int64_t k = K16; k < K; ++k) {
+            s0 += (int32_t)x16[(r0 + r) * K + k] * w0[k];
+            s1 += (int32_t)x16[(r0 + r) * K + k] * w1[k];
+        }
+        out[(r0 + r) * N + n] = s0;
+        if (two) out[(r0 + r) * N + n + 1] = s1;
+    }
+}
+
+int gemm_int8_exact(const int8_t *x, int64_t M, int64_t K, const int8_t *w, int64_t N,
+                    int32_t *out, int threads) {
+    int16_t *x16 = malloc(sizeof(int16_t) * (size_t)M * (size_t)K);
+    if (!x16) return 1;
+    for (int64_t i = 0; i < M * K; ++i) x16[i] = x[i];
+    for (int64_t m0 = 0; m0 < M; m0 += 64) { /* 64 rows of x16 (in L2) against every weight */
+        const int64_t m1 = m0 + 64 < M ? m0 + 64 : M;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
+        for (int64_t n = 0; n < N; n += 2)
+            for (int64_t r = m0; r < m1; r += 4)
+                tile(x16, K, r, m1 - r < 4 ? (int)(m1 - r) : 4, w, n, n + 1 < N, out, N);
+    }
+    free(x16);
+    return 0;
+}
+int gemm_int8_exact_built(void) { return 1; }
+#else
+int gemm_int8_exact(const int8_t *x, int64_t M, int64_t K, const int8_t *w, int64_t N,
+                    int32_t *out, int threads) {
+    (void)x, (void)M, (void)K, (void)w, (void)N, (void)out, (void)threads;
+    return 1;
+}
+int gemm_int8_exact_built(void) { return 0; }
+#endif

@@ -161,6 +161,29 @@ def _run_int_mm_native(x, wq, w_scale):
     return rescale_native(int_mm(xq, wq), xs, w_scale, x.dtype)
 
 
+def int_mm_c(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """xq [M, K] int8 x wq [N, K] int8 -> int32 [M, N], exact, in C (csrc/cpu_linear_int8.c:
+    AVX2 vpmaddwd on int16-widened codes): the int8 GEMM where torch._int_mm saturates."""
+    xq, wq = xq.contiguous(), wq.contiguous()
+    (m, k), n = xq.shape, wq.shape[0]
+    out = torch.empty(m, n, dtype=torch.int32)
+    lib = _native()
+    if lib.gemm_int8_exact(xq.data_ptr(), m, k, wq.data_ptr(), n, out.data_ptr(),
+                           torch.get_num_threads()):  # fmt: skip
+        raise MemoryError("gemm_int8_exact: out of memory for its int16 copy of the rows")
+    return out
+
+
+def _run_int8_c(x, wq, w_scale):
+    xq, xs = quantize_rows_native(x)
+    return rescale_native(int_mm_c(xq, wq), xs, w_scale, x.dtype)
+
+
+def c_gemm_applies(x: torch.Tensor) -> bool:
+    """The C int8 GEMM serves (with the C passes) where they do and it was built (AVX2)."""
+    return native_applies(x) and bool(_native().gemm_int8_exact_built())
+
+
 def native_applies(x: torch.Tensor) -> bool:
     """The C passes serve float32 and bfloat16 rows on the CPU, where the library builds."""
     ok_dtype = x.dtype in (torch.float32, torch.bfloat16)
@@ -171,6 +194,7 @@ INT8_KERNELS: dict[str, Callable] = {
     "int_mm": _run_int_mm,
     "dequant": _run_dequant,
     "int_mm_native": _run_int_mm_native,
+    "int8_c": _run_int8_c,
 }
 
 
@@ -179,11 +203,21 @@ def w8a8_linear(
 ) -> torch.Tensor:
     """y [M, N] = Q(x) Q(W)^T for x [M, K] (float), wq [N, K] int8, w_scale float32 [N];
     `kernel` int_mm falls back to dequant where torch._int_mm cannot take the shape."""
+    if kernel == "int8_c" and not c_gemm_applies(x):
+        kernel = "dequant"
     if kernel == "int_mm_native" and not native_applies(x):
         kernel = "int_mm"
     if kernel.startswith("int_mm") and not _int_mm_applies(x, wq):
         kernel = "dequant"
     return INT8_KERNELS[kernel](x, wq, w_scale)
+
+
+def _serving(x: torch.Tensor, wq: torch.Tensor) -> list[str]:
+    """The INT8_KERNELS that can serve x (float) by wq here, each exact where it is int8."""
+    names = ["dequant"]
+    if _int_mm_applies(x, wq):
+        names += ["int_mm"] + ["int_mm_native"] * native_applies(x)
+    return names + ["int8_c"] * c_gemm_applies(x)
 
 
 def bucket(rows: int) -> int:
@@ -208,15 +242,15 @@ def _time_all(fns: dict[str, Callable[[], torch.Tensor]]) -> dict[str, float]:
 
 @functools.lru_cache(maxsize=256)
 def choose_kernel(n: int, k: int, rows: int, dtype: torch.dtype, device: str = "cpu") -> str:
-    """The faster of INT8_KERNELS for a weight [n, k] at `rows` rows of `dtype` activations, timed
-    once per process and shape (a few milliseconds); dequant where int_mm cannot run."""
+    """The fastest of the INT8_KERNELS that serve here (`_serving`) for a weight [n, k] at `rows`
+    rows of `dtype` activations, timed once per process and shape (a few milliseconds)."""
     gen = torch.Generator().manual_seed(0)
     wq = torch.randint(-QMAX, QMAX + 1, (n, k), dtype=torch.int8, generator=gen).to(device)
     ws = torch.rand(n, generator=gen).to(device) * 1e-2
     x = torch.randn(rows, k, generator=gen).to(device, dtype)
-    if not _int_mm_applies(x, wq):
+    names = _serving(x, wq)
+    if names == ["dequant"]:
         return "dequant"
-    names = [n for n in INT8_KERNELS if n != "int_mm_native" or native_applies(x)]
     try:
         times = _time_all({n: lambda f=INT8_KERNELS[n]: f(x, wq, ws) for n in names})
     except RuntimeError:  # an int8 GEMM this build or CPU lacks
