@@ -7,10 +7,12 @@ strategy and vLLM's CPU path compute them), `int_mm_reference` (the exact int32 
 every kernel is tested against), the candidates (`INT8_KERNELS`: `int_mm`, PyTorch's
 `torch._int_mm`, oneDNN's u8s8 VNNI/AMX-INT8 GEMM on CPU, between PyTorch's quantize and rescale;
 `int_mm_native`, the same GEMM between the one-pass C versions of them, csrc/cpu_linear_int8.c;
-`dequant`, the weight dequantized to
-the compute dtype and a dense matmul of the quantize-dequantized activations, for CPUs and devices
-where int8 does not pay), `w8a8_linear` (one call) and `choose_kernel` (both candidates timed
-on random data of the layer's shape at a row bucket; the faster one serves that bucket).
+`int8_c`, our own exact int8 GEMM in C between them, for x86 CPUs without VNNI, where
+torch._int_mm saturates (`int_mm_exact` probes it; the torch._int_mm kernels serve only where it
+is exact); `dequant`, the weight dequantized to the compute dtype and a dense matmul of the
+quantize-dequantized activations), `w8a8_linear` (one call) and `choose_kernel` (the candidates
+that serve here timed on random data of the layer's shape at a row bucket; the fastest one serves
+that bucket).
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ def int_mm_exact(device: str = "cpu") -> bool:
     codes of +-127 and random ones against int_mm_reference. oneDNN's int8 GEMM on an x86 CPU
     without VNNI (AVX2 alone: Haswell to Skylake client, AMD Zen 2 and 3) adds pairs of u8 x s8
     products into int16 (vpmaddubsw), which saturates: with PyTorch capped at AVX2, sums came out
-    wrong by up to 30,000 (BENCHMARKS W8A-e). Where it is not exact, W8A8 layers take `dequant`."""
+    wrong by up to 19,605 on quantized Gaussian rows (BENCHMARKS W8A-e). Where it is not exact,
+    W8A8 layers take the exact C GEMM (`int8_c`) or `dequant`, whichever is faster."""
     if not hasattr(torch, "_int_mm"):
         return False
     gen = torch.Generator().manual_seed(0)
@@ -112,9 +115,9 @@ def int_mm_exact(device: str = "cpu") -> bool:
     exact = torch.equal(got, int_mm_reference(x, w))
     if not exact:
         warnings.warn(
-            f"W8A8: the int8 matrix multiply on this {device} saturates (an x86 CPU without VNNI),"
-            " so int8 layers run on dequantized weights: correct, but slower than the unquantized"
-            " model here (BENCHMARKS.md W8A-e)",
+            f"W8A8: PyTorch's int8 matrix multiply on this {device} saturates (an x86 CPU without"
+            " VNNI), so int8 layers use llmctl's own exact int8 GEMM (AVX2) or dequantized"
+            " weights: correct, and about as fast as the unquantized model (BENCHMARKS.md W8A-e)",
             RuntimeWarning,
             stacklevel=2,
         )
