@@ -184,7 +184,12 @@ def _run_int8_c(x, wq, w_scale):
 
 def c_gemm_applies(x: torch.Tensor) -> bool:
     """The C int8 GEMM serves (with the C passes) where they do and it was built (AVX2)."""
-    return native_applies(x) and bool(_native().gemm_int8_exact_built())
+    return native_applies(x) and _c_gemm_built()
+
+
+@functools.cache
+def _c_gemm_built() -> bool:  # asked once: w8a8_linear checks it per call
+    return bool(_native().gemm_int8_exact_built())
 
 
 def native_applies(x: torch.Tensor) -> bool:
