@@ -83,7 +83,7 @@ def test_the_c_fp8_conversions_equal_torchs_for_every_value(dtype, half):
     16-bit pattern (NaN, inf, saturation, subnormals) and every fp8 code, also over a column
     slice of a wider tensor, the q/k/v output's layout."""
     every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(half).view(512, 2, 64)
-    if kv.load("core") is None:
+    if cpu_attention.load("core") is None:
         pytest.skip("no C compiler: the PyTorch casts serve")
     assert kv._lut(every, dtype, narrow=True) is not None  # the C lookup, not the fallback
     want = kv.to_cache(every, dtype).view(torch.uint8)

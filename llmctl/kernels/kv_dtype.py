@@ -24,7 +24,7 @@ import functools
 import torch
 
 from llmctl.kernels.config import KV_CACHE_DTYPES
-from llmctl.kernels.cpu.library import load
+from llmctl.kernels.cpu import attention as cpu_attention
 
 _NAMED = {
     "bfloat16": torch.bfloat16,
@@ -110,24 +110,7 @@ def _table(half: torch.dtype, fp8: torch.dtype, narrow: bool) -> torch.Tensor:
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).to(half).contiguous()
 
 
-def _rows(x: torch.Tensor) -> tuple[int, int, int] | None:
-    """(rows, width, row stride) of x as rows of its trailing dims, which must be contiguous
-    (a column slice of a wider output qualifies); None where x is not so."""
-    if x.dim() == 0 or x.numel() == 0 or x.device.type != "cpu":
-        return None
-    if x.dim() == 1:
-        return (1, x.shape[0], x.shape[0]) if x.stride(0) == 1 else None
-    return (x.shape[0], x[0].numel(), x.stride(0)) if x[0].is_contiguous() else None
-
-
 def _lut(x: torch.Tensor, dtype: torch.dtype, narrow: bool) -> torch.Tensor | None:
     """x converted to `dtype` in one C pass over `_table`'s lookup (None: not applicable)."""
-    shape, lib = _rows(x), load("core")
-    if shape is None or lib is None:
-        return None
-    rows, w, ld = shape
     table = _table(x.dtype, dtype, True) if narrow else _table(dtype, x.dtype, False)
-    out = torch.empty(x.shape, dtype=dtype)
-    fn = lib.lut_narrow if narrow else lib.lut_widen
-    fn(x.data_ptr(), ld, rows, w, table.data_ptr(), out.data_ptr(), torch.get_num_threads())
-    return out
+    return cpu_attention.lookup_rows(x, table, dtype)

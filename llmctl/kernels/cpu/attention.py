@@ -2,7 +2,8 @@
 csrc/cpu_paged_attention_dpbf16.c for bf16 on AVX512-BF16 or AMX tiles).
 
 Owns: `write_kv` (new K/V rows into the paged caches, with `use_write_kv`; `write_kv_i8`
-quantizing them into an int8 cache), `decode_kernel` (the
+quantizing them into an int8 cache; `lookup_rows`, fp8 rows into and out of their codes),
+`decode_kernel` (the
 library function serving a decode call, from the dtypes, the CPU and `KernelConfig
 .decode_attention`), `supports`, `check_decode_shapes` and `paged_decode_attention`, which reads
 each sequence's blocks in place (no gather). The PyTorch reference is kernels/attention.py's.
@@ -104,6 +105,30 @@ def write_kv_i8(k_cache, v_cache, k, v, slots) -> None:
             v_cache.data_ptr(), slots.data_ptr(), t, kvh, w - 4, nslots,
             int(k.dtype is torch.bfloat16), torch.get_num_threads(),
         )  # fmt: skip
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int, int] | None:
+    """(rows, width, row stride) of x as rows of its trailing dims, which must be contiguous
+    (a column slice of a wider output qualifies); None where x is not so."""
+    if x.dim() == 0 or x.numel() == 0 or x.device.type != "cpu":
+        return None
+    if x.dim() == 1:
+        return (1, x.shape[0], x.shape[0]) if x.stride(0) == 1 else None
+    return (x.shape[0], x[0].numel(), x.stride(0)) if x[0].is_contiguous() else None
+
+
+def lookup_rows(x: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """x (16-bit values or 8-bit codes) mapped through `table` into a new tensor of `dtype` (8 or
+    16 bits the other way), in one C pass: kernels/kv_dtype.py's fp8 conversions. None where x's
+    layout or the library does not allow it."""
+    shape, lib = _rows(x), load("core")
+    if shape is None or lib is None:
+        return None
+    rows, w, ld = shape
+    out = torch.empty(x.shape, dtype=dtype)
+    fn = lib.lut_narrow if x.element_size() == 2 else lib.lut_widen
+    fn(x.data_ptr(), ld, rows, w, table.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def write_kv(k_cache, v_cache, k, v, slots) -> None:

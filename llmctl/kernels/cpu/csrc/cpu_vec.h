@@ -11,9 +11,9 @@ typedef float v8f __attribute__((vector_size(32), aligned(4)));  /* loads from a
 typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 
-/* Element kinds of load8: float32, bfloat16 (as its uint16 bits), fp8 e4m3fn and fp8 e5m2 (as
- * their bytes, the KV cache's --kv-cache-dtype fp8 formats); int8 (the int8 KV cache: rows of
- * int8 values and a float32 scale, which load8 leaves to its caller). */
+/* Element kinds of cached rows (load8 reads the first two): float32, bfloat16 (as its uint16
+ * bits), fp8 e4m3fn and fp8 e5m2 (as their bytes, the KV cache's --kv-cache-dtype fp8 formats);
+ * int8 (the int8 KV cache: rows of int8 values and a float32 scale). */
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_E4M3 = 2, KIND_E5M2 = 3, KIND_I8 = 4 };
 
 static inline size_t kind_size(const int kind) { return kind >= KIND_E4M3 ? 1 : 2 * (2 - kind); }

@@ -210,7 +210,9 @@ def w8a8_linear(
     x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, kernel: str = "int_mm"
 ) -> torch.Tensor:
     """y [M, N] = Q(x) Q(W)^T for x [M, K] (float), wq [N, K] int8, w_scale float32 [N];
-    `kernel` int_mm falls back to dequant where torch._int_mm cannot take the shape."""
+    a `kernel` that cannot serve here falls back (int_mm_native to int_mm; int_mm where
+    torch._int_mm cannot take the shape or is not exact, and int8_c where it is not built, to
+    dequant)."""
     if kernel == "int8_c" and not c_gemm_applies(x):
         kernel = "dequant"
     if kernel == "int_mm_native" and not native_applies(x):
